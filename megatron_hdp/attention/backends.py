@@ -1,0 +1,136 @@
+"""Attention block kernels behind one interface (ops layer, torch only).
+
+A *block* is dense attention of some query rows against some key rows, either fully
+visible or causal (equal lengths, diagonal included). Ring and varlen attention are built
+from blocks and merge their partial results with log-sum-exp, so a backend must return the
+log-sum-exp of every query row and accept the *merged* output and lse in its backward
+(the flash-attention recipe, also used by ring-flash-attention).
+
+Shape legend: H heads, Tq query rows, Tk key rows, D head dim. Inputs are `[H, T, D]`,
+lse is `[H, Tq]`. Key/value heads are already expanded to H (GQA is handled by callers).
+
+Backends:
+- `"torch"`: on CPU the aten flash-attention CPU kernels (private ops, pinned torch);
+  on any other device the `"math"` kernel.
+- `"math"`: plain matmul + logsumexp; device-generic, the fallback and a cross-check.
+GPU adapters (flash-attn, Transformer Engine) register under their own names with the
+same two methods.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class AttentionBackend(Protocol):
+    """Computes one attention block and its gradients."""
+
+    name: str
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return `(out [H,Tq,D], lse [H,Tq])` of softmax(q k^T * scale) v."""
+        ...
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return `(dq, dk, dv)` of the block, given the merged `out` and `lse` of the rows."""
+        ...
+
+
+class MathBackend:
+    """Matmul attention; runs on every device and in every floating dtype."""
+
+    name = "math"
+
+    @staticmethod
+    def _probs(q, k, lse, causal, scale):
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+        if causal:
+            mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+            scores = scores.masked_fill(~mask, float("-inf"))
+        if lse is None:
+            lse = torch.logsumexp(scores, dim=-1)
+        return torch.exp(scores - lse.unsqueeze(-1)), lse
+
+    def forward(self, q, k, v, *, causal, scale):
+        """See `AttentionBackend.forward`."""
+        probs, lse = self._probs(q, k, None, causal, scale)
+        return torch.matmul(probs, v), lse
+
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale):
+        """See `AttentionBackend.backward`."""
+        probs, _ = self._probs(q, k, lse, causal, scale)
+        dv = torch.matmul(probs.transpose(-1, -2), dout)
+        dprobs = torch.matmul(dout, v.transpose(-1, -2))
+        delta = (dout * out).sum(dim=-1, keepdim=True)
+        dscores = probs * (dprobs - delta)
+        dq = torch.matmul(dscores, k) * scale
+        dk = torch.matmul(dscores.transpose(-1, -2), q) * scale
+        return dq, dk, dv
+
+
+class TorchBackend:
+    """aten's flash-attention CPU kernels on CPU; the math kernel elsewhere."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._math = MathBackend()
+
+    def forward(self, q, k, v, *, causal, scale):
+        """See `AttentionBackend.forward`."""
+        if q.device.type != "cpu":
+            return self._math.forward(q, k, v, causal=causal, scale=scale)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 0.0, causal, scale=scale
+        )
+        return out.squeeze(0), lse.squeeze(0)
+
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale):
+        """See `AttentionBackend.backward`."""
+        if q.device.type != "cpu":
+            return self._math.backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.unsqueeze(0).contiguous(),
+            q.unsqueeze(0),
+            k.unsqueeze(0),
+            v.unsqueeze(0),
+            out.unsqueeze(0).contiguous(),
+            lse.unsqueeze(0).contiguous(),
+            0.0,
+            causal,
+            scale=scale,
+        )
+        return dq.squeeze(0), dk.squeeze(0), dv.squeeze(0)
+
+
+_BACKENDS: dict[str, AttentionBackend] = {"torch": TorchBackend(), "math": MathBackend()}
+
+
+def register_backend(backend: AttentionBackend) -> None:
+    """Make `backend` selectable by its name (for GPU adapters)."""
+    _BACKENDS[backend.name] = backend
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """The backend registered as `name`; ValueError naming the choices otherwise."""
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}"
+        ) from None

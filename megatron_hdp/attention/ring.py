@@ -1,0 +1,237 @@
+"""HDP attention: causal varlen attention, local or zigzag-ring, with GQA (ops layer).
+
+One autograd function covers both cases of a micro-batch:
+- a ring of one rank: causal attention per packed document, no communication;
+- a ring of k ranks: zigzag ring attention. K/V circulate k-1 times around the ring in
+  the forward pass; in the backward pass K/V circulate again together with a dK/dV
+  accumulator that needs k hops to end at its owner. Partial results merge with
+  log-sum-exp.
+
+Shape legend: T local tokens, H query heads, G key/value heads (GQA: H % G == 0), D head
+dim. Public tensors are `[T, H, D]` (Megatron's THD); kernels work on `[H, T, D]`.
+
+Which blocks a step computes (rank at ring position p holds chunks p and 2k-1-p of every
+document; at step s it holds the K/V of source j = (p - s) mod k):
+- j == p: the local tokens of each document, causal (the two chunks are in position order);
+- j <  p: both local chunks against the source's *first* chunk, fully visible;
+- j >  p: the local *second* chunk against both source chunks, fully visible.
+Every other chunk pair is masked out entirely. This holds for any chunk sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_hdp.attention.backends import AttentionBackend, get_backend
+from megatron_hdp.distributed.ring_comm import RingComm
+from megatron_hdp.sharding import RankShard, shard
+
+_TAG_FWD_KV, _TAG_BWD_KV, _TAG_BWD_DKV = 11, 12, 13
+
+
+@dataclass(frozen=True)
+class RingAttentionSpec:
+    """Everything the attention of one micro-batch needs besides q, k, v.
+
+    Attributes:
+        doc_lengths: Full length of every document of the micro-batch.
+        shards: The shard of every ring position (`sharding.shard(doc_lengths, k)`).
+        position: This rank's ring position.
+        comm: Ring communicator; None for a ring of one.
+        backend: Block kernel.
+    """
+
+    doc_lengths: tuple[int, ...]
+    shards: tuple[RankShard, ...]
+    position: int
+    comm: RingComm | None
+    backend: AttentionBackend
+
+    @classmethod
+    def build(
+        cls, doc_lengths: Sequence[int], *, comm: RingComm | None, backend: str = "torch"
+    ) -> RingAttentionSpec:
+        """Spec for this rank: ring position and size come from `comm` (None: local)."""
+        cp_size = 1 if comm is None else comm.size
+        position = 0 if comm is None else comm.position
+        if comm is not None and comm.size == 1:
+            comm = None
+        return cls(
+            doc_lengths=tuple(doc_lengths),
+            shards=tuple(shard(doc_lengths, cp_size)),
+            position=position,
+            comm=comm,
+            backend=get_backend(backend),
+        )
+
+    @property
+    def cp_size(self) -> int:
+        """Ranks in the ring."""
+        return len(self.shards)
+
+
+def _segments(spec: RingAttentionSpec, source: int) -> list[tuple[int, int, int, int, bool]]:
+    """`(q_start, q_len, kv_start, kv_len, causal)` blocks of this rank against `source`."""
+    me, src = spec.shards[spec.position], spec.shards[source]
+    q_offsets, kv_offsets = me.doc_offsets(), src.doc_offsets()
+    out = []
+    for d in range(len(spec.doc_lengths)):
+        a, b = me.first_len[d], me.second_len[d]
+        if source == spec.position:
+            seg = (q_offsets[d], a + b, kv_offsets[d], a + b, True)
+        elif source < spec.position:
+            seg = (q_offsets[d], a + b, kv_offsets[d], src.first_len[d], False)
+        else:
+            seg = (q_offsets[d] + a, b, kv_offsets[d], src.first_len[d] + src.second_len[d], False)
+        if seg[1] > 0 and seg[3] > 0:
+            out.append(seg)
+    return out
+
+
+def _expand_heads(x_GTD: torch.Tensor, num_heads: int) -> torch.Tensor:
+    groups = x_GTD.shape[0]
+    return x_GTD if groups == num_heads else x_GTD.repeat_interleave(num_heads // groups, dim=0)
+
+
+def _reduce_heads(x_HTD: torch.Tensor, num_groups: int) -> torch.Tensor:
+    heads = x_HTD.shape[0]
+    if heads == num_groups:
+        return x_HTD
+    return x_HTD.view(num_groups, heads // num_groups, *x_HTD.shape[1:]).sum(dim=1)
+
+
+def _kv_buffer(spec: RingAttentionSpec, source: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(
+        (spec.shards[source].num_tokens, *like.shape[1:]), dtype=like.dtype, device=like.device
+    )
+
+
+class _HDPAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_THD, k_TGD, v_TGD, spec: RingAttentionSpec, scale: float):
+        num_heads, num_groups = q_THD.shape[1], k_TGD.shape[1]
+        k_ring, p = spec.cp_size, spec.position
+        q_HTD = q_THD.transpose(0, 1).contiguous()
+        out_HTD = torch.zeros_like(q_HTD)
+        lse_HT = torch.full(q_HTD.shape[:2], float("-inf"), dtype=q_HTD.dtype, device=q_HTD.device)
+        kv_cur = torch.cat([k_TGD, v_TGD], dim=1).contiguous()  # [T, 2G, D], one message
+        for step in range(k_ring):
+            source = (p - step) % k_ring
+            pending = None
+            if step + 1 < k_ring:
+                nxt = (p - step - 1) % k_ring
+                pending = spec.comm.exchange(kv_cur, _kv_buffer(spec, nxt, kv_cur), _TAG_FWD_KV)
+            kv_GTD = kv_cur.transpose(0, 1)
+            k_HTD = _expand_heads(kv_GTD[:num_groups], num_heads)
+            v_HTD = _expand_heads(kv_GTD[num_groups:], num_heads)
+            for q0, ql, k0, kl, causal in _segments(spec, source):
+                o_b, lse_b = spec.backend.forward(
+                    q_HTD[:, q0 : q0 + ql],
+                    k_HTD[:, k0 : k0 + kl].contiguous(),
+                    v_HTD[:, k0 : k0 + kl].contiguous(),
+                    causal=causal,
+                    scale=scale,
+                )
+                lse_old = lse_HT[:, q0 : q0 + ql]
+                lse_new = torch.logaddexp(lse_old, lse_b.to(lse_old.dtype))
+                out_HTD[:, q0 : q0 + ql] = out_HTD[:, q0 : q0 + ql] * torch.exp(
+                    lse_old - lse_new
+                ).unsqueeze(-1) + o_b * torch.exp(lse_b - lse_new).unsqueeze(-1)
+                lse_HT[:, q0 : q0 + ql] = lse_new
+            if pending is not None:
+                kv_cur = pending.wait()
+        ctx.save_for_backward(q_HTD, k_TGD, v_TGD, out_HTD, lse_HT)
+        ctx.spec, ctx.scale = spec, scale
+        return out_HTD.transpose(0, 1).contiguous()
+
+    @staticmethod
+    def backward(ctx, dout_THD):
+        q_HTD, k_TGD, v_TGD, out_HTD, lse_HT = ctx.saved_tensors
+        spec, scale = ctx.spec, ctx.scale
+        num_heads, num_groups = q_HTD.shape[0], k_TGD.shape[1]
+        k_ring, p = spec.cp_size, spec.position
+        dout_HTD = dout_THD.transpose(0, 1).contiguous()
+        dq_HTD = torch.zeros_like(q_HTD)
+        kv_cur = torch.cat([k_TGD, v_TGD], dim=1).contiguous()
+        pending_dkv = None
+        dkv_own = None
+        for step in range(k_ring):
+            source = (p - step) % k_ring
+            nxt = (p - step - 1) % k_ring
+            pending_kv = None
+            if step + 1 < k_ring:
+                pending_kv = spec.comm.exchange(kv_cur, _kv_buffer(spec, nxt, kv_cur), _TAG_BWD_KV)
+            kv_GTD = kv_cur.transpose(0, 1)
+            k_HTD = _expand_heads(kv_GTD[:num_groups], num_heads)
+            v_HTD = _expand_heads(kv_GTD[num_groups:], num_heads)
+            dk_HTD = torch.zeros_like(k_HTD)
+            dv_HTD = torch.zeros_like(v_HTD)
+            for q0, ql, k0, kl, causal in _segments(spec, source):
+                dq_b, dk_b, dv_b = spec.backend.backward(
+                    dout_HTD[:, q0 : q0 + ql],
+                    q_HTD[:, q0 : q0 + ql],
+                    k_HTD[:, k0 : k0 + kl].contiguous(),
+                    v_HTD[:, k0 : k0 + kl].contiguous(),
+                    out_HTD[:, q0 : q0 + ql],
+                    lse_HT[:, q0 : q0 + ql],
+                    causal=causal,
+                    scale=scale,
+                )
+                dq_HTD[:, q0 : q0 + ql] += dq_b
+                dk_HTD[:, k0 : k0 + kl] += dk_b
+                dv_HTD[:, k0 : k0 + kl] += dv_b
+            dkv = torch.cat(
+                [_reduce_heads(dk_HTD, num_groups), _reduce_heads(dv_HTD, num_groups)], dim=0
+            ).transpose(0, 1)
+            if pending_dkv is not None:
+                dkv = dkv + pending_dkv.wait()
+            if k_ring == 1:
+                dkv_own = dkv
+            else:
+                # The accumulator travels with the K/V it belongs to; after k hops it is home.
+                pending_dkv = spec.comm.exchange(dkv, _kv_buffer(spec, nxt, kv_cur), _TAG_BWD_DKV)
+            if pending_kv is not None:
+                kv_cur = pending_kv.wait()
+        if pending_dkv is not None:
+            dkv_own = pending_dkv.wait()
+        dk_TGD, dv_TGD = dkv_own[:, :num_groups], dkv_own[:, num_groups:]
+        return dq_HTD.transpose(0, 1), dk_TGD, dv_TGD, None, None
+
+
+def hdp_attention(
+    q_THD: torch.Tensor,
+    k_TGD: torch.Tensor,
+    v_TGD: torch.Tensor,
+    spec: RingAttentionSpec,
+    *,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of this rank's tokens of a micro-batch; returns `[T, H, D]`.
+
+    Collective over `spec.comm.ring` when the ring has more than one rank: every member
+    must call it (forward and backward) for the same micro-batch and layer, in the same
+    order. A ring of one communicates nothing.
+
+    Args:
+        q_THD: Local queries, laid out as `spec.shards[spec.position]` says.
+        k_TGD: Local keys, G heads (G divides H).
+        v_TGD: Local values, G heads.
+        spec: The micro-batch's documents, ring and backend.
+        softmax_scale: Defaults to `1 / sqrt(D)`.
+    """
+    num_tokens = spec.shards[spec.position].num_tokens
+    if q_THD.shape[0] != num_tokens or k_TGD.shape[0] != num_tokens:
+        raise ValueError(
+            f"expected {num_tokens} local tokens for this ring position, got q "
+            f"{tuple(q_THD.shape)} and k {tuple(k_TGD.shape)}"
+        )
+    if q_THD.shape[1] % k_TGD.shape[1] != 0:
+        raise ValueError(
+            f"{q_THD.shape[1]} query heads are not a multiple of {k_TGD.shape[1]} key/value heads"
+        )
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_THD.shape[-1])
+    return _HDPAttention.apply(q_THD, k_TGD, v_TGD, spec, scale)

@@ -1,0 +1,131 @@
+"""Gather one rank's share of a micro-batch into packed (THD) tensors (ops layer).
+
+A rank reads only the token ranges its plan gives it: for a ring micro-batch, its two
+zigzag chunks of every document (`sharding.py`); for a local one, whole documents.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from megatron_hdp.scheduler.plan import MicroBatch, StepPlan
+from megatron_hdp.sharding import RankShard, shard
+
+
+class TokenSource(Protocol):
+    """Random access to the sequences of the current global batch."""
+
+    def read(self, seq_index: int, start: int, length: int) -> tuple[torch.Tensor, ...]:
+        """`(tokens, labels, loss_mask)` of positions `[start, start+length)` of a sequence."""
+        ...
+
+
+class InMemoryTokens:
+    """A `TokenSource` over tensors held in memory (tests, demos, small data).
+
+    Args:
+        tokens: Input ids of every sequence (1-D each).
+        labels: Target ids of every sequence, same lengths as `tokens`.
+        loss_masks: Optional 0/1 masks; all ones when omitted.
+    """
+
+    def __init__(
+        self,
+        tokens: Sequence[torch.Tensor],
+        labels: Sequence[torch.Tensor],
+        loss_masks: Sequence[torch.Tensor] | None = None,
+    ) -> None:
+        if len(tokens) != len(labels):
+            raise ValueError(f"{len(tokens)} token sequences but {len(labels)} label sequences")
+        self.tokens, self.labels = list(tokens), list(labels)
+        self.loss_masks = (
+            list(loss_masks)
+            if loss_masks is not None
+            else [torch.ones(len(t), dtype=torch.float32) for t in tokens]
+        )
+
+    @property
+    def seqlens(self) -> list[int]:
+        """Length of every sequence."""
+        return [len(t) for t in self.tokens]
+
+    def read(self, seq_index, start, length):
+        """See `TokenSource.read`."""
+        end = start + length
+        return (
+            self.tokens[seq_index][start:end],
+            self.labels[seq_index][start:end],
+            self.loss_masks[seq_index][start:end],
+        )
+
+
+@dataclass(frozen=True)
+class LocalBatch:
+    """This rank's tokens of one micro-batch, shaped `[1, T]` as Megatron's THD input."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    doc_lengths: tuple[int, ...]
+    shard: RankShard
+    ring: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        """Local tokens."""
+        return self.tokens.shape[1]
+
+    def to(self, device: torch.device) -> LocalBatch:
+        """The same batch with its tensors on `device`."""
+        if self.tokens.device == device:
+            return self
+        return dataclasses.replace(
+            self,
+            tokens=self.tokens.to(device),
+            labels=self.labels.to(device),
+            loss_mask=self.loss_mask.to(device),
+            position_ids=self.position_ids.to(device),
+        )
+
+    def cu_seqlens(self) -> torch.Tensor:
+        """int32 offsets of the local documents, as flash-attn's varlen API expects."""
+        lengths = torch.tensor(
+            [0, *self.shard.doc_lengths()], dtype=torch.int64, device=self.tokens.device
+        )
+        return torch.cumsum(lengths, 0).to(torch.int32)
+
+
+def gather_local_batch(
+    plan: StepPlan, micro_batch: MicroBatch, rank: int, source: TokenSource
+) -> LocalBatch:
+    """Read this rank's share of `micro_batch` from `source`."""
+    doc_lengths = tuple(plan.seqlens[i] for i in micro_batch.seq_indices)
+    my_shard = shard(doc_lengths, micro_batch.cp_size)[micro_batch.ring.index(rank)]
+    pieces = [
+        source.read(micro_batch.seq_indices[d], start, length) + (start, length)
+        for d, start, length in my_shard.ranges()
+    ]
+
+    def cat(i, dtype):
+        if not pieces:
+            return torch.zeros(1, 0, dtype=dtype)
+        return torch.cat([torch.as_tensor(p[i]).to(dtype) for p in pieces]).unsqueeze(0)
+
+    positions = [torch.arange(p[3], p[3] + p[4]) for p in pieces]
+    return LocalBatch(
+        tokens=cat(0, torch.int64),
+        labels=cat(1, torch.int64),
+        loss_mask=cat(2, torch.float32),
+        position_ids=(
+            torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int64)
+        ).unsqueeze(0),
+        doc_lengths=doc_lengths,
+        shard=my_shard,
+        ring=micro_batch.ring,
+    )

@@ -1,0 +1,129 @@
+"""Megatron-Core set-up for HDP training: parallel state, DDP wrapper, optimizer (host layer).
+
+The HDP pool is Megatron's data-parallel group with context parallelism 1: every HDP rank
+is a model replica, rings are formed per micro-batch by HDP attention itself, and
+Megatron's gradient sync over the data-parallel group is the one sync over the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron_hdp.megatron.model import GPTConfig, build_gpt, transformer_config
+
+
+def initialize_parallel_state(*, tensor_model_parallel_size: int = 1) -> None:
+    """Collective over the world: set up Megatron's groups (HDP pool = data-parallel group).
+
+    `torch.distributed` must already be initialised. Context and pipeline parallel sizes
+    stay 1; HDP replaces static context parallelism.
+    """
+    if tensor_model_parallel_size != 1:
+        raise ValueError(
+            f"tensor_model_parallel_size {tensor_model_parallel_size} is not supported yet; use 1"
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+
+
+def destroy_parallel_state() -> None:
+    """Undo `initialize_parallel_state` (Megatron keeps its groups in module globals)."""
+    parallel_state.destroy_model_parallel()
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """Optimizer settings (Megatron flag names in parentheses)."""
+
+    lr: float = 1e-3
+    """Peak learning rate (--lr)."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (--weight-decay)."""
+    adam_beta1: float = 0.9
+    """(--adam-beta1)."""
+    adam_beta2: float = 0.95
+    """(--adam-beta2)."""
+    adam_eps: float = 1e-8
+    """(--adam-eps)."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables (--clip-grad)."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over the pool, reduce-scatter grads (--use-distributed-optimizer)."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay (--min-lr)."""
+    lr_warmup_iters: int = 0
+    """Linear warm-up steps (--lr-warmup-iters)."""
+    lr_decay_iters: int | None = None
+    """Steps of decay after warm-up ends; None = constant (--lr-decay-iters / --train-iters)."""
+    lr_decay_style: str = "constant"
+    """"constant", "linear", "cosine" or "inverse-square-root" (--lr-decay-style)."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr {self.min_lr} must lie in [0, lr={self.lr}]")
+        if self.lr_decay_style not in ("constant", "linear", "cosine", "inverse-square-root"):
+            raise ValueError(f"unknown lr_decay_style {self.lr_decay_style!r}")
+        if self.lr_warmup_iters < 0:
+            raise ValueError(f"lr_warmup_iters must be >= 0, got {self.lr_warmup_iters}")
+
+
+@dataclass
+class Engine:
+    """The trainable state of one rank: DDP-wrapped model, optimizer, LR/WD schedule."""
+
+    model: DistributedDataParallel
+    optimizer: object
+    scheduler: OptimizerParamScheduler
+
+
+def build_engine(cfg: GPTConfig, optim: OptimConfig, *, seed: int = 1234) -> Engine:
+    """Collective over the pool: the HDP GPT in Megatron DDP, its optimizer and LR schedule.
+
+    Every rank seeds torch with `seed` first, so all replicas start from equal weights.
+    Megatron's scheduler also applies the weight-decay groups (no decay on biases and 1-D
+    parameters), so it is part of the engine even for a constant learning rate.
+    """
+    torch.manual_seed(seed)
+    model = build_gpt(cfg)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=optim.use_distributed_optimizer,
+    )
+    ddp_model = DistributedDataParallel(transformer_config(cfg), ddp_config, model)
+    optimizer_config = OptimizerConfig(
+        optimizer="adam",
+        lr=optim.lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad,
+        bf16=cfg.dtype == torch.bfloat16,
+        params_dtype=cfg.dtype,
+        use_distributed_optimizer=optim.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(optimizer_config, [ddp_model])
+    decay_iters = optim.lr_decay_iters or 0
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if optim.lr_warmup_iters else optim.lr,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr,
+        lr_warmup_steps=optim.lr_warmup_iters,
+        lr_decay_steps=max(decay_iters + optim.lr_warmup_iters, optim.lr_warmup_iters + 1),
+        lr_decay_style=optim.lr_decay_style if decay_iters else "constant",
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+    )
+    return Engine(model=ddp_model, optimizer=optimizer, scheduler=scheduler)

@@ -1,0 +1,137 @@
+"""Build a Megatron-Core `GPTModel` whose attention is HDP attention (host layer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch.nn import functional
+
+from megatron_hdp.megatron.core_attention import HDPCoreAttention
+
+POSITION_EMBEDDINGS = ("rope", "learned_absolute")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """The model shape (Megatron flag names in parentheses)."""
+
+    num_layers: int = 2
+    """Transformer layers (--num-layers)."""
+    hidden_size: int = 64
+    """Hidden size (--hidden-size)."""
+    num_attention_heads: int = 4
+    """Query heads (--num-attention-heads)."""
+    num_query_groups: int | None = None
+    """Key/value heads for GQA; None = one per query head (--num-query-groups)."""
+    ffn_hidden_size: int | None = None
+    """MLP hidden size; None = 4 x hidden (--ffn-hidden-size)."""
+    vocab_size: int = 256
+    """Vocabulary size, padded by the caller if needed (--vocab-size)."""
+    max_position_embeddings: int = 1 << 20
+    """Longest position (--max-position-embeddings); sizes learned absolute embeddings."""
+    position_embedding_type: str = "rope"
+    """"rope" or "learned_absolute" (--position-embedding-type)."""
+    rotary_base: float = 10000.0
+    """RoPE base (--rotary-base)."""
+    normalization: str = "RMSNorm"
+    """"RMSNorm" or "LayerNorm" (--normalization)."""
+    swiglu: bool = True
+    """Gated SiLU MLP (--swiglu)."""
+    add_bias_linear: bool = False
+    """Biases in linear layers (--disable-bias-linear turns them off in Megatron)."""
+    init_method_std: float = 0.02
+    """Weight init standard deviation (--init-method-std)."""
+    params_dtype: str = "float32"
+    """"float32", "bfloat16" or "float64"."""
+
+    def __post_init__(self) -> None:
+        if self.position_embedding_type not in POSITION_EMBEDDINGS:
+            raise ValueError(
+                f"position_embedding_type {self.position_embedding_type!r} is not one of "
+                f"{POSITION_EMBEDDINGS}"
+            )
+        if self.params_dtype not in _DTYPES:
+            raise ValueError(f"params_dtype {self.params_dtype!r} is not one of {tuple(_DTYPES)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                f"{self.num_attention_heads}"
+            )
+        groups = self.num_query_groups or self.num_attention_heads
+        if self.num_attention_heads % groups:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not divisible by "
+                f"num_query_groups {groups}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head."""
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The torch dtype of the parameters."""
+        return _DTYPES[self.params_dtype]
+
+
+def transformer_config(cfg: GPTConfig) -> TransformerConfig:
+    """Megatron `TransformerConfig` for `cfg`: no dropout, unfused kernels, per-token loss."""
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        normalization=cfg.normalization,
+        gated_linear_unit=cfg.swiglu,
+        activation_func=functional.silu if cfg.swiglu else functional.gelu,
+        add_bias_linear=cfg.add_bias_linear,
+        init_method_std=cfg.init_method_std,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=cfg.dtype,
+        pipeline_dtype=cfg.dtype,
+        bf16=cfg.dtype == torch.bfloat16,
+        use_cpu_initialization=True,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        calculate_per_token_loss=True,
+    )
+
+
+def hdp_layer_spec(cfg: GPTConfig) -> ModuleSpec:
+    """Megatron's local GPT layer spec with `HDPCoreAttention` as the core attention."""
+    spec = get_gpt_layer_local_spec(normalization=cfg.normalization)
+    spec.submodules.self_attention.submodules.core_attention = HDPCoreAttention
+    return spec
+
+
+def build_gpt(cfg: GPTConfig, *, pre_process: bool = True, post_process: bool = True) -> GPTModel:
+    """A `GPTModel` that runs HDP micro-batches (feed it `HDPPackedSeqParams`).
+
+    Megatron's own RoPE is switched off (`position_embedding_type="none"`) because under
+    THD it restarts positions at every packed piece; `HDPCoreAttention` applies RoPE at the
+    original positions instead. Parameters and checkpoints are those of the plain model.
+    """
+    position_type = "none" if cfg.position_embedding_type == "rope" else cfg.position_embedding_type
+    return GPTModel(
+        config=transformer_config(cfg),
+        transformer_layer_spec=hdp_layer_spec(cfg),
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type=position_type,
+    )

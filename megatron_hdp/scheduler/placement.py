@@ -1,0 +1,189 @@
+"""Placement policies: turn the lengths of a global batch into a `StepPlan` (pure Python).
+
+Two policies live here:
+- `"greedy"` (HDP): a sequence of at most `capacity` tokens goes whole to one rank, packed
+  best-fit with other short ones; a longer sequence gets a ring of `ceil(s / capacity)`
+  ranks (any integer, any ranks). Rings are placed first, longest first, on the least
+  loaded ranks; packs follow, heaviest first, each on the least loaded rank.
+- `"static"` (the baseline mesh): `pool_size = dp * cp`; sequences are packed best-fit up
+  to the context `cp * capacity`, and every pack is sharded over one fixed, contiguous CP
+  group; packs go round robin over the DP groups, as Megatron's static mesh does.
+
+The balance scheduler (ByteScale Alg. 2) will be a third policy with the same contract.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from megatron_hdp.scheduler.plan import MicroBatch, StepPlan, plan_from_rank_lists
+
+POLICIES = ("greedy", "static")
+
+#: Cost of one micro-batch for one ring member: f(lengths, cp_size, capacity) -> float.
+CostFn = Callable[[Sequence[int], int, int], float]
+
+
+def simple_cost(lengths: Sequence[int], cp_size: int, capacity: int) -> float:
+    """Per-member cost: linear work plus causal attention, in units of one token's linear work.
+
+    The attention term `s^2 / (2 * capacity)` makes a full-capacity sequence cost 1.5x its
+    tokens. A stand-in until the calibrated cost model arrives; only relative values matter.
+    """
+    return sum(s + s * s / (2.0 * capacity) for s in lengths) / cp_size
+
+
+def validate_inputs(seqlens: Sequence[int], pool_size: int, capacity: int) -> None:
+    """Raise ValueError naming the bad value if the planner inputs cannot be planned."""
+    if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
+        raise ValueError(f"pool_size must be an integer >= 1, got {pool_size!r}")
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+        raise ValueError(
+            f"capacity (tokens per rank per micro-batch) must be > 0, got {capacity!r}"
+        )
+    if len(seqlens) == 0:
+        raise ValueError("the global batch holds no sequence")
+    limit = pool_size * capacity
+    for i, s in enumerate(seqlens):
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise ValueError(f"sequence {i} has a non-integer length {s!r}")
+        if s <= 0:
+            raise ValueError(f"sequence {i} is empty (length {s}); every sequence needs >= 1 token")
+        if s > limit:
+            raise ValueError(
+                f"sequence {i} has {s} tokens, more than the pool holds: "
+                f"{pool_size} ranks x capacity {capacity} = {limit}"
+            )
+
+
+def best_fit_pack(items: Sequence[tuple[int, int]], bin_size: int) -> list[list[int]]:
+    """Best-fit decreasing: pack `(index, size)` items into bins of `bin_size`.
+
+    Returns bins as lists of item indices, in bin creation order; each bin's items in the
+    order they were added. Ties break by item index, so the result is deterministic.
+    """
+    order = sorted(items, key=lambda it: (-it[1], it[0]))
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for index, size in order:
+        best = -1
+        for b, room in enumerate(free):
+            if size <= room and (best < 0 or room < free[best]):
+                best = b
+        if best < 0:
+            bins.append([index])
+            free.append(bin_size - size)
+        else:
+            bins[best].append(index)
+            free[best] -= size
+    return bins
+
+
+def _least_loaded(loads: Sequence[float], count: int) -> list[int]:
+    ranked = sorted(range(len(loads)), key=lambda r: (loads[r], r))
+    return sorted(ranked[:count])
+
+
+def plan_greedy(
+    seqlens: Sequence[int], *, pool_size: int, capacity: int, cost: CostFn = simple_cost
+) -> StepPlan:
+    """HDP placement: rings of `ceil(s / capacity)` ranks for long sequences, packs for short."""
+    validate_inputs(seqlens, pool_size, capacity)
+    loads = [0.0] * pool_size
+    micro_batches: list[MicroBatch] = []
+    long_ids = sorted(
+        (i for i, s in enumerate(seqlens) if s > capacity), key=lambda i: (-seqlens[i], i)
+    )
+    for i in long_ids:
+        k = math.ceil(seqlens[i] / capacity)
+        ring = _least_loaded(loads, k)
+        c = cost([seqlens[i]], k, capacity)
+        for r in ring:
+            loads[r] += c
+        micro_batches.append(
+            MicroBatch(
+                order=len(micro_batches), ring=tuple(ring), seq_indices=(i,), predicted_cost=c
+            )
+        )
+    short = [(i, s) for i, s in enumerate(seqlens) if s <= capacity]
+    packs = best_fit_pack(short, capacity)
+    costed = [(cost([seqlens[i] for i in p], 1, capacity), n, p) for n, p in enumerate(packs)]
+    for c, _, pack in sorted(costed, key=lambda x: (-x[0], x[1])):
+        (rank,) = _least_loaded(loads, 1)
+        loads[rank] += c
+        micro_batches.append(
+            MicroBatch(
+                order=len(micro_batches), ring=(rank,), seq_indices=tuple(pack), predicted_cost=c
+            )
+        )
+    return plan_from_rank_lists(seqlens, pool_size, capacity, "greedy", micro_batches)
+
+
+def static_cp_size(seqlens: Sequence[int], pool_size: int, capacity: int) -> int:
+    """Smallest CP size that divides the pool and whose context holds the longest sequence."""
+    longest = max(seqlens)
+    for cp in range(1, pool_size + 1):
+        if pool_size % cp == 0 and cp * capacity >= longest:
+            return cp
+    raise ValueError(
+        f"no CP size dividing the pool of {pool_size} ranks gives a context of at least "
+        f"{longest} tokens with capacity {capacity}"
+    )
+
+
+def plan_static(
+    seqlens: Sequence[int],
+    *,
+    pool_size: int,
+    capacity: int,
+    cp_size: int | None = None,
+    cost: CostFn = simple_cost,
+) -> StepPlan:
+    """The static DP x CP mesh: pack to the context `cp * capacity`, shard every pack over CP."""
+    validate_inputs(seqlens, pool_size, capacity)
+    if cp_size is None:
+        cp_size = static_cp_size(seqlens, pool_size, capacity)
+    if cp_size < 1 or pool_size % cp_size != 0:
+        raise ValueError(f"cp_size {cp_size} does not divide the pool of {pool_size} ranks")
+    context = cp_size * capacity
+    longest = max(range(len(seqlens)), key=lambda i: seqlens[i])
+    if seqlens[longest] > context:
+        raise ValueError(
+            f"sequence {longest} has {seqlens[longest]} tokens, more than the static context "
+            f"cp_size {cp_size} x capacity {capacity} = {context}"
+        )
+    dp_size = pool_size // cp_size
+    packs = best_fit_pack(list(enumerate(seqlens)), context)
+    micro_batches = []
+    for n, pack in enumerate(packs):
+        group = n % dp_size
+        ring = tuple(range(group * cp_size, (group + 1) * cp_size))
+        c = cost([seqlens[i] for i in pack], cp_size, capacity)
+        micro_batches.append(
+            MicroBatch(order=n, ring=ring, seq_indices=tuple(pack), predicted_cost=c)
+        )
+    return plan_from_rank_lists(seqlens, pool_size, capacity, "static", micro_batches)
+
+
+def plan_step(
+    seqlens: Sequence[int],
+    *,
+    pool_size: int,
+    capacity: int,
+    policy: str = "greedy",
+    cp_size: int | None = None,
+) -> StepPlan:
+    """Plan one step with the named policy (`"greedy"` HDP or the `"static"` mesh).
+
+    Deterministic: equal inputs give equal plans on every rank. Raises ValueError for bad
+    input before anything else happens. `cp_size` applies to the static policy only.
+    """
+    if policy == "greedy":
+        plan = plan_greedy(seqlens, pool_size=pool_size, capacity=capacity)
+    elif policy == "static":
+        plan = plan_static(seqlens, pool_size=pool_size, capacity=capacity, cp_size=cp_size)
+    else:
+        raise ValueError(f"unknown placement policy {policy!r}; choose one of {POLICIES}")
+    plan.validate()
+    return plan

@@ -1,0 +1,102 @@
+"""The single-process reference: plain Megatron GPT (its own RoPE), one sequence at a time.
+
+It shares nothing with HDP's attention path: Megatron applies RoPE itself (sbhd format,
+positions 0..s-1), and the core attention is a few lines of causal SDPA written here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.module import MegatronModule
+
+from megatron_hdp.megatron.model import GPTConfig, transformer_config
+
+
+class SDPACoreAttention(MegatronModule):
+    """Causal attention of one unpacked sequence, `[s, b, h, d] -> [s, b, h*d]`."""
+
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+        **unused,
+    ):
+        super().__init__(config=config)
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
+        assert packed_seq_params is None
+        rep = query.shape[2] // key.shape[2]
+        q = query.permute(1, 2, 0, 3)
+        k = key.repeat_interleave(rep, dim=2).permute(1, 2, 0, 3)
+        v = value.repeat_interleave(rep, dim=2).permute(1, 2, 0, 3)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        out = torch.matmul(probs, v)  # [b, h, s, d]
+        return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+
+def build_reference(cfg: GPTConfig, state_dict: dict) -> GPTModel:
+    """A plain GPTModel with Megatron's own position handling, loaded with `state_dict`."""
+    spec = get_gpt_layer_local_spec(normalization=cfg.normalization)
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    model = GPTModel(
+        config=transformer_config(cfg),
+        transformer_layer_spec=spec,
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_position_embeddings,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type=cfg.position_embedding_type,
+    )
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    assert not unexpected, unexpected
+    assert all("_extra_state" in k or "inv_freq" in k for k in missing), missing
+    return model
+
+
+def reference_loss_and_grads(model: GPTModel, seqs: list[tuple[torch.Tensor, torch.Tensor]]):
+    """Token-mean loss over all sequences, backward; returns the loss (grads in `.grad`)."""
+    total = sum(len(t) for t, _ in seqs)
+    loss_sum = 0.0
+    for tokens, labels in seqs:
+        positions = torch.arange(len(tokens)).unsqueeze(0)
+        losses = model(tokens.unsqueeze(0), positions, None, labels=labels.unsqueeze(0))
+        loss = losses.float().sum() / total
+        loss.backward()
+        loss_sum += float(loss.detach())
+    return loss_sum
+
+
+def reference_optimizer(model: GPTModel, *, lr, weight_decay, betas, eps):
+    """AdamW with Megatron's default groups: no weight decay on biases and 1-D parameters."""
+    decay = [p for n, p in model.named_parameters() if p.dim() > 1 and not n.endswith(".bias")]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() <= 1 or n.endswith(".bias")]
+    return torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=lr,
+        betas=betas,
+        eps=eps,
+    )
