@@ -75,6 +75,7 @@ class LocalBatch:
     doc_lengths: tuple[int, ...]
     shard: RankShard
     ring: tuple[int, ...]
+    rank: int
 
     @property
     def num_tokens(self) -> int:
@@ -104,7 +105,7 @@ class LocalBatch:
 def gather_local_batch(
     plan: StepPlan, micro_batch: MicroBatch, rank: int, source: TokenSource
 ) -> LocalBatch:
-    """Read this rank's share of `micro_batch` from `source`."""
+    """Read this rank's share of `micro_batch` from `source` (possibly no token at all)."""
     doc_lengths = tuple(plan.seqlens[i] for i in micro_batch.seq_indices)
     my_shard = shard(doc_lengths, micro_batch.cp_size)[micro_batch.ring.index(rank)]
     pieces = [
@@ -128,4 +129,5 @@ def gather_local_batch(
         doc_lengths=doc_lengths,
         shard=my_shard,
         ring=micro_batch.ring,
+        rank=rank,
     )

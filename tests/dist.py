@@ -52,6 +52,20 @@ def _read(folder, rank):
         return pickle.load(f)
 
 
+def _describe_failures(folder, procs, timed_out, timeout_s):
+    """All failing ranks' reports, ranks killed by a signal first; None if all succeeded."""
+    reports = []
+    for rank, p in sorted(enumerate(procs), key=lambda rp: (rp[1].exitcode or 0) >= 0):
+        report = _read(folder, rank)
+        if report is not None and report[0] == "error":
+            reports.append(f"rank {rank} failed:\n{report[1]}")
+        elif report is None and p.exitcode not in (0, None, -9):
+            reports.append(f"rank {rank} died with exit code {p.exitcode} and no report")
+    if timed_out:
+        reports.insert(0, f"timed out after {timeout_s} s")
+    return "\n".join(reports) if reports else None
+
+
 def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` forked gloo ranks; return results."""
     ctx = multiprocessing.get_context("fork")
@@ -63,27 +77,20 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0) -> list:
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s
-        failure = None
-        while failure is None and any(p.exitcode is None for p in procs):
-            bad = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if bad:
-                report = _read(folder, bad[0])
-                detail = report[1] if report else f"exit code {procs[bad[0]].exitcode}"
-                failure = f"rank {bad[0]} failed:\n{detail}"
-            elif time.monotonic() > deadline:
-                failure = f"timed out after {timeout_s} s"
-            else:
-                time.sleep(0.01)
-        if failure is None:
-            bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
-            if bad:
-                report = _read(folder, bad[0])
-                detail = report[1] if report else f"exit code {procs[bad[0]].exitcode}"
-                failure = f"rank {bad[0]} failed:\n{detail}"
+        timed_out = False
+        while any(p.exitcode is None for p in procs):
+            if any(p.exitcode not in (None, 0) for p in procs):
+                time.sleep(0.5)  # let the other ranks report what they saw
+                break
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            time.sleep(0.01)
         for p in procs:
             if p.exitcode is None:
                 p.kill()
             p.join(timeout=10)
+        failure = _describe_failures(folder, procs, timed_out, timeout_s)
         if failure is not None:
             raise AssertionError(failure)
         return [_read(folder, r)[1] for r in range(world_size)]

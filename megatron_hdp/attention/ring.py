@@ -25,9 +25,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from megatron_hdp.attention.backends import AttentionBackend, get_backend
-from megatron_hdp.distributed.ring_comm import RingComm
+from megatron_hdp.distributed.ring_comm import CommStats, RingComm
 from megatron_hdp.sharding import RankShard, shard
 
 _TAG_FWD_KV, _TAG_BWD_KV, _TAG_BWD_DKV = 11, 12, 13
@@ -41,37 +42,61 @@ class RingAttentionSpec:
         doc_lengths: Full length of every document of the micro-batch.
         shards: The shard of every ring position (`sharding.shard(doc_lengths, k)`).
         position: This rank's ring position.
-        comm: Ring communicator; None for a ring of one.
+        active: Ring positions that hold at least one token, in ring order. Only they
+            take part: a member without tokens has nothing to attend and skips the
+            micro-batch altogether.
+        comm: Communicator over the active members' ranks; None when only one is active.
         backend: Block kernel.
     """
 
     doc_lengths: tuple[int, ...]
     shards: tuple[RankShard, ...]
     position: int
+    active: tuple[int, ...]
     comm: RingComm | None
     backend: AttentionBackend
 
-    @classmethod
-    def build(
-        cls, doc_lengths: Sequence[int], *, comm: RingComm | None, backend: str = "torch"
-    ) -> RingAttentionSpec:
-        """Spec for this rank: ring position and size come from `comm` (None: local)."""
-        cp_size = 1 if comm is None else comm.size
-        position = 0 if comm is None else comm.position
-        if comm is not None and comm.size == 1:
-            comm = None
-        return cls(
-            doc_lengths=tuple(doc_lengths),
-            shards=tuple(shard(doc_lengths, cp_size)),
-            position=position,
-            comm=comm,
-            backend=get_backend(backend),
-        )
-
     @property
     def cp_size(self) -> int:
-        """Ranks in the ring."""
+        """Ranks in the ring (active or not)."""
         return len(self.shards)
+
+
+def active_positions(shards: Sequence[RankShard]) -> tuple[int, ...]:
+    """Ring positions that hold tokens."""
+    return tuple(p for p, s in enumerate(shards) if s.num_tokens > 0)
+
+
+def build_ring_spec(
+    doc_lengths: Sequence[int],
+    ring: Sequence[int],
+    *,
+    rank: int,
+    group: dist.ProcessGroup | None,
+    stats: CommStats | None = None,
+    backend: str = "torch",
+) -> RingAttentionSpec:
+    """The spec of `rank` for documents `doc_lengths` on `ring` (ranks of `group`).
+
+    A ring of one needs no group. Raises ValueError if `rank` holds no token of the
+    micro-batch (it must skip the micro-batch instead).
+    """
+    shards = tuple(shard(doc_lengths, len(ring)))
+    position = tuple(ring).index(rank)
+    active = active_positions(shards)
+    if position not in active:
+        raise ValueError(f"rank {rank} holds no token of this micro-batch")
+    comm = None
+    if len(active) > 1:
+        comm = RingComm(group, [ring[p] for p in active], stats)
+    return RingAttentionSpec(
+        doc_lengths=tuple(doc_lengths),
+        shards=shards,
+        position=position,
+        active=active,
+        comm=comm,
+        backend=get_backend(backend),
+    )
 
 
 def _segments(spec: RingAttentionSpec, source: int) -> list[tuple[int, int, int, int, bool]]:
@@ -114,16 +139,17 @@ class _HDPAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_THD, k_TGD, v_TGD, spec: RingAttentionSpec, scale: float):
         num_heads, num_groups = q_THD.shape[1], k_TGD.shape[1]
-        k_ring, p = spec.cp_size, spec.position
+        active, me = spec.active, spec.active.index(spec.position)
+        n = len(active)
         q_HTD = q_THD.transpose(0, 1).contiguous()
         out_HTD = torch.zeros_like(q_HTD)
         lse_HT = torch.full(q_HTD.shape[:2], float("-inf"), dtype=q_HTD.dtype, device=q_HTD.device)
         kv_cur = torch.cat([k_TGD, v_TGD], dim=1).contiguous()  # [T, 2G, D], one message
-        for step in range(k_ring):
-            source = (p - step) % k_ring
+        for step in range(n):
+            source = active[(me - step) % n]
             pending = None
-            if step + 1 < k_ring:
-                nxt = (p - step - 1) % k_ring
+            if step + 1 < n:
+                nxt = active[(me - step - 1) % n]
                 pending = spec.comm.exchange(kv_cur, _kv_buffer(spec, nxt, kv_cur), _TAG_FWD_KV)
             kv_GTD = kv_cur.transpose(0, 1)
             k_HTD = _expand_heads(kv_GTD[:num_groups], num_heads)
@@ -153,17 +179,18 @@ class _HDPAttention(torch.autograd.Function):
         q_HTD, k_TGD, v_TGD, out_HTD, lse_HT = ctx.saved_tensors
         spec, scale = ctx.spec, ctx.scale
         num_heads, num_groups = q_HTD.shape[0], k_TGD.shape[1]
-        k_ring, p = spec.cp_size, spec.position
+        active, me = spec.active, spec.active.index(spec.position)
+        n = len(active)
         dout_HTD = dout_THD.transpose(0, 1).contiguous()
         dq_HTD = torch.zeros_like(q_HTD)
         kv_cur = torch.cat([k_TGD, v_TGD], dim=1).contiguous()
         pending_dkv = None
         dkv_own = None
-        for step in range(k_ring):
-            source = (p - step) % k_ring
-            nxt = (p - step - 1) % k_ring
+        for step in range(n):
+            source = active[(me - step) % n]
+            nxt = active[(me - step - 1) % n]
             pending_kv = None
-            if step + 1 < k_ring:
+            if step + 1 < n:
                 pending_kv = spec.comm.exchange(kv_cur, _kv_buffer(spec, nxt, kv_cur), _TAG_BWD_KV)
             kv_GTD = kv_cur.transpose(0, 1)
             k_HTD = _expand_heads(kv_GTD[:num_groups], num_heads)
@@ -189,7 +216,7 @@ class _HDPAttention(torch.autograd.Function):
             ).transpose(0, 1)
             if pending_dkv is not None:
                 dkv = dkv + pending_dkv.wait()
-            if k_ring == 1:
+            if n == 1:
                 dkv_own = dkv
             else:
                 # The accumulator travels with the K/V it belongs to; after k hops it is home.
@@ -212,9 +239,9 @@ def hdp_attention(
 ) -> torch.Tensor:
     """Causal attention of this rank's tokens of a micro-batch; returns `[T, H, D]`.
 
-    Collective over `spec.comm.ring` when the ring has more than one rank: every member
-    must call it (forward and backward) for the same micro-batch and layer, in the same
-    order. A ring of one communicates nothing.
+    Collective over `spec.comm.ring` (the active members) when more than one member holds
+    tokens: each must call it (forward and backward) for the same micro-batch and layer,
+    in the same order. A ring of one communicates nothing.
 
     Args:
         q_THD: Local queries, laid out as `spec.shards[spec.position]` says.

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_hdp.attention.ring import RingAttentionSpec
+from megatron_hdp.attention.ring import build_ring_spec
 from megatron_hdp.attention.rope import RotaryTable
 from megatron_hdp.batching import LocalBatch, TokenSource, gather_local_batch
 from megatron_hdp.distributed.plan_check import check_plan_agreement
-from megatron_hdp.distributed.ring_comm import CommStats, RingComm
+from megatron_hdp.distributed.ring_comm import CommStats
 from megatron_hdp.megatron.core_attention import HDPPackedSeqParams
 from megatron_hdp.megatron.engine import Engine
 from megatron_hdp.megatron.model import GPTConfig
@@ -59,9 +59,7 @@ class StepResult:
     compute_seconds: float
 
 
-def packed_seq_params(
-    batch: LocalBatch, runtime: StepRuntime, comm: RingComm | None
-) -> HDPPackedSeqParams:
+def packed_seq_params(batch: LocalBatch, runtime: StepRuntime) -> HDPPackedSeqParams:
     """The THD parameters of one local batch, with its ring spec and RoPE table."""
     cu = batch.cu_seqlens()
     max_len = max(batch.shard.doc_lengths(), default=0)
@@ -81,7 +79,14 @@ def packed_seq_params(
         max_seqlen_q=max_len,
         max_seqlen_kv=max_len,
         local_cp_size=len(batch.ring),
-        attention=RingAttentionSpec.build(batch.doc_lengths, comm=comm, backend=runtime.backend),
+        attention=build_ring_spec(
+            batch.doc_lengths,
+            batch.ring,
+            rank=batch.rank,
+            group=runtime.group,
+            stats=runtime.stats,
+            backend=runtime.backend,
+        ),
         rotary=rotary,
     )
 
@@ -95,8 +100,7 @@ def forward_backward(
     """
     loss_sum = 0.0
     for batch in batches:
-        comm = RingComm(runtime.group, batch.ring, runtime.stats) if len(batch.ring) > 1 else None
-        params = packed_seq_params(batch, runtime, comm)
+        params = packed_seq_params(batch, runtime)
         token_losses = model(
             batch.tokens,
             batch.position_ids,
@@ -126,8 +130,11 @@ def train_step(
         check_plan_agreement(plan, group)
     bytes_before = runtime.stats.bytes_sent
 
+    # A ring member without tokens (a pack smaller than its ring) skips the micro-batch.
     batches = [
-        gather_local_batch(plan, mb, rank, source).to(runtime.device) for mb in plan.for_rank(rank)
+        batch.to(runtime.device)
+        for batch in (gather_local_batch(plan, mb, rank, source) for mb in plan.for_rank(rank))
+        if batch.num_tokens > 0
     ]
     counts = torch.tensor([sum(float(b.loss_mask.sum()) for b in batches)], dtype=torch.float64)
     dist.all_reduce(counts, group=group)

@@ -5,8 +5,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_hdp.attention.ring import RingAttentionSpec, hdp_attention
-from megatron_hdp.distributed.ring_comm import CommStats, RingComm
+from megatron_hdp.attention.ring import build_ring_spec, hdp_attention
+from megatron_hdp.distributed.ring_comm import CommStats
+from megatron_hdp.sharding import shard
 from tests.dist import run_ranks
 
 HEADS, GROUPS, DIM = 4, 2, 8
@@ -38,12 +39,16 @@ def _body_rings(rank, world_size, rounds, backend):
     """Each round: a partition of the world into rings, each with its own packed documents."""
     stats = CommStats()
     group = dist.group.WORLD
-    for round_id, rings in enumerate(rounds):
+    for round_id, (rings, fixed_lengths) in enumerate(rounds):
         ((ring_id, ring),) = [(i, r) for i, r in enumerate(rings) if rank in r]
-        doc_lengths = [7 + 5 * ring_id + 3 * round_id, 1, 16 + ring_id, 2, 33]
+        doc_lengths = fixed_lengths or [7 + 5 * ring_id + 3 * round_id, 1, 16 + ring_id, 2, 33]
         docs = _doc_tensors(doc_lengths, seed=100 * round_id + ring_id)
-        comm = RingComm(group, ring, stats) if len(ring) > 1 else None
-        spec = RingAttentionSpec.build(doc_lengths, comm=comm, backend=backend)
+        shards = shard(doc_lengths, len(ring))
+        if shards[ring.index(rank)].num_tokens == 0:
+            continue  # members without tokens skip the micro-batch
+        spec = build_ring_spec(
+            doc_lengths, ring, rank=rank, group=group, stats=stats, backend=backend
+        )
         pieces = spec.shards[spec.position].ranges()
 
         q, k, v, dout = (
@@ -73,11 +78,12 @@ def _body_rings(rank, world_size, rounds, backend):
 
 
 ROUNDS = [
-    [[3, 1], [0, 2], [4]],  # two rings of 2 and a local rank, live together
-    [[0, 2, 4], [1, 3]],  # a ring of 3 beside a ring of 2
-    [[2, 0, 3, 1], [4]],  # a ring of 4 in non-contiguous order
-    [[4, 0, 2, 1, 3]],  # one ring of 5
-    [[0], [1], [2], [3], [4]],  # all local
+    ([[3, 1], [0, 2], [4]], None),  # two rings of 2 and a local rank, live together
+    ([[0, 2, 4], [1, 3]], None),  # a ring of 3 beside a ring of 2
+    ([[2, 0, 3, 1], [4]], None),  # a ring of 4 in non-contiguous order
+    ([[4, 0, 2, 1, 3]], None),  # one ring of 5
+    ([[0], [1], [2], [3], [4]], None),  # all local
+    ([[1, 3, 0, 4, 2]], [1, 2]),  # 3 tokens on a ring of 5: two members hold nothing
 ]
 
 
@@ -90,7 +96,7 @@ def test_rings_of_1_to_5_match_reference(backend):
 def _body_local_only(rank, world_size):
     stats = CommStats()
     docs = _doc_tensors([5, 9, 1], seed=rank)
-    spec = RingAttentionSpec.build([5, 9, 1], comm=None)
+    spec = build_ring_spec([5, 9, 1], (rank,), rank=rank, group=None, stats=stats)
     q, k, v, dout = (torch.cat([d[i] for d in docs]).requires_grad_(i < 3) for i in range(4))
     hdp_attention(q, k, v, spec).backward(dout)
     return stats.bytes_sent

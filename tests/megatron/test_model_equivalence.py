@@ -45,8 +45,30 @@ NUM_STEPS = 3
 SEED = 7
 
 
-def batch_lengths(pool_size: int, step: int) -> list[int]:
-    """Short sequences, exactly C, C+1, and sequences that need 3+ ranks where the pool allows."""
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One distributed run to compare with the single-process reference."""
+
+    pool_size: int
+    policy: str = "greedy"
+    cp_size: int | None = None
+    distributed_optimizer: bool = False
+    cfg: GPTConfig = CFG
+    batch: str = "mixed"
+
+
+def batch_lengths(pool_size: int, step: int, kind: str) -> list[int]:
+    """The global batch of one step.
+
+    "mixed": short sequences, exactly C, C+1, and sequences needing 3+ ranks where the pool
+    allows. "tiny_pack": a full-context sequence and a 2-token one, so the static mesh
+    gets a pack smaller than its CP group (members without tokens). "two_rank_context":
+    nothing longer than 2 C, for a static mesh with CP 2.
+    """
+    if kind == "tiny_pack":
+        return [pool_size * CAPACITY, 2]
+    if kind == "two_rank_context":
+        return [3 + step, 5, 9, 1, 12, CAPACITY, CAPACITY + 1, 2 * CAPACITY, 7, 20]
     lengths = [3 + step, 5, 9, 1, 12, CAPACITY]
     if pool_size >= 2:
         lengths.append(CAPACITY + 1)
@@ -56,83 +78,81 @@ def batch_lengths(pool_size: int, step: int) -> list[int]:
     return lengths
 
 
-def make_batch(pool_size: int, step: int):
+def make_batch(pool_size: int, step: int, kind: str = "mixed"):
     gen = torch.Generator().manual_seed(1000 * step + pool_size)
     seqs = []
-    for n in batch_lengths(pool_size, step):
+    for n in batch_lengths(pool_size, step, kind):
         ids = torch.randint(0, VOCAB, (n + 1,), generator=gen)
         seqs.append((ids[:-1], ids[1:]))
     return seqs
 
 
-def _body_train(rank, world_size, policy, cp_size, use_distributed_optimizer):
-    optim = dataclasses.replace(OPTIM, use_distributed_optimizer=use_distributed_optimizer)
+def source_of(seqs) -> InMemoryTokens:
+    return InMemoryTokens([t for t, _ in seqs], [lab for _, lab in seqs])
+
+
+def _body_train(rank, world_size, case: Case):
+    optim = dataclasses.replace(OPTIM, use_distributed_optimizer=case.distributed_optimizer)
     with cpu_shims():
         initialize_parallel_state()
         try:
-            engine = build_engine(CFG, optim, seed=SEED)
-            model = engine.model
+            engine = build_engine(case.cfg, optim, seed=SEED)
+            runtime = StepRuntime(group=dist.group.WORLD, cfg=case.cfg, check_plans=True)
             results = []
-            runtime = StepRuntime(group=dist.group.WORLD, cfg=CFG, check_plans=True)
             for step in range(NUM_STEPS):
-                seqs = make_batch(world_size, step)
-                source = InMemoryTokens([t for t, _ in seqs], [lab for _, lab in seqs])
+                source = source_of(make_batch(world_size, step, case.batch))
                 plan = plan_step(
                     source.seqlens,
                     pool_size=world_size,
                     capacity=CAPACITY,
-                    policy=policy,
-                    cp_size=cp_size,
+                    policy=case.policy,
+                    cp_size=case.cp_size,
                 )
                 result = train_step(engine, plan, source, runtime)
                 grads = None
-                if step == 0 and not use_distributed_optimizer:
+                if step == 0 and not case.distributed_optimizer:
                     grads = {
-                        n: p.main_grad.detach().clone() for n, p in model.module.named_parameters()
+                        n: p.main_grad.detach().clone()
+                        for n, p in engine.model.module.named_parameters()
                     }
                 results.append((result.loss, grads))
-            params = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+            params = {n: p.detach().clone() for n, p in engine.model.module.named_parameters()}
             return results, params
         finally:
             destroy_parallel_state()
 
 
-def _body_reference(rank, world_size, pool_size):
+def _body_reference(rank, world_size, pool_size, cfg, kind):
     with cpu_shims():
         initialize_parallel_state()
         try:
-            return _reference(pool_size)
+            torch.manual_seed(SEED)
+            model = build_reference(cfg, build_gpt(cfg).state_dict())
+            opt = reference_optimizer(
+                model,
+                lr=OPTIM.lr,
+                weight_decay=OPTIM.weight_decay,
+                betas=(OPTIM.adam_beta1, OPTIM.adam_beta2),
+                eps=OPTIM.adam_eps,
+            )
+            losses, first_grads = [], None
+            for step in range(NUM_STEPS):
+                opt.zero_grad()
+                losses.append(reference_loss_and_grads(model, make_batch(pool_size, step, kind)))
+                torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.clip_grad)
+                if step == 0:
+                    first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+                opt.step()
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+            return losses, first_grads, params
         finally:
             destroy_parallel_state()
 
 
 @functools.cache
-def reference_run(pool_size: int):
+def reference_run(pool_size: int, cfg: GPTConfig, kind: str):
     """The single-process run, in a forked process of its own (Megatron needs its state)."""
-    return run_ranks(_body_reference, 1, pool_size)[0]
-
-
-def _reference(pool_size: int):
-    torch.manual_seed(SEED)
-    state = build_gpt(CFG).state_dict()
-    model = build_reference(CFG, state)
-    opt = reference_optimizer(
-        model,
-        lr=OPTIM.lr,
-        weight_decay=OPTIM.weight_decay,
-        betas=(OPTIM.adam_beta1, OPTIM.adam_beta2),
-        eps=OPTIM.adam_eps,
-    )
-    losses, first_grads = [], None
-    for step in range(NUM_STEPS):
-        opt.zero_grad()
-        losses.append(reference_loss_and_grads(model, make_batch(pool_size, step)))
-        torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.clip_grad)
-        if step == 0:
-            first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        opt.step()
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return losses, first_grads, params
+    return run_ranks(_body_reference, 1, pool_size, cfg, kind)[0]
 
 
 def assert_close_rel(got: torch.Tensor, want: torch.Tensor, name: str, rel: float = 1e-5):
@@ -140,14 +160,16 @@ def assert_close_rel(got: torch.Tensor, want: torch.Tensor, name: str, rel: floa
     assert err <= rel, f"{name}: relative error {err:.3e} > {rel}"
 
 
-def check_against_reference(pool_size, per_rank, check_grads=True):
-    ref_losses, ref_grads, ref_params = reference_run(pool_size)
+def check_case(case: Case):
+    """Run `case` on its pool and compare loss, gradients and parameters with the reference."""
+    per_rank = run_ranks(_body_train, case.pool_size, case, timeout_s=240)
+    ref_losses, ref_grads, ref_params = reference_run(case.pool_size, case.cfg, case.batch)
     for rank, (results, params) in enumerate(per_rank):
         for step, (loss, grads) in enumerate(results):
             assert abs(loss - ref_losses[step]) <= 1e-5 * abs(ref_losses[step]), (
                 f"rank {rank} step {step}: loss {loss} vs reference {ref_losses[step]}"
             )
-            if grads is not None and check_grads:
+            if grads is not None:
                 for name, want in ref_grads.items():
                     assert_close_rel(grads[name], want, f"rank {rank} grad {name}")
         for name, want in ref_params.items():
@@ -157,16 +179,67 @@ def check_against_reference(pool_size, per_rank, check_grads=True):
 @pytest.mark.parametrize("pool_size", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("policy", ["greedy", "static"])
 def test_matches_single_process(policy, pool_size):
-    per_rank = run_ranks(_body_train, pool_size, policy, None, False, timeout_s=240)
-    check_against_reference(pool_size, per_rank)
+    check_case(Case(pool_size=pool_size, policy=policy))
 
 
 def test_static_mesh_dp2_cp2_matches_single_process():
-    """A real DP x CP mesh (2 x 2): packs go to two CP groups of two."""
-    per_rank = run_ranks(_body_train, 4, "static", 4, False, timeout_s=240)
-    check_against_reference(4, per_rank)
+    """A real DP x CP mesh (2 x 2): packs go round robin to two CP groups of two."""
+    check_case(Case(pool_size=4, policy="static", cp_size=2, batch="two_rank_context"))
+
+
+def test_static_pack_smaller_than_its_cp_group_matches_single_process():
+    """Ring members without tokens skip the micro-batch; the others still match."""
+    check_case(Case(pool_size=4, policy="static", batch="tiny_pack"))
 
 
 def test_distributed_optimizer_matches_single_process():
-    per_rank = run_ranks(_body_train, 3, "greedy", None, True, timeout_s=240)
-    check_against_reference(3, per_rank)
+    check_case(Case(pool_size=3, distributed_optimizer=True))
+
+
+def test_learned_absolute_positions_match_single_process():
+    cfg = dataclasses.replace(
+        CFG, position_embedding_type="learned_absolute", max_position_embeddings=128
+    )
+    check_case(Case(pool_size=3, cfg=cfg))
+
+
+def _body_short_only(rank, world_size):
+    with cpu_shims():
+        initialize_parallel_state()
+        try:
+            engine = build_engine(CFG, OPTIM, seed=SEED)
+            source = source_of([s for s in make_batch(world_size, 0) if len(s[0]) <= CAPACITY])
+            plan = plan_step(source.seqlens, pool_size=world_size, capacity=CAPACITY)
+            runtime = StepRuntime(group=dist.group.WORLD, cfg=CFG)
+            result = train_step(engine, plan, source, runtime)
+            return result.attention_bytes_sent, [mb.cp_size for mb in plan.micro_batches]
+        finally:
+            destroy_parallel_state()
+
+
+def test_batch_that_fits_capacity_sends_no_attention_bytes():
+    for sent, ring_sizes in run_ranks(_body_short_only, 3):
+        assert sent == 0 and set(ring_sizes) == {1}
+
+
+def _body_wrong_pool(rank, world_size):
+    with cpu_shims():
+        initialize_parallel_state()
+        try:
+            engine = build_engine(CFG, OPTIM, seed=SEED)
+            source = source_of(make_batch(3, 0))
+            plan = plan_step(source.seqlens, pool_size=3, capacity=CAPACITY)
+            runtime = StepRuntime(group=dist.group.WORLD, cfg=CFG)
+            try:
+                train_step(engine, plan, source, runtime)
+            except ValueError as err:
+                return str(err), runtime.stats.bytes_sent
+            return "no error", runtime.stats.bytes_sent
+        finally:
+            destroy_parallel_state()
+
+
+def test_plan_for_another_pool_fails_before_communication():
+    for message, sent in run_ranks(_body_wrong_pool, 2, timeout_s=60):
+        assert message == "plan is for a pool of 3 ranks, but this pool has 2"
+        assert sent == 0

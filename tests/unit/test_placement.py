@@ -1,0 +1,142 @@
+"""Placement policies: invariants on random inputs, deadlock freedom, bad input."""
+
+import itertools
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_hdp.scheduler import StepPlan, plan_step
+from megatron_hdp.scheduler.placement import best_fit_pack
+from megatron_hdp.sharding import rank_token_counts
+
+
+def run_to_completion(plan: StepPlan) -> bool:
+    """Simulate blocking execution: a micro-batch runs once every ring member is at it."""
+    queues = [list(plan.for_rank(r)) for r in range(plan.pool_size)]
+    while any(queues):
+        progressed = False
+        for mb in plan.micro_batches:
+            if all(queues[r] and queues[r][0] is mb for r in mb.ring):
+                for r in mb.ring:
+                    queues[r].pop(0)
+                progressed = True
+        if not progressed:
+            return False
+    return True
+
+
+@st.composite
+def batches(draw):
+    pool_size = draw(st.integers(min_value=1, max_value=13))
+    capacity = draw(st.integers(min_value=1, max_value=64))
+    lengths = draw(
+        st.lists(st.integers(min_value=1, max_value=pool_size * capacity), min_size=1, max_size=40)
+    )
+    return lengths, pool_size, capacity
+
+
+@given(batches())
+@settings(max_examples=300, deadline=None)
+def test_greedy_plan_invariants(batch):
+    lengths, pool_size, capacity = batch
+    plan = plan_step(lengths, pool_size=pool_size, capacity=capacity)
+    placed = sorted(i for mb in plan.micro_batches for i in mb.seq_indices)
+    assert placed == list(range(len(lengths)))
+    for mb in plan.micro_batches:
+        seq_lengths = [lengths[i] for i in mb.seq_indices]
+        if mb.cp_size > 1:
+            (only,) = seq_lengths
+            assert mb.cp_size == math.ceil(only / capacity)  # exactly the ranks it needs
+        else:
+            assert sum(seq_lengths) <= capacity
+        assert max(rank_token_counts(seq_lengths, mb.cp_size)) <= capacity
+        assert len(set(mb.ring)) == mb.cp_size and all(0 <= r < pool_size for r in mb.ring)
+    assert run_to_completion(plan)
+    assert plan == plan_step(lengths, pool_size=pool_size, capacity=capacity)
+
+
+@given(batches())
+@settings(max_examples=200, deadline=None)
+def test_static_plan_uses_fixed_contiguous_groups(batch):
+    lengths, pool_size, capacity = batch
+    cp_options = [
+        cp
+        for cp in range(1, pool_size + 1)
+        if pool_size % cp == 0 and cp * capacity >= max(lengths)
+    ]
+    if not cp_options:
+        with pytest.raises(ValueError, match="no CP size"):
+            plan_step(lengths, pool_size=pool_size, capacity=capacity, policy="static")
+        return
+    plan = plan_step(lengths, pool_size=pool_size, capacity=capacity, policy="static")
+    cp = cp_options[0]
+    groups = {tuple(range(g * cp, (g + 1) * cp)) for g in range(pool_size // cp)}
+    for mb in plan.micro_batches:
+        assert mb.ring in groups
+        assert sum(lengths[i] for i in mb.seq_indices) <= cp * capacity
+    assert run_to_completion(plan)
+
+
+def test_round_trip_through_json():
+    plan = plan_step([5, 40, 17, 3, 3, 16], pool_size=5, capacity=16)
+    again = StepPlan.from_dict(json.loads(plan.to_json()))
+    assert again == plan and again.digest() == plan.digest()
+
+
+def test_ring_sizes_are_not_powers_of_two_and_may_be_any_ranks():
+    plan = plan_step([33, 40, 2, 2], pool_size=7, capacity=8)
+    sizes = sorted(mb.cp_size for mb in plan.micro_batches if mb.cp_size > 1)
+    assert sizes == [5, 5]
+    assert plan.validate(pool_size=7) is None
+
+
+def _optimal_bins(sizes, bin_size):
+    for n in range(1, len(sizes) + 1):
+        for assignment in itertools.product(range(n), repeat=len(sizes)):
+            loads = [0] * n
+            for s, b in zip(sizes, assignment):
+                loads[b] += s
+            if max(loads) <= bin_size:
+                return n
+    raise AssertionError
+
+
+@given(st.lists(st.integers(min_value=1, max_value=10), min_size=1, max_size=7))
+@settings(max_examples=80, deadline=None)
+def test_best_fit_is_within_its_bound_of_optimal(sizes):
+    bins = best_fit_pack(list(enumerate(sizes)), 10)
+    assert sorted(i for b in bins for i in b) == list(range(len(sizes)))
+    assert all(sum(sizes[i] for i in b) <= 10 for b in bins)
+    # Best-fit decreasing uses at most 11/9 OPT + 6/9 bins (Dosa 2007).
+    assert len(bins) <= 11 / 9 * _optimal_bins(sizes, 10) + 6 / 9
+
+
+@pytest.mark.parametrize(
+    "lengths, pool_size, capacity, message",
+    [
+        ([5, 49], 3, 16, "sequence 1 has 49 tokens"),
+        ([5, 0, 3], 3, 16, "sequence 1 is empty"),
+        ([5], 3, 0, "capacity .* must be > 0, got 0"),
+        ([5], 3, -4, "got -4"),
+        ([5], 0, 16, "pool_size must be an integer >= 1, got 0"),
+        ([], 3, 16, "holds no sequence"),
+    ],
+)
+def test_bad_input_names_the_value(lengths, pool_size, capacity, message):
+    for policy in ("greedy", "static"):
+        with pytest.raises(ValueError, match=message):
+            plan_step(lengths, pool_size=pool_size, capacity=capacity, policy=policy)
+
+
+def test_plan_for_another_pool_is_refused():
+    plan = plan_step([5, 20], pool_size=3, capacity=16)
+    with pytest.raises(ValueError, match="plan is for a pool of 3 ranks, but this pool has 4"):
+        plan.validate(pool_size=4)
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="unknown placement policy 'balanced'"):
+        plan_step([5], pool_size=1, capacity=8, policy="balanced")
