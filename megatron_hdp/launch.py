@@ -17,6 +17,7 @@ def setup_logging(rank: int, *, level: int = logging.INFO) -> None:
         level=level if rank == 0 else logging.WARNING,
         format=f"%(asctime)s [rank{rank}] %(name)s %(levelname)s: %(message)s",
     )
+    logging.getLogger("megatron").setLevel(logging.WARNING)
 
 
 def init_distributed(*, timeout_s: float = 600.0) -> torch.device:

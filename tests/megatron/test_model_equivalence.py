@@ -98,6 +98,7 @@ def _body_train(rank, world_size, case: Case):
         try:
             engine = build_engine(case.cfg, optim, seed=SEED)
             runtime = StepRuntime(group=dist.group.WORLD, cfg=case.cfg, check_plans=True)
+            groups_before = len(dist.distributed_c10d._world.pg_map)
             results = []
             for step in range(NUM_STEPS):
                 source = source_of(make_batch(world_size, step, case.batch))
@@ -117,6 +118,8 @@ def _body_train(rank, world_size, case: Case):
                     }
                 results.append((result.loss, grads))
             params = {n: p.detach().clone() for n, p in engine.model.module.named_parameters()}
+            new_groups = len(dist.distributed_c10d._world.pg_map) - groups_before
+            assert new_groups == 0, f"{new_groups} process groups were created during training"
             return results, params
         finally:
             destroy_parallel_state()

@@ -1,0 +1,165 @@
+"""HDP vs the static DP x CP mesh on one mixed-length global batch (launch with torchrun).
+
+Both placements train the same model from the same weights on the same batch, one after
+the other in one run, and rank 0 writes JSON: step time (median over the measured steps,
+slowest rank), attention point-to-point bytes per step (all ranks), micro-batches per
+rank, per-rank compute time, and the loss of every step of both (they must agree).
+
+    torchrun --standalone --nproc-per-node 4 scripts/bench/bench_hdp_vs_static.py \
+        --out results/hdp_vs_static_cpu4.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_hdp.batching import InMemoryTokens
+from megatron_hdp.launch import init_distributed, megatron_device_context, setup_logging
+from megatron_hdp.megatron.engine import (
+    OptimConfig,
+    build_engine,
+    destroy_parallel_state,
+    initialize_parallel_state,
+)
+from megatron_hdp.megatron.model import GPTConfig
+from megatron_hdp.megatron.step import StepRuntime, train_step
+from megatron_hdp.provenance import environment
+from megatron_hdp.scheduler import plan_step
+
+logger = logging.getLogger("bench_hdp_vs_static")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("results/hdp_vs_static_cpu4.json"))
+    p.add_argument("--capacity", type=int, default=1024, help="tokens per rank per micro-batch")
+    p.add_argument("--short-tokens", type=int, default=12000, help="tokens of short sequences")
+    p.add_argument("--warmup-steps", type=int, default=1)
+    p.add_argument("--steps", type=int, default=7, help="measured steps per placement (>= 5)")
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--num-attention-heads", type=int, default=8)
+    p.add_argument("--num-query-groups", type=int, default=2)
+    p.add_argument("--seed", type=int, default=1234)
+    args = p.parse_args(argv)
+    if args.steps < 5:
+        p.error(f"--steps must be >= 5 for a median, got {args.steps}")
+    return args
+
+
+def mixed_lengths(pool_size: int, capacity: int, short_tokens: int, seed: int) -> list[int]:
+    """Two long sequences (whole pool, half the pool) and log-normal short ones."""
+    rng = random.Random(seed)
+    lengths = [pool_size * capacity - capacity // 8, max(capacity + 1, pool_size * capacity // 2)]
+    total = 0
+    while total < short_tokens:
+        n = min(capacity, max(16, int(rng.lognormvariate(math.log(capacity / 6), 0.9))))
+        lengths.append(n)
+        total += n
+    rng.shuffle(lengths)
+    return lengths
+
+
+def run_policy(policy, args, cfg, source, runtime, pool_size):
+    plan = plan_step(source.seqlens, pool_size=pool_size, capacity=args.capacity, policy=policy)
+    engine = build_engine(cfg, OptimConfig(lr=1e-3), seed=args.seed)
+    losses, times, bytes_per_step, compute = [], [], [], []
+    for step in range(args.warmup_steps + args.steps):
+        dist.barrier()
+        start = time.perf_counter()
+        result = train_step(engine, plan, source, runtime)
+        elapsed = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        sent = torch.tensor([result.attention_bytes_sent], dtype=torch.float64)
+        dist.all_reduce(sent)
+        busy = [torch.zeros(1) for _ in range(pool_size)]
+        dist.all_gather(busy, torch.tensor([result.compute_seconds]))
+        losses.append(result.loss)
+        if step >= args.warmup_steps:
+            times.append(elapsed.item())
+            bytes_per_step.append(int(sent.item()))
+            compute.append([b.item() for b in busy])
+        logger.info("%s step %d: loss %.5f, %.3f s", policy, step, result.loss, elapsed.item())
+    return {
+        "policy": policy,
+        "ring_sizes": sorted((mb.cp_size for mb in plan.micro_batches), reverse=True),
+        "micro_batches_per_rank": plan.num_micro_batches_per_rank(),
+        "step_time_s_median": statistics.median(times),
+        "step_time_s_all": times,
+        "attention_p2p_bytes_per_step": statistics.median(bytes_per_step),
+        "compute_s_per_rank_median": [
+            statistics.median(c[r] for c in compute) for r in range(pool_size)
+        ],
+        "losses": losses,
+    }
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = init_distributed()
+    rank, pool_size = dist.get_rank(), dist.get_world_size()
+    setup_logging(rank)
+    cfg = GPTConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        vocab_size=256,
+    )
+    lengths = mixed_lengths(pool_size, args.capacity, args.short_tokens, args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    ids = [torch.randint(0, 256, (n + 1,), generator=gen) for n in lengths]
+    source = InMemoryTokens([t[:-1] for t in ids], [t[1:] for t in ids])
+    with megatron_device_context():
+        initialize_parallel_state()
+        try:
+            runtime = StepRuntime(group=dist.group.WORLD, cfg=cfg, device=device)
+            results = {
+                p: run_policy(p, args, cfg, source, runtime, pool_size)
+                for p in ("greedy", "static")
+            }
+        finally:
+            destroy_parallel_state()
+    if rank == 0:
+        hdp, static = results["greedy"], results["static"]
+        loss_diff = max(abs(a - b) for a, b in zip(hdp["losses"], static["losses"]))
+        report = {
+            "benchmark": "hdp_vs_static",
+            "config": {**vars(args), "out": str(args.out), "pool_size": pool_size},
+            "environment": environment(),
+            "global_batch": {
+                "num_sequences": len(lengths),
+                "num_tokens": sum(lengths),
+                "lengths": lengths,
+            },
+            "hdp": hdp,
+            "static": static,
+            "summary": {
+                "static_over_hdp_step_time": static["step_time_s_median"]
+                / hdp["step_time_s_median"],
+                "hdp_attention_bytes_per_step": hdp["attention_p2p_bytes_per_step"],
+                "static_attention_bytes_per_step": static["attention_p2p_bytes_per_step"],
+                "max_abs_loss_difference": loss_diff,
+                "losses_agree": loss_diff <= 1e-4 * abs(hdp["losses"][0]),
+            },
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
+        tmp.replace(args.out)
+        logger.info("wrote %s: %s", args.out, json.dumps(report["summary"]))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
