@@ -135,15 +135,21 @@ def _kv_buffer(spec: RingAttentionSpec, source: int, like: torch.Tensor) -> torc
     )
 
 
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Partial outputs, lse and gradients accumulate in float32 for 16-bit inputs."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 class _HDPAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_THD, k_TGD, v_TGD, spec: RingAttentionSpec, scale: float):
         num_heads, num_groups = q_THD.shape[1], k_TGD.shape[1]
         active, me = spec.active, spec.active.index(spec.position)
         n = len(active)
+        acc = _accumulation_dtype(q_THD.dtype)
         q_HTD = q_THD.transpose(0, 1).contiguous()
-        out_HTD = torch.zeros_like(q_HTD)
-        lse_HT = torch.full(q_HTD.shape[:2], float("-inf"), dtype=q_HTD.dtype, device=q_HTD.device)
+        out_HTD = torch.zeros(q_HTD.shape, dtype=acc, device=q_HTD.device)
+        lse_HT = torch.full(q_HTD.shape[:2], float("-inf"), dtype=acc, device=q_HTD.device)
         kv_cur = torch.cat([k_TGD, v_TGD], dim=1).contiguous()  # [T, 2G, D], one message
         for step in range(n):
             source = active[(me - step) % n]
@@ -155,21 +161,25 @@ class _HDPAttention(torch.autograd.Function):
             k_HTD = _expand_heads(kv_GTD[:num_groups], num_heads)
             v_HTD = _expand_heads(kv_GTD[num_groups:], num_heads)
             for q0, ql, k0, kl, causal in _segments(spec, source):
-                o_b, lse_b = spec.backend.forward(
-                    q_HTD[:, q0 : q0 + ql],
+                rows = slice(q0, q0 + ql)
+                out_b, lse_b = spec.backend.forward(
+                    q_HTD[:, rows].contiguous(),
                     k_HTD[:, k0 : k0 + kl].contiguous(),
                     v_HTD[:, k0 : k0 + kl].contiguous(),
                     causal=causal,
                     scale=scale,
                 )
-                lse_old = lse_HT[:, q0 : q0 + ql]
-                lse_new = torch.logaddexp(lse_old, lse_b.to(lse_old.dtype))
-                out_HTD[:, q0 : q0 + ql] = out_HTD[:, q0 : q0 + ql] * torch.exp(
-                    lse_old - lse_new
-                ).unsqueeze(-1) + o_b * torch.exp(lse_b - lse_new).unsqueeze(-1)
-                lse_HT[:, q0 : q0 + ql] = lse_new
+                # Merge with log-sum-exp; rows not yet touched have lse -inf and weight 0.
+                lse_b = lse_b.to(acc)
+                lse_old = lse_HT[:, rows]
+                lse_new = torch.logaddexp(lse_old, lse_b)
+                out_HTD[:, rows] = out_HTD[:, rows] * torch.exp(lse_old - lse_new).unsqueeze(
+                    -1
+                ) + out_b.to(acc) * torch.exp(lse_b - lse_new).unsqueeze(-1)
+                lse_HT[:, rows] = lse_new
             if pending is not None:
                 kv_cur = pending.wait()
+        out_HTD = out_HTD.to(q_THD.dtype)
         ctx.save_for_backward(q_HTD, k_TGD, v_TGD, out_HTD, lse_HT)
         ctx.spec, ctx.scale = spec, scale
         return out_HTD.transpose(0, 1).contiguous()
@@ -181,8 +191,9 @@ class _HDPAttention(torch.autograd.Function):
         num_heads, num_groups = q_HTD.shape[0], k_TGD.shape[1]
         active, me = spec.active, spec.active.index(spec.position)
         n = len(active)
-        dout_HTD = dout_THD.transpose(0, 1).contiguous()
-        dq_HTD = torch.zeros_like(q_HTD)
+        acc = _accumulation_dtype(q_HTD.dtype)
+        dout_HTD = dout_THD.transpose(0, 1).contiguous().to(q_HTD.dtype)
+        dq_HTD = torch.zeros(q_HTD.shape, dtype=acc, device=q_HTD.device)
         kv_cur = torch.cat([k_TGD, v_TGD], dim=1).contiguous()
         pending_dkv = None
         dkv_own = None
@@ -195,22 +206,23 @@ class _HDPAttention(torch.autograd.Function):
             kv_GTD = kv_cur.transpose(0, 1)
             k_HTD = _expand_heads(kv_GTD[:num_groups], num_heads)
             v_HTD = _expand_heads(kv_GTD[num_groups:], num_heads)
-            dk_HTD = torch.zeros_like(k_HTD)
-            dv_HTD = torch.zeros_like(v_HTD)
+            dk_HTD = torch.zeros(k_HTD.shape, dtype=acc, device=k_HTD.device)
+            dv_HTD = torch.zeros(v_HTD.shape, dtype=acc, device=v_HTD.device)
             for q0, ql, k0, kl, causal in _segments(spec, source):
+                rows, cols = slice(q0, q0 + ql), slice(k0, k0 + kl)
                 dq_b, dk_b, dv_b = spec.backend.backward(
-                    dout_HTD[:, q0 : q0 + ql],
-                    q_HTD[:, q0 : q0 + ql],
-                    k_HTD[:, k0 : k0 + kl].contiguous(),
-                    v_HTD[:, k0 : k0 + kl].contiguous(),
-                    out_HTD[:, q0 : q0 + ql],
-                    lse_HT[:, q0 : q0 + ql],
+                    dout_HTD[:, rows].contiguous(),
+                    q_HTD[:, rows].contiguous(),
+                    k_HTD[:, cols].contiguous(),
+                    v_HTD[:, cols].contiguous(),
+                    out_HTD[:, rows].contiguous(),
+                    lse_HT[:, rows].contiguous(),
                     causal=causal,
                     scale=scale,
                 )
-                dq_HTD[:, q0 : q0 + ql] += dq_b
-                dk_HTD[:, k0 : k0 + kl] += dk_b
-                dv_HTD[:, k0 : k0 + kl] += dv_b
+                dq_HTD[:, rows] += dq_b
+                dk_HTD[:, cols] += dk_b
+                dv_HTD[:, cols] += dv_b
             dkv = torch.cat(
                 [_reduce_heads(dk_HTD, num_groups), _reduce_heads(dv_HTD, num_groups)], dim=0
             ).transpose(0, 1)
@@ -219,14 +231,15 @@ class _HDPAttention(torch.autograd.Function):
             if n == 1:
                 dkv_own = dkv
             else:
-                # The accumulator travels with the K/V it belongs to; after k hops it is home.
-                pending_dkv = spec.comm.exchange(dkv, _kv_buffer(spec, nxt, kv_cur), _TAG_BWD_DKV)
+                # The accumulator travels with the K/V it belongs to; after n hops it is home.
+                pending_dkv = spec.comm.exchange(dkv, _kv_buffer(spec, nxt, dkv), _TAG_BWD_DKV)
             if pending_kv is not None:
                 kv_cur = pending_kv.wait()
         if pending_dkv is not None:
             dkv_own = pending_dkv.wait()
-        dk_TGD, dv_TGD = dkv_own[:, :num_groups], dkv_own[:, num_groups:]
-        return dq_HTD.transpose(0, 1), dk_TGD, dv_TGD, None, None
+        dk_TGD = dkv_own[:, :num_groups].to(k_TGD.dtype)
+        dv_TGD = dkv_own[:, num_groups:].to(v_TGD.dtype)
+        return dq_HTD.transpose(0, 1).to(q_HTD.dtype), dk_TGD, dv_TGD, None, None
 
 
 def hdp_attention(

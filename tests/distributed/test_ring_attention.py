@@ -104,3 +104,24 @@ def _body_local_only(rank, world_size):
 
 def test_local_micro_batches_send_nothing():
     assert run_ranks(_body_local_only, 2) == [0, 0]
+
+
+def _body_bf16(rank, world_size):
+    """bfloat16 inputs: partial results merge in float32; result near the float64 reference."""
+    doc_lengths, ring = [40, 7, 64], (2, 0, 1)
+    docs = _doc_tensors(doc_lengths, seed=3)
+    spec = build_ring_spec(doc_lengths, ring, rank=rank, group=dist.group.WORLD)
+    pieces = spec.shards[spec.position].ranges()
+    full = [torch.cat([docs[d][i][s : s + n] for d, s, n in pieces]) for i in range(4)]
+    q, k, v = (t.to(torch.bfloat16).requires_grad_() for t in full[:3])
+    out = hdp_attention(q, k, v, spec)
+    out.backward(full[3].to(torch.bfloat16))
+    want = torch.cat([reference_attention(*docs[d][:3])[s : s + n] for d, s, n in pieces])
+    assert out.dtype == q.grad.dtype == k.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), want, rtol=3e-2, atol=3e-2)
+    return float((out.double() - want).abs().max())
+
+
+def test_bfloat16_ring():
+    errors = run_ranks(_body_bf16, 3)
+    assert max(errors) < 3e-2
