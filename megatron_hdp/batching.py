@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from megatron_hdp.scheduler.plan import MicroBatch, StepPlan
@@ -62,6 +63,47 @@ class InMemoryTokens:
             self.labels[seq_index][start:end],
             self.loss_masks[seq_index][start:end],
         )
+
+
+class IndexedReader(Protocol):
+    """The part of Megatron's `IndexedDataset` that `IndexedTokens` uses."""
+
+    def get(self, idx: int, offset: int = 0, length: int | None = None):
+        """Tokens `[offset, offset + length)` of sequence `idx` (a numpy array)."""
+        ...
+
+
+class IndexedTokens:
+    """A `TokenSource` over indexed datasets: one global batch of sampler units.
+
+    Unit `i` of `units` is `(dataset, doc, start, length)` (see `data.sampler.Unit`); reading
+    positions `[a, a + n)` of it reads tokens `[start + a, start + a + n + 1)` of the
+    document, so labels are the next tokens. Only the requested ranges are read.
+
+    Args:
+        datasets: One reader per dataset of the blend.
+        units: The units of the global batch, in batch order.
+    """
+
+    def __init__(self, datasets: Sequence[IndexedReader], units: Sequence) -> None:
+        self.datasets = list(datasets)
+        self.units = list(units)
+
+    @property
+    def seqlens(self) -> list[int]:
+        """Length of every sequence of the batch."""
+        return [u.length for u in self.units]
+
+    def read(self, seq_index, start, length):
+        """See `TokenSource.read`."""
+        unit = self.units[seq_index]
+        if start < 0 or start + length > unit.length:
+            raise ValueError(f"positions [{start}, {start + length}) outside unit {unit}")
+        ids = self.datasets[unit.dataset].get(
+            unit.doc, offset=unit.start + start, length=length + 1
+        )
+        ids = torch.from_numpy(np.asarray(ids, dtype=np.int64))
+        return ids[:-1], ids[1:], torch.ones(length, dtype=torch.float32)
 
 
 @dataclass(frozen=True)

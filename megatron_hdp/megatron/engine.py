@@ -82,6 +82,7 @@ class Engine:
     model: DistributedDataParallel
     optimizer: object
     scheduler: OptimizerParamScheduler
+    optimizer_is_distributed: bool = False
 
 
 def build_engine(cfg: GPTConfig, optim: OptimConfig, *, seed: int = 1234) -> Engine:
@@ -102,6 +103,7 @@ def build_engine(cfg: GPTConfig, optim: OptimConfig, *, seed: int = 1234) -> Eng
     optimizer_config = OptimizerConfig(
         optimizer="adam",
         lr=optim.lr,
+        min_lr=optim.min_lr,
         weight_decay=optim.weight_decay,
         adam_beta1=optim.adam_beta1,
         adam_beta2=optim.adam_beta2,
@@ -126,4 +128,9 @@ def build_engine(cfg: GPTConfig, optim: OptimConfig, *, seed: int = 1234) -> Eng
         wd_incr_steps=1,
         wd_incr_style="constant",
     )
-    return Engine(model=ddp_model, optimizer=optimizer, scheduler=scheduler)
+    return Engine(
+        model=ddp_model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        optimizer_is_distributed=optim.use_distributed_optimizer,
+    )

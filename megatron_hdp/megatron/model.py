@@ -47,6 +47,11 @@ class GPTConfig:
     """Biases in linear layers (--disable-bias-linear turns them off in Megatron)."""
     init_method_std: float = 0.02
     """Weight init standard deviation (--init-method-std)."""
+    tie_embeddings: bool = False
+    """Share input embedding and output layer (Megatron's default unless
+    --untie-embeddings-and-output-weights)."""
+    hidden_dropout: float = 0.0
+    """Dropout after attention and MLP (--hidden-dropout)."""
     params_dtype: str = "float32"
     """"float32", "bfloat16" or "float64"."""
 
@@ -94,7 +99,7 @@ def transformer_config(cfg: GPTConfig) -> TransformerConfig:
         activation_func=functional.silu if cfg.swiglu else functional.gelu,
         add_bias_linear=cfg.add_bias_linear,
         init_method_std=cfg.init_method_std,
-        hidden_dropout=0.0,
+        hidden_dropout=cfg.hidden_dropout,
         attention_dropout=0.0,
         params_dtype=cfg.dtype,
         pipeline_dtype=cfg.dtype,
@@ -132,6 +137,6 @@ def build_gpt(cfg: GPTConfig, *, pre_process: bool = True, post_process: bool = 
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=cfg.tie_embeddings,
         position_embedding_type=position_type,
     )

@@ -91,6 +91,26 @@ def packed_seq_params(batch: LocalBatch, runtime: StepRuntime) -> HDPPackedSeqPa
     )
 
 
+def local_batches(plan: StepPlan, source: TokenSource, runtime: StepRuntime) -> list[LocalBatch]:
+    """This rank's micro-batches of `plan`, read from `source`, on the runtime's device.
+
+    A ring member without tokens (a pack smaller than its ring) skips the micro-batch.
+    """
+    rank = dist.get_rank(runtime.group)
+    batches = (gather_local_batch(plan, mb, rank, source) for mb in plan.for_rank(rank))
+    return [batch.to(runtime.device) for batch in batches if batch.num_tokens > 0]
+
+
+def _token_losses(model, batch: LocalBatch, runtime: StepRuntime) -> torch.Tensor:
+    return model(
+        batch.tokens,
+        batch.position_ids,
+        None,
+        labels=batch.labels,
+        packed_seq_params=packed_seq_params(batch, runtime),
+    )
+
+
 def forward_backward(
     model, batches: list[LocalBatch], runtime: StepRuntime, *, loss_scale: float
 ) -> float:
@@ -100,15 +120,7 @@ def forward_backward(
     """
     loss_sum = 0.0
     for batch in batches:
-        params = packed_seq_params(batch, runtime)
-        token_losses = model(
-            batch.tokens,
-            batch.position_ids,
-            None,
-            labels=batch.labels,
-            packed_seq_params=params,
-        )
-        masked = (token_losses.float() * batch.loss_mask).sum()
+        masked = (_token_losses(model, batch, runtime).float() * batch.loss_mask).sum()
         (masked * loss_scale).backward()
         loss_sum += float(masked.detach())
     return loss_sum
@@ -125,17 +137,10 @@ def train_step(
     """
     group = runtime.group
     plan.validate(pool_size=dist.get_world_size(group))
-    rank = dist.get_rank(group)
     if runtime.check_plans:
         check_plan_agreement(plan, group)
     bytes_before = runtime.stats.bytes_sent
-
-    # A ring member without tokens (a pack smaller than its ring) skips the micro-batch.
-    batches = [
-        batch.to(runtime.device)
-        for batch in (gather_local_batch(plan, mb, rank, source) for mb in plan.for_rank(rank))
-        if batch.num_tokens > 0
-    ]
+    batches = local_batches(plan, source, runtime)
     counts = torch.tensor([sum(float(b.loss_mask.sum()) for b in batches)], dtype=torch.float64)
     dist.all_reduce(counts, group=group)
     global_tokens = int(counts.item())
@@ -165,3 +170,21 @@ def train_step(
         attention_bytes_sent=runtime.stats.bytes_sent - bytes_before,
         compute_seconds=compute_seconds,
     )
+
+
+def evaluate(model, plan: StepPlan, source: TokenSource, runtime: StepRuntime) -> tuple[float, int]:
+    """Collective over `runtime.group`: forward only; return the global loss sum and tokens."""
+    plan.validate(pool_size=dist.get_world_size(runtime.group))
+    batches = local_batches(plan, source, runtime)
+    totals = torch.zeros(2, dtype=torch.float64)
+    model.eval()
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                losses = _token_losses(model, batch, runtime).float()
+                totals[0] += float((losses * batch.loss_mask).sum())
+                totals[1] += float(batch.loss_mask.sum())
+    finally:
+        model.train()
+    dist.all_reduce(totals, group=runtime.group)
+    return totals[0].item(), int(totals[1].item())

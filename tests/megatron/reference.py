@@ -65,7 +65,7 @@ def build_reference(cfg: GPTConfig, state_dict: dict) -> GPTModel:
         transformer_layer_spec=spec,
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=cfg.tie_embeddings,
         position_embedding_type=cfg.position_embedding_type,
     )
     missing, unexpected = model.load_state_dict(state_dict, strict=False)

@@ -140,3 +140,19 @@ def test_plan_for_another_pool_is_refused():
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="unknown placement policy 'balanced'"):
         plan_step([5], pool_size=1, capacity=8, policy="balanced")
+
+
+def test_plan_statistics_by_hand():
+    from megatron_hdp.scheduler.stats import plan_statistics
+
+    plan = plan_step([40, 4, 4], pool_size=4, capacity=10)  # ring of 4, then two packs
+    stats = plan_statistics(plan)
+    assert stats["max_ranks_per_sequence"] == 4
+    assert stats["mean_ranks_per_sequence"] == (4 + 1 + 1) / 3
+    assert stats["token_weighted_ranks_per_sequence"] == (40 * 4 + 4 + 4) / 48
+    assert (stats["micro_batches_per_rank_min"], stats["micro_batches_per_rank_max"]) == (1, 2)
+    loads = [0.0] * 4
+    for mb in plan.micro_batches:
+        for r in mb.ring:
+            loads[r] += mb.predicted_cost
+    assert stats["predicted_imbalance"] == max(loads) / (sum(loads) / 4)

@@ -1,0 +1,433 @@
+"""Command-line arguments of `pretrain_hdp.py`: Megatron-LM's flag names plus `--hdp-*`.
+
+`build_parser()` accepts the Megatron-LM flags this job implements, under their Megatron
+names and with Megatron's defaults where the behaviour exists here. A Megatron-LM flag it
+does not implement is refused by name (`UNSUPPORTED_MEGATRON_FLAGS`), never ignored.
+`add_hdp_args(parser)` adds the HDP group alone; Megatron-LM users pass it as
+`extra_args_provider` (see the README's drop-in section).
+
+`validate_args(args, world_size)` checks everything that can be checked before any
+process group exists, and raises ValueError naming the flag and value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from megatron_hdp.data.sampler import parse_split
+from megatron_hdp.scheduler.placement import POLICIES
+
+#: Megatron-LM flags that exist there but not here; refused with this message.
+UNSUPPORTED_MEGATRON_FLAGS = {
+    "--pipeline-model-parallel-size": "pipeline parallelism is not supported with HDP yet",
+    "--virtual-pipeline-model-parallel-size": "pipeline parallelism is not supported yet",
+    "--sequence-parallel": "sequence parallelism needs tensor parallelism, not supported yet",
+    "--fp16": "fp16 is not supported; use --bf16",
+    "--train-samples": "give --train-iters",
+    "--lr-warmup-fraction": "give --lr-warmup-iters",
+    "--lr-decay-samples": "give --lr-decay-iters",
+    "--lr-warmup-samples": "give --lr-warmup-iters",
+    "--rampup-batch-size": "batch-size ramp-up is not supported",
+    "--recompute-granularity": "activation recomputation is not supported (see offloading)",
+    "--recompute-activations": "activation recomputation is not supported (see offloading)",
+    "--use-flash-attn": "HDP chooses its attention kernel: --hdp-attention-backend",
+    "--transformer-impl": "HDP uses Megatron-Core's local layers plus HDP attention",
+    "--num-experts": "mixture of experts is not supported yet",
+    "--expert-model-parallel-size": "mixture of experts is not supported yet",
+    "--hybrid-context-parallel": "HDP replaces Megatron's hybrid context parallelism",
+    "--mock-data": "use the embedded default corpus (omit --data-path)",
+    "--train-data-path": "give --data-path and --split",
+    "--valid-data-path": "give --data-path and --split",
+    "--test-data-path": "give --data-path and --split",
+    "--vocab-file": "give --tokenizer-type and --tokenizer-model",
+    "--merge-file": "give --tokenizer-type HuggingFaceTokenizer --tokenizer-model",
+    "--use-mcore-models": "always Megatron-Core here",
+    "--ckpt-format": "checkpoints are torch.save files (see README)",
+    "--fp8-format": "fp8 needs Transformer Engine on GPU, not supported",
+    "--optimizer": "only Adam(W) is supported",
+}
+
+TOKENIZERS = ("ByteLevel", "HuggingFaceTokenizer", "NullTokenizer")
+
+
+class RefusingParser(argparse.ArgumentParser):
+    """An ArgumentParser whose error for an unknown flag says whether Megatron has it."""
+
+    def parse_args(self, args=None, namespace=None):  # noqa: D102
+        parsed, unknown = self.parse_known_args(args, namespace)
+        for item in unknown:
+            flag = item.split("=", 1)[0]
+            if flag in UNSUPPORTED_MEGATRON_FLAGS:
+                self.error(f"{flag} is not supported here: {UNSUPPORTED_MEGATRON_FLAGS[flag]}")
+        if unknown:
+            self.error(f"unknown arguments: {' '.join(unknown)}")
+        return parsed
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model (Megatron-LM names)")
+    g.add_argument("--num-layers", type=int, required=True, help="transformer layers")
+    g.add_argument("--hidden-size", type=int, required=True, help="hidden size")
+    g.add_argument(
+        "--ffn-hidden-size",
+        type=int,
+        default=None,
+        help="MLP hidden size (default 4 x hidden; with --swiglu, Megatron's 2/3 rule)",
+    )
+    g.add_argument("--num-attention-heads", type=int, required=True, help="query heads")
+    g.add_argument(
+        "--group-query-attention", action="store_true", help="use --num-query-groups KV heads"
+    )
+    g.add_argument(
+        "--num-query-groups", type=int, default=1, help="KV heads with --group-query-attention"
+    )
+    g.add_argument(
+        "--seq-length",
+        type=int,
+        required=True,
+        help="maximum context: longer documents are split into pieces of this many tokens",
+    )
+    g.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        default=None,
+        help="positions the model supports (default --seq-length)",
+    )
+    g.add_argument(
+        "--position-embedding-type",
+        choices=("learned_absolute", "rope"),
+        default="learned_absolute",
+        help="position embedding (Megatron's default: learned_absolute)",
+    )
+    g.add_argument("--rotary-base", type=float, default=10000.0, help="RoPE base")
+    g.add_argument(
+        "--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm", help="norm"
+    )
+    g.add_argument("--swiglu", action="store_true", help="gated SiLU MLP")
+    g.add_argument("--disable-bias-linear", action="store_true", help="no biases in linear layers")
+    g.add_argument(
+        "--untie-embeddings-and-output-weights",
+        action="store_true",
+        help="separate output layer (default: tied to the input embedding, as in Megatron)",
+    )
+    g.add_argument("--init-method-std", type=float, default=0.02, help="weight init std")
+    g.add_argument(
+        "--attention-dropout",
+        type=float,
+        default=0.0,
+        help="must be 0: HDP attention has no dropout (Megatron's default 0.1 is refused)",
+    )
+    g.add_argument("--hidden-dropout", type=float, default=0.0, help="hidden dropout")
+    g.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="pad the vocabulary to a multiple of this",
+    )
+    g.add_argument("--bf16", action="store_true", help="bfloat16 parameters, fp32 main grads")
+
+
+def _add_training_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("training (Megatron-LM names)")
+    g.add_argument("--train-iters", type=int, required=True, help="optimizer steps in total")
+    g.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="sequences per global batch (alternative to --hdp-global-batch-tokens)",
+    )
+    g.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=1,
+        help="must be 1: HDP forms micro-batches itself (packed up to the capacity)",
+    )
+    g.add_argument("--lr", type=float, required=True, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=0.0, help="learning rate after decay")
+    g.add_argument(
+        "--lr-decay-style",
+        choices=("constant", "linear", "cosine", "inverse-square-root"),
+        default="linear",
+        help="decay after warm-up",
+    )
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up steps")
+    g.add_argument(
+        "--lr-decay-iters", type=int, default=None, help="decay steps (default --train-iters)"
+    )
+    g.add_argument("--weight-decay", type=float, default=0.01, help="decoupled weight decay")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clip, 0 = off")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon")
+    g.add_argument("--seed", type=int, default=1234, help="weights and data order")
+    g.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="shard optimizer state over the pool (ZeRO-1), reduce-scatter gradients",
+    )
+    g.add_argument(
+        "--tensor-model-parallel-size", type=int, default=1, help="must be 1 (TP not supported)"
+    )
+    g.add_argument(
+        "--context-parallel-size",
+        type=int,
+        default=1,
+        help="CP of the static baseline mesh; also sets the default --hdp-capacity",
+    )
+
+
+def _add_data_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data (Megatron-LM names)")
+    g.add_argument(
+        "--data-path",
+        nargs="*",
+        default=None,
+        help="indexed dataset prefixes, optionally weighted: 'P' or 'W1 P1 W2 P2 ...'; "
+        "omitted: the embedded Python-stdlib corpus",
+    )
+    g.add_argument("--split", default="969,30,1", help="train,valid,test weights over documents")
+    g.add_argument(
+        "--tokenizer-type", choices=TOKENIZERS, default="ByteLevel", help="tokenizer of the data"
+    )
+    g.add_argument(
+        "--tokenizer-model", default=None, help="tokenizer.json for HuggingFaceTokenizer"
+    )
+    g.add_argument(
+        "--vocab-size", type=int, default=None, help="vocabulary size, for NullTokenizer only"
+    )
+    g.add_argument(
+        "--data-cache-path",
+        default=None,
+        help="where the embedded corpus is built (default ~/.cache/megatron_hdp)",
+    )
+
+
+def _add_logging_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("checkpoints and logging (Megatron-LM names)")
+    g.add_argument("--save", default=None, help="checkpoint directory to write")
+    g.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    g.add_argument(
+        "--save-interval", type=int, default=None, help="steps between checkpoints (and at end)"
+    )
+    g.add_argument("--log-interval", type=int, default=100, help="steps between log lines")
+    g.add_argument("--eval-interval", type=int, default=1000, help="steps between evaluations")
+    g.add_argument("--eval-iters", type=int, default=100, help="validation batches per eval")
+    g.add_argument("--tensorboard-dir", default=None, help="write TensorBoard events here")
+    g.add_argument("--no-progress-bar", action="store_true", help="no progress bar on rank 0")
+
+
+def add_hdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the `--hdp-*` flags (usable as Megatron-LM's `extra_args_provider`)."""
+    g = parser.add_argument_group("hybrid data parallelism")
+    g.add_argument(
+        "--hdp",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="HDP placement (default); --no-hdp runs the static DP x CP mesh baseline",
+    )
+    g.add_argument(
+        "--hdp-static-baseline",
+        action="store_true",
+        help="same as --no-hdp: pack to --seq-length, shard every pack over the CP group",
+    )
+    g.add_argument(
+        "--hdp-placement",
+        choices=[p for p in POLICIES if p != "static"],
+        default="greedy",
+        help="HDP placement policy",
+    )
+    g.add_argument(
+        "--hdp-capacity",
+        type=int,
+        default=None,
+        help="tokens per rank per micro-batch (default ceil(seq-length / context-parallel-size))",
+    )
+    g.add_argument(
+        "--hdp-global-batch-tokens",
+        type=int,
+        default=None,
+        help="global batch as a token budget (the paper's way); whole sequences are added "
+        "while they fit",
+    )
+    g.add_argument(
+        "--hdp-attention-backend",
+        choices=("torch", "math"),
+        default="torch",
+        help="attention block kernel",
+    )
+    g.add_argument(
+        "--hdp-metrics-file",
+        default=None,
+        help="append one JSON line per step (iteration, loss, lr, grad norm, tokens, seconds)",
+    )
+    g.add_argument(
+        "--hdp-check-plans",
+        action="store_true",
+        help="all-gather plan hashes every step and stop if ranks disagree (debug)",
+    )
+    return parser
+
+
+def build_parser() -> RefusingParser:
+    """The whole `pretrain_hdp.py` parser."""
+    parser = RefusingParser(
+        prog="pretrain_hdp.py",
+        description="Train a Megatron-Core GPT with Hybrid Data Parallelism (launch with "
+        "torchrun).",
+        allow_abbrev=False,
+    )
+    _add_model_args(parser)
+    _add_training_args(parser)
+    _add_data_args(parser)
+    _add_logging_args(parser)
+    add_hdp_args(parser)
+    return parser
+
+
+def parse_data_path(items: Sequence[str] | None) -> list[tuple[float, str]]:
+    """`--data-path` as `(weight, prefix)` pairs; `[]` when omitted."""
+    if not items:
+        return []
+    if len(items) == 1:
+        return [(1.0, items[0])]
+    try:
+        weights = [float(w) for w in items[0::2]]
+    except ValueError:
+        if any(_is_number(x) for x in items):
+            raise ValueError(f"--data-path {' '.join(items)}: mix of weights and paths") from None
+        return [(1.0, p) for p in items]
+    if len(items) % 2:
+        raise ValueError(f"--data-path {' '.join(items)}: a weight without a path")
+    if any(w <= 0 for w in weights):
+        raise ValueError(f"--data-path weights must be positive, got {weights}")
+    return list(zip(weights, items[1::2], strict=True))
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def capacity_of(args: argparse.Namespace) -> int:
+    """The token capacity per rank per micro-batch the job will use."""
+    if args.hdp_capacity is not None:
+        return args.hdp_capacity
+    return math.ceil(args.seq_length / args.context_parallel_size)
+
+
+def uses_static_mesh(args: argparse.Namespace) -> bool:
+    """True when the job runs the static DP x CP baseline instead of HDP."""
+    return (not args.hdp) or args.hdp_static_baseline
+
+
+def _check_positive(args, names):
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> None:
+    """Check the arguments against each other and the pool; ValueError naming the flag."""
+    _check_positive(
+        args,
+        [
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "seq_length",
+            "train_iters",
+            "lr",
+            "global_batch_size",
+            "hdp_capacity",
+            "hdp_global_batch_tokens",
+            "log_interval",
+            "eval_interval",
+            "save_interval",
+            "context_parallel_size",
+        ],
+    )
+    if args.eval_iters < 0:
+        raise ValueError(f"--eval-iters must be >= 0, got {args.eval_iters}")
+    if args.tensor_model_parallel_size != 1:
+        raise ValueError(
+            f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: tensor "
+            "parallelism is not supported with HDP yet; use 1"
+        )
+    if args.micro_batch_size != 1:
+        raise ValueError(
+            f"--micro-batch-size {args.micro_batch_size}: HDP packs micro-batches itself; use 1"
+        )
+    if args.attention_dropout != 0:
+        raise ValueError(f"--attention-dropout {args.attention_dropout}: must be 0 with HDP")
+    if args.global_batch_size is not None and args.hdp_global_batch_tokens is not None:
+        raise ValueError("give --global-batch-size or --hdp-global-batch-tokens, not both")
+    if args.hdp_global_batch_tokens is not None and args.hdp_global_batch_tokens < args.seq_length:
+        raise ValueError(
+            f"--hdp-global-batch-tokens {args.hdp_global_batch_tokens} is smaller than one "
+            f"sequence (--seq-length {args.seq_length})"
+        )
+    max_pos = args.max_position_embeddings or args.seq_length
+    if args.position_embedding_type == "learned_absolute" and args.seq_length > max_pos:
+        raise ValueError(
+            f"--seq-length {args.seq_length} exceeds --max-position-embeddings {max_pos}"
+        )
+    if args.hidden_size % args.num_attention_heads:
+        raise ValueError(
+            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+            f"{args.num_attention_heads}"
+        )
+    if args.group_query_attention and args.num_attention_heads % args.num_query_groups:
+        raise ValueError(
+            f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+            f"--num-query-groups {args.num_query_groups}"
+        )
+    if world_size % args.context_parallel_size:
+        raise ValueError(
+            f"--context-parallel-size {args.context_parallel_size} does not divide the "
+            f"{world_size} ranks"
+        )
+    capacity = capacity_of(args)
+    if uses_static_mesh(args):
+        context = capacity * args.context_parallel_size
+        if context < args.seq_length:
+            raise ValueError(
+                f"static mesh: --context-parallel-size {args.context_parallel_size} x capacity "
+                f"{capacity} = {context} tokens cannot hold --seq-length {args.seq_length}"
+            )
+    elif capacity * world_size < args.seq_length:
+        raise ValueError(
+            f"capacity {capacity} x {world_size} ranks = {capacity * world_size} tokens is too "
+            f"small for --seq-length {args.seq_length}: raise --hdp-capacity"
+        )
+    parse_split(args.split)
+    parse_data_path(args.data_path)
+    if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
+        raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model")
+    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
+        raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
+    if args.tokenizer_type != "NullTokenizer" and args.vocab_size is not None:
+        raise ValueError(
+            f"--vocab-size {args.vocab_size} only applies to NullTokenizer; "
+            f"{args.tokenizer_type} defines its own vocabulary"
+        )
+    if args.data_path is None and args.tokenizer_type != "ByteLevel":
+        raise ValueError(
+            f"the embedded default corpus is byte-level; --tokenizer-type {args.tokenizer_type} "
+            "needs --data-path"
+        )
+    if (
+        args.load is not None
+        and not (Path(args.load) / "latest_checkpointed_iteration.txt").exists()
+    ):
+        raise ValueError(
+            f"--load {args.load}: no checkpoint there (no latest_checkpointed_iteration.txt)"
+        )
+    if args.save_interval is not None and args.save is None:
+        raise ValueError("--save-interval needs --save")

@@ -1,0 +1,176 @@
+"""Atomic, resumable checkpoints of an HDP job (torch.save files; host layer).
+
+Layout, compatible in spirit with Megatron-LM's:
+
+    <dir>/latest_checkpointed_iteration.txt     the newest complete checkpoint
+    <dir>/iter_0000100/common.pt                model, optimizer, LR schedule, data position,
+                                                iteration, arguments (written by rank 0)
+    <dir>/iter_0000100/rng_rank<r>.pt           every rank's RNG states
+    <dir>/iter_0000100/distrib_optim.pt         sharded optimizer state gathered on rank 0
+                                                (only with --use-distributed-optimizer)
+
+Atomicity: everything is written into `iter_XXXXXXX.partial`; after all ranks finished
+(barrier) rank 0 renames the folder to `iter_XXXXXXX` and then replaces the tracker file
+with `os.replace`. A crash at any point leaves the previous checkpoint as the latest; a
+stale `.partial` folder is removed by the next save.
+
+The model is replicated on every HDP rank (DP semantics), so one copy is saved. With the
+distributed optimizer, Megatron gathers the optimizer shards to rank 0 (collective).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_hdp.megatron.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+@dataclass
+class TrainingState:
+    """What a resumed job needs besides model and optimizer."""
+
+    iteration: int
+    data_state: dict
+    consumed_tokens: int = 0
+
+
+def _iter_dir(root: Path, iteration: int) -> Path:
+    return root / f"iter_{iteration:07d}"
+
+
+def _rng_state() -> dict:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _write_atomically(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(
+    root: str | Path,
+    engine: Engine,
+    state: TrainingState,
+    *,
+    group: dist.ProcessGroup,
+    extra: dict | None = None,
+) -> Path:
+    """Collective over `group`: write the checkpoint of `state.iteration` atomically.
+
+    Returns the checkpoint folder. `extra` (e.g. the arguments) is stored in `common.pt`.
+    """
+    root = Path(root)
+    rank = dist.get_rank(group)
+    final = _iter_dir(root, state.iteration)
+    partial = final.with_name(final.name + ".partial")
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+    dist.barrier(group=group)
+    if engine.optimizer_is_distributed:
+        engine.optimizer.save_parameter_state(str(partial / "distrib_optim.pt"))
+    _write_atomically(partial / f"rng_rank{rank}.pt", _rng_state())
+    if rank == 0:
+        _write_atomically(
+            partial / "common.pt",
+            {
+                "iteration": state.iteration,
+                "consumed_tokens": state.consumed_tokens,
+                "data_state": state.data_state,
+                "model": engine.model.module.state_dict(),
+                "optimizer": engine.optimizer.state_dict(),
+                "scheduler": engine.scheduler.state_dict(),
+                "world_size": dist.get_world_size(group),
+                "extra": extra or {},
+            },
+        )
+    dist.barrier(group=group)
+    if rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        tracker_tmp = root / (TRACKER + ".tmp")
+        tracker_tmp.write_text(f"{state.iteration}\n")
+        os.replace(tracker_tmp, root / TRACKER)
+        logger.info("saved checkpoint %s", final)
+    dist.barrier(group=group)
+    return final
+
+
+def latest_iteration(root: str | Path) -> int:
+    """The iteration the tracker file names; ValueError if there is no usable checkpoint."""
+    root = Path(root)
+    tracker = root / TRACKER
+    if not tracker.exists():
+        raise ValueError(f"no checkpoint in {root}: {TRACKER} is missing")
+    text = tracker.read_text().strip()
+    if not text.isdigit():
+        raise ValueError(f"{tracker} does not hold an iteration number: {text!r}")
+    iteration = int(text)
+    if not (_iter_dir(root, iteration) / "common.pt").exists():
+        raise ValueError(f"{tracker} names iteration {iteration}, but its folder is incomplete")
+    return iteration
+
+
+def load_checkpoint(
+    root: str | Path, engine: Engine, *, group: dist.ProcessGroup
+) -> tuple[TrainingState, dict]:
+    """Collective over `group`: restore model, optimizer, schedule and RNG; return the state.
+
+    Returns `(training_state, extra)`. Raises ValueError for a missing or incomplete
+    checkpoint or one written by a pool of another size with the distributed optimizer.
+    """
+    root = Path(root)
+    iteration = latest_iteration(root)
+    folder = _iter_dir(root, iteration)
+    common = torch.load(folder / "common.pt", weights_only=False)
+    rank = dist.get_rank(group)
+    if engine.optimizer_is_distributed and common["world_size"] != dist.get_world_size(group):
+        raise ValueError(
+            f"{folder} was written by {common['world_size']} ranks with the distributed "
+            f"optimizer; this pool has {dist.get_world_size(group)}"
+        )
+    engine.model.module.load_state_dict(common["model"])
+    engine.optimizer.reload_model_params()
+    engine.optimizer.load_state_dict(common["optimizer"])
+    if engine.optimizer_is_distributed:
+        engine.optimizer.load_parameter_state(str(folder / "distrib_optim.pt"))
+    engine.scheduler.load_state_dict(common["scheduler"])
+    rng_file = folder / f"rng_rank{rank}.pt"
+    if rng_file.exists():
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    logger.info("loaded checkpoint %s (iteration %d)", folder, iteration)
+    state = TrainingState(
+        iteration=iteration,
+        data_state=common["data_state"],
+        consumed_tokens=common.get("consumed_tokens", 0),
+    )
+    return state, common.get("extra", {})

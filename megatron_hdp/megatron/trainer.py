@@ -1,0 +1,323 @@
+"""The training loop of `pretrain_hdp.py` (host layer).
+
+Per step: the sampler gives the global batch (lengths only), every rank plans it the same
+way, each rank reads its own tokens and runs its micro-batches, one gradient sync, one
+update. Logging, evaluation, checkpoints and TensorBoard hang off that loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from megatron_hdp.batching import IndexedTokens
+from megatron_hdp.data.sampler import parse_split
+from megatron_hdp.megatron.arguments import (
+    capacity_of,
+    parse_data_path,
+    uses_static_mesh,
+)
+from megatron_hdp.megatron.checkpoint import TrainingState, load_checkpoint, save_checkpoint
+from megatron_hdp.megatron.engine import Engine, OptimConfig, build_engine
+from megatron_hdp.megatron.model import GPTConfig
+from megatron_hdp.megatron.step import StepResult, StepRuntime, evaluate, train_step
+from megatron_hdp.megatron.training_data import DataConfig, TrainingData
+from megatron_hdp.scheduler import plan_step
+from megatron_hdp.scheduler.stats import plan_statistics
+
+logger = logging.getLogger(__name__)
+
+
+def padded_vocab_size(vocab_size: int, multiple: int) -> int:
+    """Megatron's vocabulary padding to a multiple of `--make-vocab-size-divisible-by`."""
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def megatron_ffn_hidden_size(args: argparse.Namespace) -> int:
+    """Megatron-LM's default MLP size: 4 h, or int(8 h / 3 / 64) * 64 with SwiGLU."""
+    if args.ffn_hidden_size is not None:
+        return args.ffn_hidden_size
+    if args.swiglu:
+        return int((4 * args.hidden_size * 2 / 3) / 64) * 64 or 4 * args.hidden_size
+    return 4 * args.hidden_size
+
+
+def model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
+    """The model shape from Megatron-named arguments."""
+    return GPTConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        ffn_hidden_size=megatron_ffn_hidden_size(args),
+        vocab_size=padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by),
+        max_position_embeddings=args.max_position_embeddings or args.seq_length,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+        normalization=args.normalization,
+        swiglu=args.swiglu,
+        add_bias_linear=not args.disable_bias_linear,
+        init_method_std=args.init_method_std,
+        tie_embeddings=not args.untie_embeddings_and_output_weights,
+        hidden_dropout=args.hidden_dropout,
+        params_dtype="bfloat16" if args.bf16 else "float32",
+    )
+
+
+def optim_config(args: argparse.Namespace) -> OptimConfig:
+    """Optimizer and LR schedule from Megatron-named arguments."""
+    return OptimConfig(
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        lr_warmup_iters=args.lr_warmup_iters,
+        lr_decay_iters=(args.lr_decay_iters or args.train_iters) - args.lr_warmup_iters,
+        lr_decay_style=args.lr_decay_style,
+    )
+
+
+def data_config(args: argparse.Namespace, world_size: int) -> DataConfig:
+    """Data set-up from Megatron-named arguments; the default batch is one context per DP rank."""
+    tokens, units = args.hdp_global_batch_tokens, args.global_batch_size
+    if tokens is None and units is None:
+        tokens = (world_size // args.context_parallel_size) * args.seq_length
+    return DataConfig(
+        blend=parse_data_path(args.data_path),
+        split=parse_split(args.split),
+        seq_length=args.seq_length,
+        seed=args.seed,
+        tokens_per_batch=tokens,
+        units_per_batch=units,
+        tokenizer_type=args.tokenizer_type,
+        tokenizer_model=args.tokenizer_model,
+        vocab_size=args.vocab_size,
+        cache_dir=args.data_cache_path,
+    )
+
+
+def _merge_stats(stats: list[dict]) -> dict:
+    """Plan statistics of several steps: means, but the extremes stay extremes."""
+    merged = {key: statistics.fmean(s[key] for s in stats) for key in stats[0]}
+    for key in ("max_ranks_per_sequence", "micro_batches_per_rank_max"):
+        merged[key] = max(s[key] for s in stats)
+    merged["micro_batches_per_rank_min"] = min(s["micro_batches_per_rank_min"] for s in stats)
+    return merged
+
+
+@dataclass
+class _Window:
+    """Running sums between two log lines."""
+
+    losses: list[float] = field(default_factory=list)
+    tokens: int = 0
+    seconds: float = 0.0
+    stats: list[dict] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+
+
+class Trainer:
+    """Runs `args.train_iters` steps on this rank (collective over the pool throughout).
+
+    Args:
+        args: Parsed and validated `pretrain_hdp.py` arguments.
+        data: Datasets and samplers from `build_training_data`.
+        runtime: Pool group, model shape, device and counters.
+    """
+
+    def __init__(self, args: argparse.Namespace, data: TrainingData, runtime: StepRuntime):
+        self.args = args
+        self.data = data
+        self.runtime = runtime
+        self.pool_size = dist.get_world_size(runtime.group)
+        self.rank = dist.get_rank(runtime.group)
+        self.capacity = capacity_of(args)
+        self.policy = "static" if uses_static_mesh(args) else args.hdp_placement
+        self.engine: Engine = build_engine(runtime.cfg, optim_config(args), seed=args.seed)
+        self.iteration = 0
+        self.consumed_tokens = 0
+        self.history: list[dict] = []
+        self._writer = None
+        if args.tensorboard_dir and self.rank == 0:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=args.tensorboard_dir)
+
+    def _plan(self, units):
+        return plan_step(
+            [u.length for u in units],
+            pool_size=self.pool_size,
+            capacity=self.capacity,
+            policy=self.policy,
+            cp_size=self.args.context_parallel_size if self.policy == "static" else None,
+        )
+
+    def resume(self) -> None:
+        """Collective: restore everything from `--load`."""
+        state, _ = load_checkpoint(self.args.load, self.engine, group=self.runtime.group)
+        self.iteration = state.iteration
+        self.consumed_tokens = state.consumed_tokens
+        self.data.train.load_state_dict(state.data_state)
+
+    def save(self) -> None:
+        """Collective: write a checkpoint of the current iteration to `--save`."""
+        state = TrainingState(
+            iteration=self.iteration,
+            data_state=self.data.train.state_dict(),
+            consumed_tokens=self.consumed_tokens,
+        )
+        save_checkpoint(
+            self.args.save,
+            self.engine,
+            state,
+            group=self.runtime.group,
+            extra={"args": vars(self.args)},
+        )
+
+    def step(self) -> tuple[StepResult, dict, float, list]:
+        """Collective: one training step; returns result, plan statistics, seconds, units."""
+        units = self.data.train.next_batch()
+        plan = self._plan(units)
+        source = IndexedTokens(self.data.datasets, units)
+        start = time.perf_counter()
+        result = train_step(self.engine, plan, source, self.runtime)
+        elapsed = time.perf_counter() - start
+        self.iteration += 1
+        self.consumed_tokens += result.num_loss_tokens
+        return result, plan_statistics(plan), elapsed, units
+
+    def evaluate(self) -> float | None:
+        """Collective: mean validation loss over `--eval-iters` batches (None if no data)."""
+        sampler = self.data.fresh_valid_sampler()
+        if sampler is None or self.args.eval_iters == 0:
+            return None
+        loss_sum, tokens = 0.0, 0
+        for _ in range(self.args.eval_iters):
+            units = sampler.next_batch()
+            s, n = evaluate(
+                self.engine.model,
+                self._plan(units),
+                IndexedTokens(self.data.datasets, units),
+                self.runtime,
+            )
+            loss_sum, tokens = loss_sum + s, tokens + n
+        return loss_sum / max(tokens, 1)
+
+    def _log(self, window: _Window) -> None:
+        lr = self.engine.optimizer.param_groups[0]["lr"]
+        loss = statistics.fmean(window.losses)
+        throughput = window.tokens / window.seconds if window.seconds else 0.0
+        merged = _merge_stats(window.stats)
+        grad_norm = statistics.fmean(window.grad_norms) if window.grad_norms else float("nan")
+        record = {
+            "iteration": self.iteration,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": throughput,
+            **merged,
+        }
+        self.history.append(record)
+        logger.info(
+            "iter %d/%d | loss %.4f | lr %.3e | grad norm %.3f | %.0f tokens/s | ranks/seq "
+            "mean %.2f max %d (token-weighted %.2f) | micro-batches/rank %d-%d | predicted "
+            "imbalance %.3f",
+            self.iteration,
+            self.args.train_iters,
+            loss,
+            lr,
+            grad_norm,
+            throughput,
+            merged["mean_ranks_per_sequence"],
+            merged["max_ranks_per_sequence"],
+            merged["token_weighted_ranks_per_sequence"],
+            merged["micro_batches_per_rank_min"],
+            merged["micro_batches_per_rank_max"],
+            merged["predicted_imbalance"],
+        )
+        if self._writer is not None:
+            for key, value in record.items():
+                if key != "iteration":
+                    self._writer.add_scalar(f"train/{key}", value, self.iteration)
+            self._writer.flush()
+
+    def train(self, progress=None) -> list[dict]:
+        """Collective: train to `--train-iters`; returns one record per step (rank 0 logs).
+
+        A record holds the iteration, loss, learning rate, grad norm, tokens and the units
+        `(dataset, doc, start, length)` of the step's global batch.
+        """
+        args = self.args
+        window = _Window()
+        steps = []
+        metrics = None
+        if args.hdp_metrics_file and self.rank == 0:
+            metrics = open(args.hdp_metrics_file, "a")  # noqa: SIM115 - closed below
+        while self.iteration < args.train_iters:
+            result, stats, elapsed, units = self.step()
+            record = {
+                "iteration": self.iteration,
+                "loss": result.loss,
+                "lr": self.engine.optimizer.param_groups[0]["lr"],
+                "grad_norm": result.grad_norm,
+                "tokens": result.num_loss_tokens,
+                "seconds": elapsed,
+            }
+            if metrics is not None:
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+            steps.append(
+                {**record, "units": [(u.dataset, u.doc, u.start, u.length) for u in units]}
+            )
+            window.losses.append(result.loss)
+            window.tokens += result.num_loss_tokens
+            window.seconds += elapsed
+            window.stats.append(stats)
+            if result.grad_norm is not None:
+                window.grad_norms.append(result.grad_norm)
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(loss=f"{result.loss:.4f}")
+            if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
+                if self.rank == 0:
+                    self._log(window)
+                window = _Window()
+            if self.iteration % args.eval_interval == 0 or self.iteration == args.train_iters:
+                valid_loss = self.evaluate()
+                if valid_loss is not None and self.rank == 0:
+                    logger.info("iter %d | validation loss %.4f", self.iteration, valid_loss)
+                    if self._writer is not None:
+                        self._writer.add_scalar("valid/loss", valid_loss, self.iteration)
+            if args.save and (
+                (args.save_interval and self.iteration % args.save_interval == 0)
+                or self.iteration == args.train_iters
+            ):
+                self.save()
+        if self._writer is not None:
+            self._writer.close()
+        if metrics is not None:
+            metrics.close()
+        return steps
+
+
+def runtime_for(args, data: TrainingData, group, device) -> StepRuntime:
+    """The step runtime of this job."""
+    cfg = model_config(args, data.vocab_size)
+    return StepRuntime(
+        group=group,
+        cfg=cfg,
+        backend=args.hdp_attention_backend,
+        device=device,
+        check_plans=args.hdp_check_plans,
+    )

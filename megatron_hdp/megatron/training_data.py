@@ -1,0 +1,138 @@
+"""Open the job's datasets and build its samplers (host layer; no communication).
+
+Every rank runs this before any process group exists: opening an indexed dataset only
+maps its index, and the sampler needs lengths alone, so every rank derives the same global
+batches without reading tokens or talking to other ranks. Bad data (missing or corrupt
+`.idx`/`.bin`, tokens outside the vocabulary's range by dtype) fails here.
+
+Documents: each sequence of an indexed dataset is one document (what Megatron's
+`preprocess_data.py` writes without `--split-sentences`, and what our preprocessing writes).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+from megatron_hdp.data.sampler import DatasetUnits, TokenBudgetSampler, split_ranges
+from megatron_hdp.data.tokenizers import build_tokenizer
+from megatron_hdp.megatron.indexed import ensure_stdlib_corpus, open_indexed_dataset
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CACHE = Path(os.path.expanduser("~")) / ".cache" / "megatron_hdp"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """What the data set-up needs (Megatron flag names in parentheses)."""
+
+    blend: list[tuple[float, str]]
+    """(weight, prefix) pairs (--data-path); empty = the embedded stdlib corpus."""
+    split: list[float]
+    """Train/valid/test weights over each dataset's documents (--split)."""
+    seq_length: int
+    """Longest training sequence; longer documents are cut (--seq-length)."""
+    seed: int
+    """Data order (--seed)."""
+    tokens_per_batch: int | None = None
+    """Global batch token budget (--hdp-global-batch-tokens)."""
+    units_per_batch: int | None = None
+    """Global batch in sequences (--global-batch-size)."""
+    tokenizer_type: str = "ByteLevel"
+    """(--tokenizer-type)."""
+    tokenizer_model: str | None = None
+    """(--tokenizer-model)."""
+    vocab_size: int | None = None
+    """For NullTokenizer (--vocab-size)."""
+    cache_dir: str | None = None
+    """Where the embedded corpus is built (--data-cache-path)."""
+
+
+@dataclass
+class TrainingData:
+    """Open datasets, the training sampler and the vocabulary size (before padding).
+
+    `valid_units` is None when some dataset has no validation document.
+    """
+
+    datasets: list[IndexedDataset]
+    prefixes: list[str]
+    train: TokenBudgetSampler
+    vocab_size: int
+    valid_units: list[DatasetUnits] | None
+    cfg: DataConfig
+
+    def fresh_valid_sampler(self) -> TokenBudgetSampler | None:
+        """A validation sampler at its start (every evaluation sees the same batches)."""
+        if self.valid_units is None:
+            return None
+        return _sampler(self.valid_units, self.cfg, seed=self.cfg.seed + 1)
+
+
+def _sampler(units, cfg: DataConfig, *, seed: int) -> TokenBudgetSampler:
+    return TokenBudgetSampler(
+        units,
+        [w for w, _ in cfg.blend] if cfg.blend else [1.0],
+        seed=seed,
+        tokens_per_batch=cfg.tokens_per_batch,
+        units_per_batch=cfg.units_per_batch,
+    )
+
+
+def _vocab_size(cfg: DataConfig) -> int:
+    if cfg.tokenizer_type == "NullTokenizer":
+        return int(cfg.vocab_size)
+    return build_tokenizer(cfg.tokenizer_type, tokenizer_model=cfg.tokenizer_model).vocab_size
+
+
+def build_training_data(cfg: DataConfig) -> TrainingData:
+    """Open (or build) the datasets, split them and make the train/valid samplers.
+
+    Raises ValueError for unreadable data or a dataset split with no usable document.
+    """
+    vocab_size = _vocab_size(cfg)
+    if cfg.blend:
+        prefixes = [prefix for _, prefix in cfg.blend]
+    else:
+        prefixes = [ensure_stdlib_corpus(cfg.cache_dir or DEFAULT_CACHE)]
+        logger.info("no --data-path: using the embedded stdlib corpus %s", prefixes[0])
+    datasets = [open_indexed_dataset(prefix) for prefix in prefixes]
+    train_units, valid_units = [], []
+    for prefix, dataset in zip(prefixes, datasets, strict=True):
+        lengths = np.asarray(dataset.sequence_lengths, dtype=np.int64)
+        ranges = split_ranges(len(lengths), cfg.split)
+        per_split = []
+        for lo, hi in ranges[:2]:
+            ids = np.arange(lo, hi, dtype=np.int64)
+            per_split.append(
+                DatasetUnits.from_documents(ids, lengths[lo:hi], max_seq_length=cfg.seq_length)
+            )
+        if len(per_split[0]) == 0:
+            raise ValueError(f"{prefix}: the training split ({cfg.split}) holds no usable document")
+        train_units.append(per_split[0])
+        valid_units.append(per_split[1])
+        logger.info(
+            "%s: %d documents, %d training sequences (%d tokens), %d validation sequences",
+            prefix,
+            len(lengths),
+            len(per_split[0]),
+            per_split[0].num_tokens,
+            len(per_split[1]),
+        )
+    if not all(len(u) > 0 for u in valid_units):
+        logger.warning("no validation documents in some dataset: evaluation is skipped")
+        valid_units = None
+    return TrainingData(
+        datasets=datasets,
+        prefixes=prefixes,
+        train=_sampler(train_units, cfg, seed=cfg.seed),
+        vocab_size=vocab_size,
+        valid_units=valid_units,
+        cfg=cfg,
+    )

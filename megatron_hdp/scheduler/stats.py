@@ -1,0 +1,40 @@
+"""Summary statistics of a `StepPlan`, for logs and benchmarks (pure)."""
+
+from __future__ import annotations
+
+from megatron_hdp.scheduler.plan import StepPlan
+
+
+def plan_statistics(plan: StepPlan) -> dict:
+    """Ranks per sequence, micro-batches per rank and the predicted imbalance of a plan.
+
+    Keys: `num_sequences`, `num_tokens`, `max_ranks_per_sequence`,
+    `mean_ranks_per_sequence`, `token_weighted_ranks_per_sequence`,
+    `micro_batches_per_rank_min` / `_max`, and `predicted_imbalance` (the most loaded
+    rank's predicted cost over the mean; 1.0 is perfect balance).
+    """
+    ring_of = {}
+    for mb in plan.micro_batches:
+        for i in mb.seq_indices:
+            ring_of[i] = mb.cp_size
+    sizes = [ring_of[i] for i in range(len(plan.seqlens))]
+    tokens = plan.total_tokens()
+    loads = [0.0] * plan.pool_size
+    for mb in plan.micro_batches:
+        for r in mb.ring:
+            loads[r] += mb.predicted_cost
+    mean_load = sum(loads) / plan.pool_size
+    counts = plan.num_micro_batches_per_rank()
+    return {
+        "num_sequences": len(plan.seqlens),
+        "num_tokens": tokens,
+        "max_ranks_per_sequence": max(sizes),
+        "mean_ranks_per_sequence": sum(sizes) / len(sizes),
+        "token_weighted_ranks_per_sequence": sum(
+            s * n for s, n in zip(sizes, plan.seqlens, strict=True)
+        )
+        / tokens,
+        "micro_batches_per_rank_min": min(counts),
+        "micro_batches_per_rank_max": max(counts),
+        "predicted_imbalance": max(loads) / mean_load if mean_load > 0 else 1.0,
+    }

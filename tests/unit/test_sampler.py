@@ -1,0 +1,96 @@
+"""Token-budget sampler: units, epochs, budgets, blends, resume."""
+
+import numpy as np
+import pytest
+
+from megatron_hdp.data.sampler import (
+    DatasetUnits,
+    TokenBudgetSampler,
+    parse_split,
+    split_ranges,
+)
+
+
+def brute_force_units(lengths, max_len):
+    out = []
+    for doc, n in enumerate(lengths):
+        inputs = n - 1
+        start = 0
+        while start < inputs:
+            out.append((doc, start, min(max_len, inputs - start)))
+            start += max_len
+    return out
+
+
+def as_tuples(units: DatasetUnits):
+    return list(zip(units.doc.tolist(), units.start.tolist(), units.length.tolist()))
+
+
+def test_documents_are_cut_into_context_sized_units():
+    lengths = [1, 2, 5, 9, 10, 11, 30]
+    units = DatasetUnits.from_documents(np.arange(7), np.array(lengths), max_seq_length=4)
+    assert as_tuples(units) == brute_force_units(lengths, 4)
+    assert units.num_tokens == sum(n - 1 for n in lengths)
+
+
+def test_every_unit_once_per_epoch_and_budget_respected():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(2, 200, size=57)
+    units = DatasetUnits.from_documents(np.arange(57), lengths, max_seq_length=64)
+    sampler = TokenBudgetSampler([units], [1.0], seed=3, tokens_per_batch=150)
+    seen, batches = [], []
+    while len(seen) < 2 * len(units):
+        batch = sampler.next_batch()
+        batches.append(batch)
+        assert sum(u.length for u in batch) <= 150
+        seen.extend((u.doc, u.start, u.length) for u in batch)
+    epoch1, epoch2 = seen[: len(units)], seen[len(units) : 2 * len(units)]
+    assert sorted(epoch1) == sorted(as_tuples(units))
+    assert sorted(epoch2) == sorted(as_tuples(units))
+    assert epoch1 != epoch2  # a new permutation every epoch
+    for batch, following in zip(batches, batches[1:]):
+        assert sum(u.length for u in batch) + following[0].length > 150  # batches are full
+
+
+def test_resume_continues_the_same_stream():
+    units = DatasetUnits.from_documents(np.arange(40), np.arange(2, 42), max_seq_length=16)
+    a = TokenBudgetSampler([units], [1.0], seed=9, tokens_per_batch=50)
+    for _ in range(5):
+        a.next_batch()
+    state = a.state_dict()
+    expected = [a.next_batch() for _ in range(20)]
+    b = TokenBudgetSampler([units], [1.0], seed=9, tokens_per_batch=50)
+    b.load_state_dict(state)
+    assert [b.next_batch() for _ in range(20)] == expected
+    with pytest.raises(ValueError, match="saved with seed 9, not 10"):
+        TokenBudgetSampler([units], [1.0], seed=10, tokens_per_batch=50).load_state_dict(state)
+
+
+def test_blend_follows_weights():
+    a = DatasetUnits.from_documents(np.arange(50), np.full(50, 5), max_seq_length=8)
+    b = DatasetUnits.from_documents(np.arange(70), np.full(70, 5), max_seq_length=8)
+    sampler = TokenBudgetSampler([a, b], [1.0, 3.0], seed=0, units_per_batch=8)
+    counts = [0, 0]
+    for step in range(1, 26):
+        for unit in sampler.next_batch():
+            counts[unit.dataset] += 1
+        total = 8 * step
+        assert abs(counts[1] - 0.75 * total) <= 1
+
+
+def test_bad_inputs_name_the_value():
+    units = DatasetUnits.from_documents(np.arange(3), np.array([100, 5, 5]), max_seq_length=64)
+    with pytest.raises(ValueError, match="global batch of 40 tokens is smaller than one sequence"):
+        TokenBudgetSampler([units], [1.0], seed=0, tokens_per_batch=40)
+    with pytest.raises(ValueError, match="blend weights must be positive"):
+        TokenBudgetSampler([units], [0.0], seed=0, units_per_batch=1)
+    empty = DatasetUnits.from_documents(np.arange(2), np.array([1, 1]), max_seq_length=4)
+    with pytest.raises(ValueError, match="dataset 0 of the blend has no usable document"):
+        TokenBudgetSampler([empty], [1.0], seed=0, units_per_batch=1)
+
+
+def test_split_ranges_match_megatron_style_weights():
+    assert split_ranges(1000, parse_split("969,30,1")) == [(0, 969), (969, 999), (999, 1000)]
+    assert split_ranges(10, parse_split("98/2/0")) == [(0, 10), (10, 10), (10, 10)]
+    with pytest.raises(ValueError, match="not a list of numbers"):
+        parse_split("a,b")
