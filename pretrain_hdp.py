@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with megatron_device_context():
         initialize_parallel_state()
         try:
-            trainer = Trainer(args, data, runtime_for(args, data, dist.group.WORLD, device))
+            trainer = Trainer(args, data, runtime_for(args, dist.group.WORLD, device))
             if args.load:
                 trainer.resume()
             with tqdm(

@@ -108,13 +108,17 @@ class IndexedTokens:
 
 @dataclass(frozen=True)
 class LocalBatch:
-    """This rank's tokens of one micro-batch, shaped `[1, T]` as Megatron's THD input."""
+    """This rank's tokens of one micro-batch, shaped `[1, T]` as Megatron's THD input.
+
+    `full_doc_lengths` are the lengths of the micro-batch's documents; `shard` says which
+    positions of each this rank holds.
+    """
 
     tokens: torch.Tensor
     labels: torch.Tensor
     loss_mask: torch.Tensor
     position_ids: torch.Tensor
-    doc_lengths: tuple[int, ...]
+    full_doc_lengths: tuple[int, ...]
     shard: RankShard
     ring: tuple[int, ...]
     rank: int
@@ -139,7 +143,7 @@ class LocalBatch:
     def cu_seqlens(self) -> torch.Tensor:
         """int32 offsets of the local documents, as flash-attn's varlen API expects."""
         lengths = torch.tensor(
-            [0, *self.shard.doc_lengths()], dtype=torch.int64, device=self.tokens.device
+            [0, *self.shard.local_doc_lengths()], dtype=torch.int64, device=self.tokens.device
         )
         return torch.cumsum(lengths, 0).to(torch.int32)
 
@@ -147,28 +151,36 @@ class LocalBatch:
 def gather_local_batch(
     plan: StepPlan, micro_batch: MicroBatch, rank: int, source: TokenSource
 ) -> LocalBatch:
-    """Read this rank's share of `micro_batch` from `source` (possibly no token at all)."""
-    doc_lengths = tuple(plan.seqlens[i] for i in micro_batch.seq_indices)
-    my_shard = shard(doc_lengths, micro_batch.cp_size)[micro_batch.ring.index(rank)]
-    pieces = [
-        source.read(micro_batch.seq_indices[d], start, length) + (start, length)
-        for d, start, length in my_shard.ranges()
-    ]
+    """Read this rank's share of `micro_batch` from `source` (possibly no token at all).
 
-    def cat(i, dtype):
-        if not pieces:
+    Raises ValueError if the source returns fewer or more tokens than the plan expects
+    (the source and the plan disagree on a sequence's length).
+    """
+    full_lengths = tuple(plan.seqlens[i] for i in micro_batch.seq_indices)
+    my_shard = shard(full_lengths, micro_batch.cp_size)[micro_batch.ring.index(rank)]
+    parts: list[tuple[torch.Tensor, ...]] = []
+    for d, start, length in my_shard.ranges():
+        seq_index = micro_batch.seq_indices[d]
+        piece = source.read(seq_index, start, length)
+        if any(len(t) != length for t in piece):
+            raise ValueError(
+                f"sequence {seq_index}: the plan expects {plan.seqlens[seq_index]} tokens, but "
+                f"reading positions [{start}, {start + length}) returned "
+                f"{[len(t) for t in piece]} values"
+            )
+        parts.append(piece)
+
+    def cat(i: int, dtype: torch.dtype) -> torch.Tensor:
+        if not parts:
             return torch.zeros(1, 0, dtype=dtype)
-        return torch.cat([torch.as_tensor(p[i]).to(dtype) for p in pieces]).unsqueeze(0)
+        return torch.cat([torch.as_tensor(p[i]).to(dtype) for p in parts]).unsqueeze(0)
 
-    positions = [torch.arange(p[3], p[3] + p[4]) for p in pieces]
     return LocalBatch(
         tokens=cat(0, torch.int64),
         labels=cat(1, torch.int64),
         loss_mask=cat(2, torch.float32),
-        position_ids=(
-            torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int64)
-        ).unsqueeze(0),
-        doc_lengths=doc_lengths,
+        position_ids=torch.tensor(my_shard.positions(), dtype=torch.int64).unsqueeze(0),
+        full_doc_lengths=full_lengths,
         shard=my_shard,
         ring=micro_batch.ring,
         rank=rank,

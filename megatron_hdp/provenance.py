@@ -6,6 +6,7 @@ import os
 import platform
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 
@@ -30,13 +31,12 @@ def git_revision(repo: Path | None = None) -> str:
 
 def environment() -> dict:
     """Library versions and the machine, for a benchmark's JSON."""
-    import megatron.core
     import torch
 
     return {
         "python": sys.version.split()[0],
         "torch": torch.__version__,
-        "megatron_core": megatron.core.__version__,
+        "megatron_core": metadata.version("megatron-core"),
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "cuda": torch.cuda.is_available(),

@@ -58,14 +58,14 @@ class RankShard:
         """Tokens this member holds."""
         return sum(self.first_len) + sum(self.second_len)
 
-    def doc_lengths(self) -> list[int]:
+    def local_doc_lengths(self) -> list[int]:
         """Local tokens of each document (first plus second chunk)."""
         return [a + b for a, b in zip(self.first_len, self.second_len, strict=True)]
 
     def doc_offsets(self) -> list[int]:
         """Start of each document's tokens in the local buffer."""
         offsets, total = [], 0
-        for n in self.doc_lengths():
+        for n in self.local_doc_lengths():
             offsets.append(total)
             total += n
         return offsets

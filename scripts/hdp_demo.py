@@ -80,7 +80,7 @@ def main(argv=None) -> None:
         initialize_parallel_state()
         try:
             engine = build_engine(cfg, OptimConfig(lr=args.lr), seed=args.seed)
-            runtime = StepRuntime(group=dist.group.WORLD, cfg=cfg, device=device)
+            runtime = StepRuntime(group=dist.group.WORLD, device=device)
             cursor = 0
             for step in range(1, args.steps + 1):
                 batch, tokens = [], 0

@@ -51,8 +51,16 @@ class AttentionBackend(Protocol):
         ...
 
 
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 class MathBackend:
-    """Matmul attention; runs on every device and in every floating dtype."""
+    """Matmul attention; runs on every device and in every floating dtype.
+
+    16-bit inputs are computed in float32; outputs and gradients come back in the input
+    dtype, lse in float32.
+    """
 
     name = "math"
 
@@ -68,11 +76,16 @@ class MathBackend:
 
     def forward(self, q, k, v, *, causal, scale):
         """See `AttentionBackend.forward`."""
+        dtype = _compute_dtype(q.dtype)
+        q, k, v_c = q.to(dtype), k.to(dtype), v.to(dtype)
         probs, lse = self._probs(q, k, None, causal, scale)
-        return torch.matmul(probs, v), lse
+        return torch.matmul(probs, v_c).to(v.dtype), lse
 
     def backward(self, dout, q, k, v, out, lse, *, causal, scale):
         """See `AttentionBackend.backward`."""
+        in_dtype, dtype = q.dtype, _compute_dtype(q.dtype)
+        dout, q, k, v, out = (t.to(dtype) for t in (dout, q, k, v, out))
+        lse = lse.to(dtype)
         probs, _ = self._probs(q, k, lse, causal, scale)
         dv = torch.matmul(probs.transpose(-1, -2), dout)
         dprobs = torch.matmul(dout, v.transpose(-1, -2))
@@ -80,7 +93,7 @@ class MathBackend:
         dscores = probs * (dprobs - delta)
         dq = torch.matmul(dscores, k) * scale
         dk = torch.matmul(dscores.transpose(-1, -2), q) * scale
-        return dq, dk, dv
+        return dq.to(in_dtype), dk.to(in_dtype), dv.to(in_dtype)
 
 
 class TorchBackend:

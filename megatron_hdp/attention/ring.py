@@ -56,11 +56,6 @@ class RingAttentionSpec:
     comm: RingComm | None
     backend: AttentionBackend
 
-    @property
-    def cp_size(self) -> int:
-        """Ranks in the ring (active or not)."""
-        return len(self.shards)
-
 
 def active_positions(shards: Sequence[RankShard]) -> tuple[int, ...]:
     """Ring positions that hold tokens."""
@@ -264,10 +259,10 @@ def hdp_attention(
         softmax_scale: Defaults to `1 / sqrt(D)`.
     """
     num_tokens = spec.shards[spec.position].num_tokens
-    if q_THD.shape[0] != num_tokens or k_TGD.shape[0] != num_tokens:
+    if q_THD.shape[0] != num_tokens or k_TGD.shape != v_TGD.shape or k_TGD.shape[0] != num_tokens:
         raise ValueError(
-            f"expected {num_tokens} local tokens for this ring position, got q "
-            f"{tuple(q_THD.shape)} and k {tuple(k_TGD.shape)}"
+            f"expected {num_tokens} local tokens for this ring position and equal k/v shapes, "
+            f"got q {tuple(q_THD.shape)}, k {tuple(k_TGD.shape)}, v {tuple(v_TGD.shape)}"
         )
     if q_THD.shape[1] % k_TGD.shape[1] != 0:
         raise ValueError(

@@ -6,8 +6,8 @@ Layout, compatible in spirit with Megatron-LM's:
     <dir>/iter_0000100/common.pt                model, optimizer, LR schedule, data position,
                                                 iteration, arguments (written by rank 0)
     <dir>/iter_0000100/rng_rank<r>.pt           every rank's RNG states
-    <dir>/iter_0000100/distrib_optim.pt         sharded optimizer state gathered on rank 0
-                                                (only with --use-distributed-optimizer)
+    <dir>/iter_0000100/optim_rank<r>.pt         this rank's optimizer shard: Adam state and fp32
+                                                main parameters (--use-distributed-optimizer)
 
 Atomicity: everything is written into `iter_XXXXXXX.partial`; after all ranks finished
 (barrier) rank 0 renames the folder to `iter_XXXXXXX` and then replaces the tracker file
@@ -15,7 +15,9 @@ with `os.replace`. A crash at any point leaves the previous checkpoint as the la
 stale `.partial` folder is removed by the next save.
 
 The model is replicated on every HDP rank (DP semantics), so one copy is saved. With the
-distributed optimizer, Megatron gathers the optimizer shards to rank 0 (collective).
+distributed optimizer every rank saves its own shard, so a resume needs the same number of
+ranks. (Megatron-Core 0.16.1's gather-to-rank-0 format drops torch AdamW's per-parameter
+`step`, which breaks Adam's bias correction on resume, so it is not used.)
 """
 
 from __future__ import annotations
@@ -74,6 +76,32 @@ def _write_atomically(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
+def _shard_optimizers(optimizer) -> list:
+    """The distributed optimizers inside Megatron's (possibly chained) optimizer."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _optimizer_shard_state(optimizer) -> dict:
+    shards = _shard_optimizers(optimizer)
+    return {
+        "inner": [o.optimizer.state_dict() for o in shards],
+        "main_params": [
+            [p.detach().clone() for g in o.optimizer.param_groups for p in g["params"]]
+            for o in shards
+        ],
+    }
+
+
+def _load_optimizer_shard_state(optimizer, state: dict) -> None:
+    shards = _shard_optimizers(optimizer)
+    for o, inner, params in zip(shards, state["inner"], state["main_params"], strict=True):
+        o.optimizer.load_state_dict(inner)
+        with torch.no_grad():
+            mine = [p for g in o.optimizer.param_groups for p in g["params"]]
+            for dst, src in zip(mine, params, strict=True):
+                dst.copy_(src)
+
+
 def save_checkpoint(
     root: str | Path,
     engine: Engine,
@@ -96,7 +124,9 @@ def save_checkpoint(
         partial.mkdir()
     dist.barrier(group=group)
     if engine.optimizer_is_distributed:
-        engine.optimizer.save_parameter_state(str(partial / "distrib_optim.pt"))
+        _write_atomically(
+            partial / f"optim_rank{rank}.pt", _optimizer_shard_state(engine.optimizer)
+        )
     _write_atomically(partial / f"rng_rank{rank}.pt", _rng_state())
     if rank == 0:
         _write_atomically(
@@ -162,7 +192,8 @@ def load_checkpoint(
     engine.optimizer.reload_model_params()
     engine.optimizer.load_state_dict(common["optimizer"])
     if engine.optimizer_is_distributed:
-        engine.optimizer.load_parameter_state(str(folder / "distrib_optim.pt"))
+        shard = torch.load(folder / f"optim_rank{rank}.pt", weights_only=False)
+        _load_optimizer_shard_state(engine.optimizer, shard)
     engine.scheduler.load_state_dict(common["scheduler"])
     rng_file = folder / f"rng_rank{rank}.pt"
     if rng_file.exists():

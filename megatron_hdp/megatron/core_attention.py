@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_hdp.attention.ring import RingAttentionSpec, hdp_attention
@@ -51,6 +52,8 @@ class HDPCoreAttention(MegatronModule):
             raise ValueError(f"HDP attention has no dropout; got attention_dropout={dropout}")
         if attention_type != "self":
             raise ValueError(f"HDP attention supports self-attention only, got {attention_type!r}")
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"HDP attention is causal; got attn_mask_type {attn_mask_type}")
         self.layer_number = layer_number
         self.softmax_scale = softmax_scale
 

@@ -79,6 +79,7 @@ class OptimConfig:
 class Engine:
     """The trainable state of one rank: DDP-wrapped model, optimizer, LR/WD schedule."""
 
+    cfg: GPTConfig
     model: DistributedDataParallel
     optimizer: object
     scheduler: OptimizerParamScheduler
@@ -129,6 +130,7 @@ def build_engine(cfg: GPTConfig, optim: OptimConfig, *, seed: int = 1234) -> Eng
         wd_incr_style="constant",
     )
     return Engine(
+        cfg=cfg,
         model=ddp_model,
         optimizer=optimizer,
         scheduler=scheduler,

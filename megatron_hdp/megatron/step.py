@@ -27,11 +27,11 @@ from megatron_hdp.scheduler.plan import StepPlan
 
 @dataclass
 class StepRuntime:
-    """What stays fixed from step to step on one rank.
+    """What stays fixed from step to step on one rank, besides the model.
 
     Attributes:
-        group: The HDP pool's process group (ring traffic and the gradient sync use it).
-        cfg: The model shape (RoPE settings, dtype).
+        group: The HDP pool's process group: ring traffic, and it must hold the same
+            ranks as the data-parallel group the model's gradients are synced over.
         backend: Attention block kernel (`attention.backends`).
         device: Where micro-batch tensors go.
         stats: Counters of attention traffic sent from this rank.
@@ -39,7 +39,6 @@ class StepRuntime:
     """
 
     group: dist.ProcessGroup
-    cfg: GPTConfig
     backend: str = "torch"
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     stats: CommStats = field(default_factory=CommStats)
@@ -48,7 +47,7 @@ class StepRuntime:
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one step did, seen from one rank (loss and token count are global)."""
+    """What one step did, seen from one rank (loss, token count and grad norm are global)."""
 
     loss: float
     num_loss_tokens: int
@@ -59,11 +58,12 @@ class StepResult:
     compute_seconds: float
 
 
-def packed_seq_params(batch: LocalBatch, runtime: StepRuntime) -> HDPPackedSeqParams:
+def packed_seq_params(
+    batch: LocalBatch, cfg: GPTConfig, runtime: StepRuntime
+) -> HDPPackedSeqParams:
     """The THD parameters of one local batch, with its ring spec and RoPE table."""
     cu = batch.cu_seqlens()
-    max_len = max(batch.shard.doc_lengths(), default=0)
-    cfg = runtime.cfg
+    max_len = max(batch.shard.local_doc_lengths(), default=0)
     rotary = None
     if cfg.position_embedding_type == "rope":
         rotary = RotaryTable.build(
@@ -78,9 +78,8 @@ def packed_seq_params(batch: LocalBatch, runtime: StepRuntime) -> HDPPackedSeqPa
         cu_seqlens_kv=cu,
         max_seqlen_q=max_len,
         max_seqlen_kv=max_len,
-        local_cp_size=len(batch.ring),
         attention=build_ring_spec(
-            batch.doc_lengths,
+            batch.full_doc_lengths,
             batch.ring,
             rank=batch.rank,
             group=runtime.group,
@@ -89,6 +88,25 @@ def packed_seq_params(batch: LocalBatch, runtime: StepRuntime) -> HDPPackedSeqPa
         ),
         rotary=rotary,
     )
+
+
+def check_plan_fits(plan: StepPlan, engine: Engine, group: dist.ProcessGroup) -> None:
+    """Raise ValueError (before any communication) if the plan cannot run on this pool/model."""
+    plan.validate(pool_size=dist.get_world_size(group))
+    cfg = engine.cfg
+    longest = max(plan.seqlens)
+    if cfg.position_embedding_type == "learned_absolute" and longest > cfg.max_position_embeddings:
+        raise ValueError(
+            f"a sequence of {longest} tokens exceeds the model's {cfg.max_position_embeddings} "
+            "learned position embeddings"
+        )
+    sync_ranks = dist.get_process_group_ranks(engine.model.dp_cp_group)
+    pool_ranks = dist.get_process_group_ranks(group)
+    if sorted(sync_ranks) != sorted(pool_ranks):
+        raise ValueError(
+            f"the pool group holds ranks {pool_ranks}, but the model syncs gradients over "
+            f"{sync_ranks}; they must be the same ranks"
+        )
 
 
 def local_batches(plan: StepPlan, source: TokenSource, runtime: StepRuntime) -> list[LocalBatch]:
@@ -101,18 +119,43 @@ def local_batches(plan: StepPlan, source: TokenSource, runtime: StepRuntime) -> 
     return [batch.to(runtime.device) for batch in batches if batch.num_tokens > 0]
 
 
-def _token_losses(model, batch: LocalBatch, runtime: StepRuntime) -> torch.Tensor:
-    return model(
+def _read_and_count(
+    plan: StepPlan, source: TokenSource, runtime: StepRuntime
+) -> tuple[list[LocalBatch], int]:
+    """Collective: read the local batches, then all-reduce the loss-token count.
+
+    A read error on any rank is folded into the same all-reduce, so every rank raises it
+    together instead of the others waiting forever in a ring.
+    """
+    batches, error = [], None
+    try:
+        batches = local_batches(plan, source, runtime)
+    except ValueError as err:
+        error = err
+    local = sum(float(b.loss_mask.sum()) for b in batches)
+    counts = torch.tensor(
+        [local, 1.0 if error else 0.0], dtype=torch.float64, device=runtime.device
+    )
+    dist.all_reduce(counts, group=runtime.group)
+    if error is not None:
+        raise error
+    if counts[1].item() > 0:
+        raise ValueError("another rank could not read its share of the global batch (see its log)")
+    return batches, int(counts[0].item())
+
+
+def _token_losses(engine: Engine, batch: LocalBatch, runtime: StepRuntime) -> torch.Tensor:
+    return engine.model(
         batch.tokens,
         batch.position_ids,
         None,
         labels=batch.labels,
-        packed_seq_params=packed_seq_params(batch, runtime),
+        packed_seq_params=packed_seq_params(batch, engine.cfg, runtime),
     )
 
 
 def forward_backward(
-    model, batches: list[LocalBatch], runtime: StepRuntime, *, loss_scale: float
+    engine: Engine, batches: list[LocalBatch], runtime: StepRuntime, *, loss_scale: float
 ) -> float:
     """Run this rank's local batches in plan order; accumulate grads of `sum(loss) * loss_scale`.
 
@@ -120,7 +163,7 @@ def forward_backward(
     """
     loss_sum = 0.0
     for batch in batches:
-        masked = (_token_losses(model, batch, runtime).float() * batch.loss_mask).sum()
+        masked = (_token_losses(engine, batch, runtime).float() * batch.loss_mask).sum()
         (masked * loss_scale).backward()
         loss_sum += float(masked.detach())
     return loss_sum
@@ -131,19 +174,16 @@ def train_step(
 ) -> StepResult:
     """Collective over `runtime.group` (the HDP pool): one optimizer step on the global batch.
 
-    The plan is checked against the pool before any communication. This rank reads only
-    its own tokens from `source`. The LR schedule advances by one step after a successful
-    update.
+    The plan is checked against the pool and the model before any communication. This
+    rank reads only its own tokens from `source`. The LR schedule advances by one step
+    after a successful update.
     """
     group = runtime.group
-    plan.validate(pool_size=dist.get_world_size(group))
+    check_plan_fits(plan, engine, group)
     if runtime.check_plans:
-        check_plan_agreement(plan, group)
+        check_plan_agreement(plan, group, runtime.device)
     bytes_before = runtime.stats.bytes_sent
-    batches = local_batches(plan, source, runtime)
-    counts = torch.tensor([sum(float(b.loss_mask.sum()) for b in batches)], dtype=torch.float64)
-    dist.all_reduce(counts, group=group)
-    global_tokens = int(counts.item())
+    batches, global_tokens = _read_and_count(plan, source, runtime)
     if global_tokens == 0:
         raise ValueError("the global batch has no loss tokens (every loss mask is zero)")
 
@@ -152,14 +192,14 @@ def train_step(
     engine.optimizer.zero_grad()
     start = time.perf_counter()
     with model.no_sync():
-        loss_sum = forward_backward(model, batches, runtime, loss_scale=1.0 / global_tokens)
+        loss_sum = forward_backward(engine, batches, runtime, loss_scale=1.0 / global_tokens)
     compute_seconds = time.perf_counter() - start
     model.finish_grad_sync()
     update_successful, grad_norm, _ = engine.optimizer.step()
     if update_successful:
         engine.scheduler.step(increment=1)
 
-    loss = torch.tensor([loss_sum], dtype=torch.float64)
+    loss = torch.tensor([loss_sum], dtype=torch.float64, device=runtime.device)
     dist.all_reduce(loss, group=group)
     return StepResult(
         loss=loss.item() / global_tokens,
@@ -172,19 +212,20 @@ def train_step(
     )
 
 
-def evaluate(model, plan: StepPlan, source: TokenSource, runtime: StepRuntime) -> tuple[float, int]:
+def evaluate(
+    engine: Engine, plan: StepPlan, source: TokenSource, runtime: StepRuntime
+) -> tuple[float, int]:
     """Collective over `runtime.group`: forward only; return the global loss sum and tokens."""
-    plan.validate(pool_size=dist.get_world_size(runtime.group))
-    batches = local_batches(plan, source, runtime)
-    totals = torch.zeros(2, dtype=torch.float64)
-    model.eval()
+    check_plan_fits(plan, engine, runtime.group)
+    batches, num_tokens = _read_and_count(plan, source, runtime)
+    loss_sum = torch.zeros(1, dtype=torch.float64, device=runtime.device)
+    engine.model.eval()
     try:
         with torch.no_grad():
             for batch in batches:
-                losses = _token_losses(model, batch, runtime).float()
-                totals[0] += float((losses * batch.loss_mask).sum())
-                totals[1] += float(batch.loss_mask.sum())
+                losses = _token_losses(engine, batch, runtime).float()
+                loss_sum += (losses * batch.loss_mask).sum().double()
     finally:
-        model.train()
-    dist.all_reduce(totals, group=runtime.group)
-    return totals[0].item(), int(totals[1].item())
+        engine.model.train()
+    dist.all_reduce(loss_sum, group=runtime.group)
+    return loss_sum.item(), num_tokens

@@ -144,7 +144,9 @@ class Trainer:
         self.rank = dist.get_rank(runtime.group)
         self.capacity = capacity_of(args)
         self.policy = "static" if uses_static_mesh(args) else args.hdp_placement
-        self.engine: Engine = build_engine(runtime.cfg, optim_config(args), seed=args.seed)
+        self.engine: Engine = build_engine(
+            model_config(args, data.vocab_size), optim_config(args), seed=args.seed
+        )
         self.iteration = 0
         self.consumed_tokens = 0
         self.history: list[dict] = []
@@ -206,7 +208,7 @@ class Trainer:
         for _ in range(self.args.eval_iters):
             units = sampler.next_batch()
             s, n = evaluate(
-                self.engine.model,
+                self.engine,
                 self._plan(units),
                 IndexedTokens(self.data.datasets, units),
                 self.runtime,
@@ -311,12 +313,10 @@ class Trainer:
         return steps
 
 
-def runtime_for(args, data: TrainingData, group, device) -> StepRuntime:
+def runtime_for(args, group, device) -> StepRuntime:
     """The step runtime of this job."""
-    cfg = model_config(args, data.vocab_size)
     return StepRuntime(
         group=group,
-        cfg=cfg,
         backend=args.hdp_attention_backend,
         device=device,
         check_plans=args.hdp_check_plans,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from megatron_hdp.scheduler.plan import MicroBatch, StepPlan, plan_from_rank_lists
+from megatron_hdp.scheduler.plan import MicroBatch, StepPlan, plan_from_rank_lists, validate_inputs
 
 POLICIES = ("greedy", "static")
 
@@ -32,29 +32,6 @@ def simple_cost(lengths: Sequence[int], cp_size: int, capacity: int) -> float:
     tokens. A stand-in until the calibrated cost model arrives; only relative values matter.
     """
     return sum(s + s * s / (2.0 * capacity) for s in lengths) / cp_size
-
-
-def validate_inputs(seqlens: Sequence[int], pool_size: int, capacity: int) -> None:
-    """Raise ValueError naming the bad value if the planner inputs cannot be planned."""
-    if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
-        raise ValueError(f"pool_size must be an integer >= 1, got {pool_size!r}")
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
-        raise ValueError(
-            f"capacity (tokens per rank per micro-batch) must be > 0, got {capacity!r}"
-        )
-    if len(seqlens) == 0:
-        raise ValueError("the global batch holds no sequence")
-    limit = pool_size * capacity
-    for i, s in enumerate(seqlens):
-        if isinstance(s, bool) or not isinstance(s, int):
-            raise ValueError(f"sequence {i} has a non-integer length {s!r}")
-        if s <= 0:
-            raise ValueError(f"sequence {i} is empty (length {s}); every sequence needs >= 1 token")
-        if s > limit:
-            raise ValueError(
-                f"sequence {i} has {s} tokens, more than the pool holds: "
-                f"{pool_size} ranks x capacity {capacity} = {limit}"
-            )
 
 
 def best_fit_pack(items: Sequence[tuple[int, int]], bin_size: int) -> list[list[int]]:
@@ -179,6 +156,8 @@ def plan_step(
     Deterministic: equal inputs give equal plans on every rank. Raises ValueError for bad
     input before anything else happens. `cp_size` applies to the static policy only.
     """
+    if policy != "static" and cp_size is not None:
+        raise ValueError(f"cp_size {cp_size} applies to the static policy only, not {policy!r}")
     if policy == "greedy":
         plan = plan_greedy(seqlens, pool_size=pool_size, capacity=capacity)
     elif policy == "static":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -31,7 +32,7 @@ class MicroBatch:
         order: Global sequence number; all members run their micro-batches by increasing order.
         ring: Pool ranks in ring order. Length 1 means a local micro-batch.
         seq_indices: Indices into `StepPlan.seqlens`, in packing order. On a ring every
-            sequence is cut into `2 * len(ring)` chunks (zigzag, see `layout.py`).
+            sequence is cut into `2 * len(ring)` chunks (zigzag, see `sharding.py`).
         offload_ratio: Fraction of saved activations to move to host memory (0 = none).
         predicted_cost: The planner's cost estimate for one member of the ring.
     """
@@ -144,7 +145,8 @@ class StepPlan:
     def validate(self, *, pool_size: int | None = None) -> None:
         """Check the plan's invariants; raise ValueError naming the first broken one.
 
-        Checked: the plan is for `pool_size` ranks (when given); every sequence is placed
+        Checked: the plan is for `pool_size` ranks (when given); the lengths, pool size and
+        capacity are valid planner inputs; every sequence is placed
         exactly once; rings hold distinct ranks inside the pool; orders are strictly
         increasing; no rank holds more than `capacity` tokens in any micro-batch.
         """
@@ -152,6 +154,7 @@ class StepPlan:
             raise ValueError(
                 f"plan is for a pool of {self.pool_size} ranks, but this pool has {pool_size}"
             )
+        validate_inputs(self.seqlens, self.pool_size, self.capacity)
         seen = [0] * len(self.seqlens)
         last_order = None
         for mb in self.micro_batches:
@@ -186,6 +189,39 @@ class StepPlan:
         for i, n in enumerate(seen):
             if n != 1:
                 raise ValueError(f"sequence {i} is placed {n} times (must be exactly once)")
+
+
+def _as_int(value, what: str) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{what} must be an integer, got {value!r}") from None
+
+
+def validate_inputs(seqlens: Sequence[int], pool_size: int, capacity: int) -> None:
+    """Raise ValueError naming the bad value if the planner inputs cannot be planned."""
+    pool_size = _as_int(pool_size, "pool_size")
+    if pool_size < 1:
+        raise ValueError(f"pool_size must be an integer >= 1, got {pool_size!r}")
+    capacity = _as_int(capacity, "capacity (tokens per rank per micro-batch)")
+    if capacity <= 0:
+        raise ValueError(
+            f"capacity (tokens per rank per micro-batch) must be > 0, got {capacity!r}"
+        )
+    if len(seqlens) == 0:
+        raise ValueError("the global batch holds no sequence")
+    limit = pool_size * capacity
+    for i, s in enumerate(seqlens):
+        s = _as_int(s, f"the length of sequence {i}")
+        if s <= 0:
+            raise ValueError(f"sequence {i} is empty (length {s}); every sequence needs >= 1 token")
+        if s > limit:
+            raise ValueError(
+                f"sequence {i} has {s} tokens, more than the pool holds: "
+                f"{pool_size} ranks x capacity {capacity} = {limit}"
+            )
 
 
 def plan_from_rank_lists(

@@ -1,9 +1,10 @@
 """HDP vs the static DP x CP mesh on one mixed-length global batch (launch with torchrun).
 
-Both placements train the same model from the same weights on the same batch, one after
-the other in one run, and rank 0 writes JSON: step time (median over the measured steps,
-slowest rank), attention point-to-point bytes per step (all ranks), micro-batches per
-rank, per-rank compute time, and the loss of every step of both (they must agree).
+Both placements train the same model from the same weights on the same batch, their steps
+interleaved (alternating which goes first) in one run, and rank 0 writes JSON: step time
+(median over the measured steps, slowest rank), attention point-to-point bytes per step
+(all ranks), micro-batches each rank ran, per-rank compute time, and the loss of every
+step of both (they must agree).
 
     torchrun --standalone --nproc-per-node 4 scripts/bench/bench_hdp_vs_static.py \
         --out results/hdp_vs_static_cpu4.json
@@ -70,38 +71,51 @@ def mixed_lengths(pool_size: int, capacity: int, short_tokens: int, seed: int) -
     return lengths
 
 
-def run_policy(policy, args, cfg, source, runtime, pool_size):
-    plan = plan_step(source.seqlens, pool_size=pool_size, capacity=args.capacity, policy=policy)
-    engine = build_engine(cfg, OptimConfig(lr=1e-3), seed=args.seed)
-    losses, times, bytes_per_step, compute = [], [], [], []
-    for step in range(args.warmup_steps + args.steps):
+class PolicyRun:
+    """One placement's engine, plan and measurements."""
+
+    def __init__(self, policy, args, cfg, source, pool_size):
+        self.policy = policy
+        self.plan = plan_step(
+            source.seqlens, pool_size=pool_size, capacity=args.capacity, policy=policy
+        )
+        self.engine = build_engine(cfg, OptimConfig(lr=1e-3), seed=args.seed)
+        self.losses, self.times, self.bytes, self.compute = [], [], [], []
+        self.micro_batches = []
+
+    def step(self, source, runtime, pool_size, measured):
+        """Collective: one training step, timed on the slowest rank."""
         dist.barrier()
         start = time.perf_counter()
-        result = train_step(engine, plan, source, runtime)
+        result = train_step(self.engine, self.plan, source, runtime)
         elapsed = torch.tensor([time.perf_counter() - start])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         sent = torch.tensor([result.attention_bytes_sent], dtype=torch.float64)
         dist.all_reduce(sent)
-        busy = [torch.zeros(1) for _ in range(pool_size)]
-        dist.all_gather(busy, torch.tensor([result.compute_seconds]))
-        losses.append(result.loss)
-        if step >= args.warmup_steps:
-            times.append(elapsed.item())
-            bytes_per_step.append(int(sent.item()))
-            compute.append([b.item() for b in busy])
-        logger.info("%s step %d: loss %.5f, %.3f s", policy, step, result.loss, elapsed.item())
-    return {
-        "policy": policy,
-        "ring_sizes": sorted((mb.cp_size for mb in plan.micro_batches), reverse=True),
-        "micro_batches_per_rank": plan.num_micro_batches_per_rank(),
-        "step_time_s_median": statistics.median(times),
-        "step_time_s_all": times,
-        "attention_p2p_bytes_per_step": statistics.median(bytes_per_step),
-        "compute_s_per_rank_median": [
-            statistics.median(c[r] for c in compute) for r in range(pool_size)
-        ],
-        "losses": losses,
-    }
+        per_rank = [torch.zeros(2) for _ in range(pool_size)]
+        mine = torch.tensor([result.compute_seconds, result.num_micro_batches])
+        dist.all_gather(per_rank, mine)
+        self.losses.append(result.loss)
+        self.micro_batches = [int(t[1].item()) for t in per_rank]
+        if measured:
+            self.times.append(elapsed.item())
+            self.bytes.append(int(sent.item()))
+            self.compute.append([t[0].item() for t in per_rank])
+        logger.info("%s: loss %.5f, %.3f s", self.policy, result.loss, elapsed.item())
+
+    def report(self, pool_size):
+        return {
+            "policy": self.policy,
+            "ring_sizes": sorted((mb.cp_size for mb in self.plan.micro_batches), reverse=True),
+            "micro_batches_run_per_rank": self.micro_batches,
+            "step_time_s_median": statistics.median(self.times),
+            "step_time_s_all": self.times,
+            "attention_p2p_bytes_per_step": statistics.median(self.bytes),
+            "compute_s_per_rank_median": [
+                statistics.median(c[r] for c in self.compute) for r in range(pool_size)
+            ],
+            "losses": self.losses,
+        }
 
 
 def main(argv=None):
@@ -123,11 +137,13 @@ def main(argv=None):
     with megatron_device_context():
         initialize_parallel_state()
         try:
-            runtime = StepRuntime(group=dist.group.WORLD, cfg=cfg, device=device)
-            results = {
-                p: run_policy(p, args, cfg, source, runtime, pool_size)
-                for p in ("greedy", "static")
-            }
+            runtime = StepRuntime(group=dist.group.WORLD, device=device)
+            runs = [PolicyRun(p, args, cfg, source, pool_size) for p in ("greedy", "static")]
+            for step in range(args.warmup_steps + args.steps):
+                # Alternate which placement goes first, so drift on the machine hits both.
+                for run in runs if step % 2 == 0 else runs[::-1]:
+                    run.step(source, runtime, pool_size, measured=step >= args.warmup_steps)
+            results = {run.policy: run.report(pool_size) for run in runs}
         finally:
             destroy_parallel_state()
     if rank == 0:

@@ -74,14 +74,17 @@ def build_reference(cfg: GPTConfig, state_dict: dict) -> GPTModel:
     return model
 
 
-def reference_loss_and_grads(model: GPTModel, seqs: list[tuple[torch.Tensor, torch.Tensor]]):
-    """Token-mean loss over all sequences, backward; returns the loss (grads in `.grad`)."""
-    total = sum(len(t) for t, _ in seqs)
+def reference_loss_and_grads(model: GPTModel, seqs):
+    """Mean loss over all unmasked tokens, backward; returns the loss (grads in `.grad`).
+
+    `seqs` holds `(tokens, labels, loss_mask)` per sequence.
+    """
+    total = sum(float(mask.sum()) for _, _, mask in seqs)
     loss_sum = 0.0
-    for tokens, labels in seqs:
+    for tokens, labels, mask in seqs:
         positions = torch.arange(len(tokens)).unsqueeze(0)
         losses = model(tokens.unsqueeze(0), positions, None, labels=labels.unsqueeze(0))
-        loss = losses.float().sum() / total
+        loss = (losses.float()[0] * mask).sum() / total
         loss.backward()
         loss_sum += float(loss.detach())
     return loss_sum

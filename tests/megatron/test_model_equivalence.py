@@ -63,10 +63,13 @@ def batch_lengths(pool_size: int, step: int, kind: str) -> list[int]:
     "mixed": short sequences, exactly C, C+1, and sequences needing 3+ ranks where the pool
     allows. "tiny_pack": a full-context sequence and a 2-token one, so the static mesh
     gets a pack smaller than its CP group (members without tokens). "two_rank_context":
-    nothing longer than 2 C, for a static mesh with CP 2.
+    nothing longer than 2 C, for a static mesh with CP 2. "few": two short sequences, so
+    some ranks run no micro-batch at all.
     """
     if kind == "tiny_pack":
         return [pool_size * CAPACITY, 2]
+    if kind == "few":
+        return [5 + step, 11]
     if kind == "two_rank_context":
         return [3 + step, 5, 9, 1, 12, CAPACITY, CAPACITY + 1, 2 * CAPACITY, 7, 20]
     lengths = [3 + step, 5, 9, 1, 12, CAPACITY]
@@ -79,16 +82,34 @@ def batch_lengths(pool_size: int, step: int, kind: str) -> list[int]:
 
 
 def make_batch(pool_size: int, step: int, kind: str = "mixed"):
+    """`(tokens, labels, loss_mask)` per sequence: random 0/1 masks, the third sequence
+    (where there is one) masked out entirely."""
     gen = torch.Generator().manual_seed(1000 * step + pool_size)
     seqs = []
-    for n in batch_lengths(pool_size, step, kind):
+    for i, n in enumerate(batch_lengths(pool_size, step, kind)):
         ids = torch.randint(0, VOCAB, (n + 1,), generator=gen)
-        seqs.append((ids[:-1], ids[1:]))
+        mask = (torch.rand(n, generator=gen) < 0.8).float()
+        if i == 2:
+            mask.zero_()
+        seqs.append((ids[:-1], ids[1:], mask))
     return seqs
 
 
 def source_of(seqs) -> InMemoryTokens:
-    return InMemoryTokens([t for t, _ in seqs], [lab for _, lab in seqs])
+    return InMemoryTokens([s[0] for s in seqs], [s[1] for s in seqs], [s[2] for s in seqs])
+
+
+def snapshot_grads_before_update(engine, into: dict) -> None:
+    """Copy the synced gradients when the optimizer steps, before it clips them in place."""
+    real_step = engine.optimizer.step
+
+    def step():
+        for name, param in engine.model.module.named_parameters():
+            into[name] = param.main_grad.detach().clone()
+        engine.optimizer.step = real_step
+        return real_step()
+
+    engine.optimizer.step = step
 
 
 def _body_train(rank, world_size, case: Case):
@@ -97,7 +118,7 @@ def _body_train(rank, world_size, case: Case):
         initialize_parallel_state()
         try:
             engine = build_engine(case.cfg, optim, seed=SEED)
-            runtime = StepRuntime(group=dist.group.WORLD, cfg=case.cfg, check_plans=True)
+            runtime = StepRuntime(group=dist.group.WORLD, check_plans=True)
             groups_before = len(dist.distributed_c10d._world.pg_map)
             results = []
             for step in range(NUM_STEPS):
@@ -109,14 +130,11 @@ def _body_train(rank, world_size, case: Case):
                     policy=case.policy,
                     cp_size=case.cp_size,
                 )
-                result = train_step(engine, plan, source, runtime)
-                grads = None
+                grads = {}
                 if step == 0 and not case.distributed_optimizer:
-                    grads = {
-                        n: p.main_grad.detach().clone()
-                        for n, p in engine.model.module.named_parameters()
-                    }
-                results.append((result.loss, grads))
+                    snapshot_grads_before_update(engine, grads)
+                result = train_step(engine, plan, source, runtime)
+                results.append((result.loss, result.grad_norm, grads or None))
             params = {n: p.detach().clone() for n, p in engine.model.module.named_parameters()}
             new_groups = len(dist.distributed_c10d._world.pg_map) - groups_before
             assert new_groups == 0, f"{new_groups} process groups were created during training"
@@ -138,16 +156,18 @@ def _body_reference(rank, world_size, pool_size, cfg, kind):
                 betas=(OPTIM.adam_beta1, OPTIM.adam_beta2),
                 eps=OPTIM.adam_eps,
             )
-            losses, first_grads = [], None
+            losses, norms, first_grads = [], [], None
             for step in range(NUM_STEPS):
                 opt.zero_grad()
                 losses.append(reference_loss_and_grads(model, make_batch(pool_size, step, kind)))
-                torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.clip_grad)
                 if step == 0:
                     first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+                norms.append(
+                    float(torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.clip_grad))
+                )
                 opt.step()
             params = {n: p.detach().clone() for n, p in model.named_parameters()}
-            return losses, first_grads, params
+            return losses, norms, first_grads, params
         finally:
             destroy_parallel_state()
 
@@ -166,12 +186,15 @@ def assert_close_rel(got: torch.Tensor, want: torch.Tensor, name: str, rel: floa
 def check_case(case: Case):
     """Run `case` on its pool and compare loss, gradients and parameters with the reference."""
     per_rank = run_ranks(_body_train, case.pool_size, case, timeout_s=240)
-    ref_losses, ref_grads, ref_params = reference_run(case.pool_size, case.cfg, case.batch)
+    ref_losses, ref_norms, ref_grads, ref_params = reference_run(
+        case.pool_size, case.cfg, case.batch
+    )
     for rank, (results, params) in enumerate(per_rank):
-        for step, (loss, grads) in enumerate(results):
+        for step, (loss, grad_norm, grads) in enumerate(results):
             assert abs(loss - ref_losses[step]) <= 1e-5 * abs(ref_losses[step]), (
                 f"rank {rank} step {step}: loss {loss} vs reference {ref_losses[step]}"
             )
+            assert grad_norm == pytest.approx(ref_norms[step], rel=1e-5), (rank, step)
             if grads is not None:
                 for name, want in ref_grads.items():
                     assert_close_rel(grads[name], want, f"rank {rank} grad {name}")
@@ -195,6 +218,10 @@ def test_static_pack_smaller_than_its_cp_group_matches_single_process():
     check_case(Case(pool_size=4, policy="static", batch="tiny_pack"))
 
 
+def test_ranks_without_micro_batches_match_single_process():
+    check_case(Case(pool_size=4, batch="few"))
+
+
 def test_distributed_optimizer_matches_single_process():
     check_case(Case(pool_size=3, distributed_optimizer=True))
 
@@ -213,16 +240,26 @@ def _body_short_only(rank, world_size):
             engine = build_engine(CFG, OPTIM, seed=SEED)
             source = source_of([s for s in make_batch(world_size, 0) if len(s[0]) <= CAPACITY])
             plan = plan_step(source.seqlens, pool_size=world_size, capacity=CAPACITY)
-            runtime = StepRuntime(group=dist.group.WORLD, cfg=CFG)
-            result = train_step(engine, plan, source, runtime)
-            return result.attention_bytes_sent, [mb.cp_size for mb in plan.micro_batches]
+            runtime = StepRuntime(group=dist.group.WORLD)
+            calls = []
+            real = dist.batch_isend_irecv
+            dist.batch_isend_irecv = lambda ops: calls.append(len(ops)) or real(ops)
+            try:
+                result = train_step(engine, plan, source, runtime)
+            finally:
+                dist.batch_isend_irecv = real
+            return (
+                result.attention_bytes_sent,
+                len(calls),
+                [mb.cp_size for mb in plan.micro_batches],
+            )
         finally:
             destroy_parallel_state()
 
 
 def test_batch_that_fits_capacity_sends_no_attention_bytes():
-    for sent, ring_sizes in run_ranks(_body_short_only, 3):
-        assert sent == 0 and set(ring_sizes) == {1}
+    for sent, p2p_calls, ring_sizes in run_ranks(_body_short_only, 3):
+        assert sent == 0 and p2p_calls == 0 and set(ring_sizes) == {1}
 
 
 def _body_wrong_pool(rank, world_size):
@@ -232,7 +269,7 @@ def _body_wrong_pool(rank, world_size):
             engine = build_engine(CFG, OPTIM, seed=SEED)
             source = source_of(make_batch(3, 0))
             plan = plan_step(source.seqlens, pool_size=3, capacity=CAPACITY)
-            runtime = StepRuntime(group=dist.group.WORLD, cfg=CFG)
+            runtime = StepRuntime(group=dist.group.WORLD)
             try:
                 train_step(engine, plan, source, runtime)
             except ValueError as err:
@@ -246,3 +283,55 @@ def test_plan_for_another_pool_fails_before_communication():
     for message, sent in run_ranks(_body_wrong_pool, 2, timeout_s=60):
         assert message == "plan is for a pool of 3 ranks, but this pool has 2"
         assert sent == 0
+
+
+def _body_expect_error(rank, world_size, what):
+    with cpu_shims():
+        initialize_parallel_state()
+        try:
+            engine = build_engine(CFG, OPTIM, seed=SEED)
+            seqs = make_batch(world_size, 0)
+            if what == "all_masked":
+                seqs = [(t, lab, torch.zeros_like(m)) for t, lab, m in seqs]
+            source = source_of(seqs)
+            lengths = source.seqlens
+            if what == "short_source":
+                lengths = [n + 5 if i == 7 else n for i, n in enumerate(lengths)]
+            plan = plan_step(lengths, pool_size=world_size, capacity=CAPACITY)
+            try:
+                train_step(engine, plan, source, StepRuntime(group=dist.group.WORLD))
+            except ValueError as err:
+                return str(err)
+            return "no error"
+        finally:
+            destroy_parallel_state()
+
+
+def test_all_masked_batch_is_refused_on_every_rank():
+    for message in run_ranks(_body_expect_error, 3, "all_masked", timeout_s=60):
+        assert message == "the global batch has no loss tokens (every loss mask is zero)"
+
+
+def test_source_shorter_than_plan_fails_on_every_rank_without_hanging():
+    messages = run_ranks(_body_expect_error, 3, "short_source", timeout_s=60)
+    assert any(m.startswith("sequence 7: the plan expects") for m in messages), messages
+    assert all("sequence 7" in m or "another rank could not read" in m for m in messages)
+
+
+def _body_bf16(rank, world_size):
+    cfg = dataclasses.replace(CFG, params_dtype="bfloat16")
+    with cpu_shims():
+        initialize_parallel_state()
+        try:
+            engine = build_engine(cfg, OPTIM, seed=SEED)
+            source = source_of(make_batch(world_size, 0))
+            plan = plan_step(source.seqlens, pool_size=world_size, capacity=CAPACITY)
+            return train_step(engine, plan, source, StepRuntime(group=dist.group.WORLD)).loss
+        finally:
+            destroy_parallel_state()
+
+
+def test_bfloat16_model_runs_and_stays_near_float32_reference():
+    losses = run_ranks(_body_bf16, 3)
+    ref_loss = reference_run(3, CFG, "mixed")[0][0]
+    assert all(abs(loss - ref_loss) <= 1e-2 * ref_loss for loss in losses), (losses, ref_loss)

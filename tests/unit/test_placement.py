@@ -156,3 +156,19 @@ def test_plan_statistics_by_hand():
         for r in mb.ring:
             loads[r] += mb.predicted_cost
     assert stats["predicted_imbalance"] == max(loads) / (sum(loads) / 4)
+
+
+def test_numpy_lengths_are_accepted_and_cp_size_needs_the_static_policy():
+    import numpy as np
+
+    plan = plan_step(list(np.array([5, 20, 3])), pool_size=np.int64(3), capacity=16)
+    assert plan.seqlens == (5, 20, 3)
+    with pytest.raises(ValueError, match="cp_size 2 applies to the static policy only"):
+        plan_step([5], pool_size=2, capacity=8, cp_size=2)
+
+
+def test_a_deserialised_plan_is_checked_like_planner_input():
+    data = plan_step([5, 20], pool_size=3, capacity=16).to_dict()
+    data["capacity"] = 0
+    with pytest.raises(ValueError, match="must be > 0, got 0"):
+        StepPlan.from_dict(data).validate()

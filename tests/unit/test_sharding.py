@@ -56,4 +56,4 @@ def test_positions_follow_original_positions_in_local_order():
 def test_local_shard_is_the_whole_document_in_order():
     (only,) = shard([5, 3], 1)
     assert only.positions() == [0, 1, 2, 3, 4, 0, 1, 2]
-    assert only.doc_lengths() == [5, 3]
+    assert only.local_doc_lengths() == [5, 3]

@@ -1,0 +1,243 @@
+"""Turn JSONL files or a folder of text/code files into a Megatron `.bin`/`.idx` dataset.
+
+Usage::
+
+    python -m megatron_hdp.megatron.preprocess --input data.jsonl --output-prefix out/data
+    python -m megatron_hdp.megatron.preprocess --input src/ --output-prefix out/code
+        --train-bpe-vocab-size 8192 --tokenizer-model out/tokenizer.json   (one command)
+
+Every document ends with the tokenizer's end-of-document token unless `--no-append-eod`.
+Bad input exits non-zero with a one-line message and leaves no partial output files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from megatron_hdp.data.corpus import (
+    DEFAULT_EXTENSIONS,
+    Document,
+    directory_documents,
+    jsonl_documents,
+)
+from megatron_hdp.data.tokenizers import (
+    TOKENIZER_TYPES,
+    ByteTokenizer,
+    HFTokenizer,
+    build_tokenizer,
+    train_bpe,
+)
+from megatron_hdp.megatron.indexed import write_indexed_dataset
+
+logger = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser (every flag documented in `--help`)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_hdp.megatron.preprocess",
+        description=(
+            "Tokenize JSONL files (one document per line) or a folder of text/code files "
+            "(one document per file) into a Megatron indexed dataset PREFIX.bin / PREFIX.idx."
+        ),
+    )
+    parser.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        metavar="PATH",
+        help="JSONL files, or exactly one directory of text/code files",
+    )
+    parser.add_argument(
+        "--json-key",
+        default="text",
+        help="JSONL key holding each document's text (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--output-prefix",
+        required=True,
+        metavar="PREFIX",
+        help="write PREFIX.bin and PREFIX.idx (the folder must exist)",
+    )
+    parser.add_argument(
+        "--tokenizer-type",
+        choices=TOKENIZER_TYPES,
+        default=None,
+        help=(
+            "ByteLevel (bytes + one end-of-document id, vocabulary 257) or "
+            "HuggingFaceTokenizer (a tokenizer.json). Default: ByteLevel, or "
+            "HuggingFaceTokenizer with --train-bpe-vocab-size"
+        ),
+    )
+    parser.add_argument(
+        "--tokenizer-model",
+        metavar="PATH",
+        default=None,
+        help=(
+            "tokenizer.json with an <|endoftext|> token; required for HuggingFaceTokenizer, "
+            "and where the trained tokenizer is saved with --train-bpe-vocab-size"
+        ),
+    )
+    parser.add_argument(
+        "--train-bpe-vocab-size",
+        type=int,
+        metavar="N",
+        default=None,
+        help=(
+            "first train a byte-level BPE of N tokens (N >= 258) on the input, save it to "
+            "--tokenizer-model, then tokenize with it"
+        ),
+    )
+    parser.add_argument(
+        "--no-append-eod",
+        dest="append_eod",
+        action="store_false",
+        help="do not end every document with the end-of-document token",
+    )
+    parser.add_argument(
+        "--extensions",
+        nargs="+",
+        default=list(DEFAULT_EXTENSIONS),
+        metavar="EXT",
+        help="file endings to read from a directory input (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--log-interval",
+        type=int,
+        default=1000,
+        metavar="DOCS",
+        help="log progress every DOCS documents (default: %(default)s)",
+    )
+    return parser
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Reject bad flag combinations before any work (`parser.error` exits with status 2)."""
+    inputs = [Path(p) for p in args.input]
+    for path in inputs:
+        if not path.exists():
+            parser.error(f"input {str(path)!r} does not exist")
+    args.directory = None
+    if any(p.is_dir() for p in inputs):
+        if len(inputs) != 1:
+            parser.error("a directory --input must be the only input")
+        args.directory = inputs[0]
+    if args.train_bpe_vocab_size is not None:
+        if args.tokenizer_type == "ByteLevel":
+            parser.error("--train-bpe-vocab-size trains a HuggingFaceTokenizer, not ByteLevel")
+        args.tokenizer_type = "HuggingFaceTokenizer"
+        if args.tokenizer_model is None:
+            parser.error("--train-bpe-vocab-size needs --tokenizer-model PATH to save it to")
+        if args.train_bpe_vocab_size < 258:
+            parser.error(f"--train-bpe-vocab-size must be >= 258, got {args.train_bpe_vocab_size}")
+        if not Path(args.tokenizer_model).resolve().parent.is_dir():
+            parser.error(f"folder of --tokenizer-model {args.tokenizer_model!r} does not exist")
+    elif args.tokenizer_type is None:
+        args.tokenizer_type = "ByteLevel"
+    if args.tokenizer_type == "HuggingFaceTokenizer" and args.tokenizer_model is None:
+        parser.error("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH")
+    if not Path(args.output_prefix).resolve().parent.is_dir():
+        parser.error(f"folder of --output-prefix {args.output_prefix!r} does not exist")
+    if args.log_interval < 1:
+        parser.error(f"--log-interval must be >= 1, got {args.log_interval}")
+
+
+def _documents(args: argparse.Namespace) -> Iterator[Document]:
+    if args.directory is not None:
+        return directory_documents(args.directory, extensions=args.extensions)
+    return jsonl_documents(args.input, json_key=args.json_key)
+
+
+def _token_documents(
+    args: argparse.Namespace, tokenizer: ByteTokenizer | HFTokenizer, stats: dict[str, int]
+) -> Iterator[np.ndarray]:
+    """Tokenize every input document (plus eod), counting and reporting progress."""
+    start = time.perf_counter()
+    bar = tqdm(desc="tokenizing", unit=" docs", file=sys.stderr, disable=not sys.stderr.isatty())
+    with bar:
+        for _, text in _documents(args):
+            if isinstance(tokenizer, ByteTokenizer):
+                ids = np.frombuffer(text, dtype=np.uint8).astype(np.int32)  # == encode(text)
+            else:
+                ids = np.asarray(tokenizer.encode(text), dtype=np.int32)
+            if args.append_eod:
+                ids = np.append(ids, np.int32(tokenizer.eod))
+            if ids.size == 0:
+                continue
+            stats["documents"] += 1
+            stats["tokens"] += int(ids.size)
+            bar.update(1)
+            if stats["documents"] % args.log_interval == 0:
+                logger.info(
+                    "%d documents, %d tokens, %.1f s",
+                    stats["documents"],
+                    stats["tokens"],
+                    time.perf_counter() - start,
+                )
+            yield ids
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the tool.
+
+    Args:
+        argv: Arguments without the program name (default: `sys.argv[1:]`).
+
+    Returns:
+        0 on success.
+
+    Raises:
+        SystemExit: With status 2 for bad flags (usage plus one line), status 1 with a
+            one-line message for bad input data; no partial output is left behind.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+    try:
+        if args.train_bpe_vocab_size is not None:
+            texts = (text.decode("utf-8", errors="replace") for _, text in _documents(args))
+            tokenizer = train_bpe(
+                texts, vocab_size=args.train_bpe_vocab_size, path=args.tokenizer_model
+            )
+        else:
+            try:
+                tokenizer = build_tokenizer(
+                    args.tokenizer_type, tokenizer_model=args.tokenizer_model
+                )
+            except ValueError as exc:
+                parser.error(str(exc))
+        stats = {"documents": 0, "tokens": 0}
+        start = time.perf_counter()
+        write_indexed_dataset(
+            args.output_prefix,
+            _token_documents(args, tokenizer, stats),
+            vocab_size=tokenizer.vocab_size,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"{parser.prog}: error: {exc}") from exc
+    logger.info(
+        "wrote %d documents, %d tokens (%s, vocabulary %d) to %s.{bin,idx} in %.1f s",
+        stats["documents"],
+        stats["tokens"],
+        tokenizer.name,
+        tokenizer.vocab_size,
+        args.output_prefix,
+        time.perf_counter() - start,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

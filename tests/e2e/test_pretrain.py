@@ -1,0 +1,93 @@
+"""pretrain_hdp.py end to end on CPU: training, equivalence of placements, resume, data order."""
+
+import pytest
+import torch
+
+from tests.e2e.harness import SMALL_MODEL, run_pretrain
+
+
+def default_corpus_args(cache, *, capacity, iters=6, extra=()):
+    return [
+        *SMALL_MODEL,
+        "--seq-length",
+        "512",
+        "--hdp-capacity",
+        str(capacity),
+        "--train-iters",
+        str(iters),
+        "--lr",
+        "3e-3",
+        "--lr-decay-style",
+        "constant",
+        "--hdp-global-batch-tokens",
+        "2048",
+        "--data-cache-path",
+        str(cache),
+        "--seed",
+        "5",
+        *extra,
+    ]
+
+
+def assert_loss_goes_down(steps):
+    losses = [s["loss"] for s in steps]
+    assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.1, losses
+
+
+@pytest.mark.parametrize("world_size, capacity", [(1, 512), (2, 256), (4, 128)])
+def test_trains_on_the_default_corpus(corpus_cache, world_size, capacity):
+    steps = run_pretrain(world_size, default_corpus_args(corpus_cache, capacity=capacity))
+    assert len(steps) == 6
+    assert_loss_goes_down(steps)
+    assert all(s["tokens"] <= 2048 for s in steps)
+
+
+def test_hdp_static_mesh_and_one_rank_give_the_same_losses(corpus_cache):
+    hdp = run_pretrain(4, default_corpus_args(corpus_cache, capacity=128, iters=4))
+    static = run_pretrain(
+        4,
+        default_corpus_args(
+            corpus_cache, capacity=128, iters=4, extra=["--no-hdp", "--context-parallel-size", "4"]
+        ),
+    )
+    single = run_pretrain(1, default_corpus_args(corpus_cache, capacity=512, iters=4))
+    for a, b, c in zip(hdp, static, single, strict=True):
+        assert a["units"] == b["units"] == c["units"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["loss"] == pytest.approx(c["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_resume_equals_uninterrupted(corpus_cache, tmp_path, distributed_optimizer):
+    extra = ["--use-distributed-optimizer"] if distributed_optimizer else []
+    straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
+    straight = run_pretrain(
+        2,
+        default_corpus_args(
+            corpus_cache, capacity=256, iters=5, extra=[*extra, "--save", str(straight_dir)]
+        ),
+    )
+    first = run_pretrain(
+        2,
+        default_corpus_args(
+            corpus_cache, capacity=256, iters=3, extra=[*extra, "--save", str(resumed_dir)]
+        ),
+    )
+    second = run_pretrain(
+        2,
+        default_corpus_args(
+            corpus_cache,
+            capacity=256,
+            iters=5,
+            extra=[*extra, "--load", str(resumed_dir), "--save", str(resumed_dir)],
+        ),
+    )
+    assert [s["iteration"] for s in first + second] == [1, 2, 3, 4, 5]
+    assert [s["loss"] for s in first + second] == pytest.approx(
+        [s["loss"] for s in straight], rel=1e-6
+    )
+    a = torch.load(straight_dir / "iter_0000005" / "common.pt", weights_only=False)["model"]
+    b = torch.load(resumed_dir / "iter_0000005" / "common.pt", weights_only=False)["model"]
+    for name, value in a.items():
+        if torch.is_tensor(value):
+            torch.testing.assert_close(b[name], value, rtol=1e-6, atol=1e-7, msg=name)

@@ -1,0 +1,241 @@
+"""Megatron indexed datasets: round trips, corruption, atomic writes, the stdlib cache."""
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from megatron_hdp.data.corpus import stdlib_documents
+from megatron_hdp.data.tokenizers import ByteTokenizer
+from megatron_hdp.megatron import indexed
+from megatron_hdp.megatron.indexed import (
+    ensure_stdlib_corpus,
+    open_indexed_dataset,
+    write_indexed_dataset,
+)
+
+DOCS = [[1, 2, 3], [256], list(range(200)), [7] * 1000, [0, 255, 256, 0]]
+
+
+def listing(folder):
+    return sorted(p.name for p in folder.iterdir())
+
+
+def read_all(prefix):
+    ds = open_indexed_dataset(prefix)
+    return [ds[i].tolist() for i in range(len(ds))], ds
+
+
+@pytest.fixture
+def written(tmp_path):
+    prefix = tmp_path / "data"
+    assert write_indexed_dataset(prefix, DOCS, vocab_size=257) == len(DOCS)
+    return prefix
+
+
+def test_write_then_read_back(written):
+    tokens, ds = read_all(written)
+    assert tokens == DOCS
+    assert ds.sequence_lengths.tolist() == [len(d) for d in DOCS]
+    assert ds.document_indices.tolist() == list(range(len(DOCS) + 1))
+    assert ds.index.dtype == np.uint16
+    assert os.path.getsize(f"{written}.bin") == 2 * sum(len(d) for d in DOCS)
+    assert listing(written.parent) == ["data.bin", "data.idx"]
+
+
+def test_empty_documents_are_skipped_and_arrays_accepted(tmp_path):
+    docs = [[], np.array([5, 6], dtype=np.int64), (), (9,), np.array([], dtype=np.int32)]
+    assert write_indexed_dataset(tmp_path / "d", iter(docs), vocab_size=10) == 2
+    assert read_all(tmp_path / "d")[0] == [[5, 6], [9]]
+
+
+def test_large_vocab_uses_int32(tmp_path):
+    docs = [[0, 65535, 70000], [99_999]]
+    write_indexed_dataset(tmp_path / "big", docs, vocab_size=100_000)
+    tokens, ds = read_all(tmp_path / "big")
+    assert tokens == docs and ds.index.dtype == np.int32
+
+
+@pytest.mark.parametrize(
+    ("docs", "match"),
+    [
+        ([[1, 2], [3, 257]], "257 is outside"),
+        ([[1, -1]], "-1 is outside"),
+        ([[[1, 2]]], "flat sequence"),
+        ([[1.5]], "integer"),
+        ([[], []], "no non-empty document"),
+        ([], "no non-empty document"),
+    ],
+)
+def test_bad_documents_raise_and_write_nothing(tmp_path, docs, match):
+    with pytest.raises(ValueError, match=match):
+        write_indexed_dataset(tmp_path / "d", docs, vocab_size=257)
+    assert listing(tmp_path) == []
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        write_indexed_dataset(tmp_path / "no" / "d", DOCS, vocab_size=257)
+
+
+def test_failing_writer_keeps_previous_dataset(written):
+    before = {name: (written.parent / name).read_bytes() for name in listing(written.parent)}
+
+    def docs():
+        yield [1, 2, 3]
+        yield list(range(100))
+        raise RuntimeError("tokenizer crashed")
+
+    with pytest.raises(RuntimeError, match="tokenizer crashed"):
+        write_indexed_dataset(written, docs(), vocab_size=257)
+    after = {name: (written.parent / name).read_bytes() for name in listing(written.parent)}
+    assert after == before  # no temporaries, old files byte-identical
+    assert read_all(written)[0] == DOCS
+
+
+def test_rewrite_replaces_both_files(written):
+    write_indexed_dataset(written, [[4, 4]], vocab_size=257)
+    assert read_all(written)[0] == [[4, 4]]
+    assert listing(written.parent) == ["data.bin", "data.idx"]
+
+
+@pytest.mark.parametrize("suffix", [".idx", ".bin"])
+def test_missing_file_names_path(written, suffix):
+    os.remove(f"{written}{suffix}")
+    with pytest.raises(ValueError, match=f"{written}{suffix}".replace(".", r"\.")):
+        open_indexed_dataset(written)
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        pytest.param(lambda b: b"", id="empty"),
+        pytest.param(lambda b: b[:10], id="header-only"),
+        pytest.param(lambda b: b[:40], id="cut-in-lengths"),
+        pytest.param(lambda b: b[:-3], id="cut-at-end"),
+        pytest.param(lambda b: b + b"\0" * 8, id="trailing-bytes"),
+        pytest.param(
+            lambda b: bytes(np.random.default_rng(0).integers(0, 256, 300, dtype=np.uint8)),
+            id="garbage",
+        ),
+        pytest.param(lambda b: b"XXXXXXXXX" + b[9:], id="bad-header"),
+        pytest.param(lambda b: b[:9] + (2).to_bytes(8, "little") + b[17:], id="bad-version"),
+        pytest.param(lambda b: b[:17] + b"\x63" + b[18:], id="bad-dtype"),
+        pytest.param(lambda b: b[:18] + (10**12).to_bytes(8, "little") + b[26:], id="huge-count"),
+    ],
+)
+def test_corrupt_index_names_path(written, corrupt):
+    idx = written.parent / "data.idx"
+    idx.write_bytes(corrupt(idx.read_bytes()))
+    with pytest.raises(ValueError, match=r"data\.idx"):
+        open_indexed_dataset(written)
+
+
+def test_inconsistent_index_contents_names_path(written):
+    idx = written.parent / "data.idx"
+    raw = bytearray(idx.read_bytes())
+    n = len(DOCS)
+    lengths_at = 34
+    raw[lengths_at : lengths_at + 4] = (5).to_bytes(4, "little")  # first length 3 -> 5
+    idx.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"data\.idx.*pointers"):
+        open_indexed_dataset(written)
+    raw = bytearray(idx.read_bytes())
+    docs_at = 34 + 12 * n
+    raw[docs_at : docs_at + 8] = (1).to_bytes(8, "little")  # document_indices[0] must be 0
+    idx.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"data\.idx"):
+        open_indexed_dataset(written)
+
+
+@pytest.mark.parametrize("keep", [0, 1, 200])
+def test_truncated_bin_names_path(written, keep):
+    bin_path = written.parent / "data.bin"
+    bin_path.write_bytes(bin_path.read_bytes()[:keep])
+    with pytest.raises(ValueError, match=r"data\.bin"):
+        open_indexed_dataset(written)
+
+
+# ---------------------------------------------------------------- stdlib cache
+
+
+@pytest.fixture(scope="module")
+def stdlib_cache(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    prefix = ensure_stdlib_corpus(cache)
+    mtimes = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
+    return cache, prefix, mtimes
+
+
+def test_stdlib_corpus_holds_byte_tokens_plus_eod(stdlib_cache):
+    cache, prefix, _ = stdlib_cache
+    assert os.path.dirname(prefix) == str(cache)
+    assert os.path.basename(prefix).startswith("stdlib-") and prefix.endswith("-byte")
+    ds = open_indexed_dataset(prefix)
+    docs = list(stdlib_documents())
+    assert len(ds) == len(docs)
+    assert ds.sequence_lengths.tolist() == [len(text) + 1 for _, text in docs]
+    tok = ByteTokenizer()
+    for i, (name, text) in enumerate(docs):
+        got = ds[i]
+        if len(text) < 5000:  # small ones through the tokenizer itself
+            assert got.tolist() == tok.encode(text) + [tok.eod], name
+        else:
+            assert got[-1] == tok.eod and np.array_equal(got[:-1], np.frombuffer(text, np.uint8)), (
+                name
+            )
+
+
+def test_stdlib_corpus_is_reused(stdlib_cache):
+    cache, prefix, mtimes = stdlib_cache
+    assert ensure_stdlib_corpus(cache) == prefix
+    assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == mtimes
+    names = set(mtimes)
+    assert names == {os.path.basename(prefix) + ext for ext in (".bin", ".idx", ".lock")}
+
+
+@pytest.fixture
+def fake_stdlib(monkeypatch):
+    """A tiny stand-in corpus, counting how often it is read."""
+    calls = []
+
+    def documents():
+        calls.append(threading.get_ident())
+        time.sleep(0.05)  # widen the race window
+        yield "a", b"abc"
+        yield "b", b"\xff\x00"
+
+    monkeypatch.setattr(indexed, "stdlib_documents", documents)
+    monkeypatch.setattr(indexed, "stdlib_fingerprint", lambda: "feedface")
+    return calls
+
+
+def test_concurrent_callers_build_once(tmp_path, fake_stdlib):
+    results, errors = [], []
+
+    def call():
+        try:
+            results.append(ensure_stdlib_corpus(tmp_path / "cache"))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors
+    assert len(fake_stdlib) == 1
+    assert results == [str(tmp_path / "cache" / "stdlib-feedface-byte")] * 4
+    assert read_all(results[0])[0] == [[97, 98, 99, 256], [255, 0, 256]]
+
+
+def test_corrupt_cache_is_rebuilt(tmp_path, fake_stdlib):
+    prefix = ensure_stdlib_corpus(tmp_path)
+    with open(prefix + ".idx", "r+b") as f:
+        f.truncate(20)
+    assert ensure_stdlib_corpus(tmp_path) == prefix
+    assert len(fake_stdlib) == 2
+    assert read_all(prefix)[0] == [[97, 98, 99, 256], [255, 0, 256]]
