@@ -259,6 +259,13 @@ def add_hdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="attention block kernel",
     )
     g.add_argument(
+        "--hdp-load-if-exists",
+        default=None,
+        metavar="DIR",
+        help="resume from DIR if it holds a checkpoint, else start fresh (for requeued jobs; "
+        "--load insists on a checkpoint)",
+    )
+    g.add_argument(
         "--hdp-metrics-file",
         default=None,
         help="append one JSON line per step (iteration, loss, lr, grad norm, tokens, seconds)",
@@ -422,12 +429,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             f"the embedded default corpus is byte-level; --tokenizer-type {args.tokenizer_type} "
             "needs --data-path"
         )
-    if (
-        args.load is not None
-        and not (Path(args.load) / "latest_checkpointed_iteration.txt").exists()
-    ):
-        raise ValueError(
-            f"--load {args.load}: no checkpoint there (no latest_checkpointed_iteration.txt)"
-        )
+    tracker = "latest_checkpointed_iteration.txt"
+    if args.load is not None and args.hdp_load_if_exists is not None:
+        raise ValueError("give --load or --hdp-load-if-exists, not both")
+    if args.load is not None and not (Path(args.load) / tracker).exists():
+        raise ValueError(f"--load {args.load}: no checkpoint there (no {tracker})")
+    if args.hdp_load_if_exists is not None and (Path(args.hdp_load_if_exists) / tracker).exists():
+        args.load = args.hdp_load_if_exists
     if args.save_interval is not None and args.save is None:
         raise ValueError("--save-interval needs --save")

@@ -1,0 +1,152 @@
+"""Drop-in pieces for an existing Megatron-LM `pretrain_gpt.py`-style job (host layer).
+
+Megatron-LM's loop (`megatron.training.pretrain`) is not in the megatron-core wheel, so it
+cannot be run here; these pieces follow its contracts and are tested against a
+`forward_step` written the way `pretrain_gpt.py` writes it, with Megatron-Core's own
+`finalize_model_grads`:
+
+- `HDPDataIterator`: an "external" data loader (`--dataloader-type external`): one
+  `HDPGlobalBatch` (the step's plan and a token source) per training step.
+- `hdp_forward_backward(runtime)`: a function with the keyword signature of Megatron's
+  `get_forward_backward_func()` schedules. It runs this rank's micro-batches of the step's
+  plan, calls your `forward_step_func(data_iterator, model)` once per micro-batch with a
+  one-batch iterator (a Megatron-style batch dict whose `packed_seq_params` carries HDP
+  attention), back-propagates the per-token loss sum, and calls
+  `config.finalize_model_grads_func(model, num_tokens)`, which all-reduces the gradients
+  and the token count over the pool and divides by it. Needs `calculate_per_token_loss`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from megatron.core.utils import get_model_config
+
+from megatron_hdp.batching import IndexedTokens, LocalBatch, TokenSource
+from megatron_hdp.data.sampler import TokenBudgetSampler
+from megatron_hdp.megatron.model import GPTConfig
+from megatron_hdp.megatron.step import StepRuntime, local_batches, packed_seq_params
+from megatron_hdp.scheduler import plan_step
+from megatron_hdp.scheduler.plan import StepPlan
+
+
+@dataclass(frozen=True)
+class HDPGlobalBatch:
+    """One training step's global batch: its plan and where its tokens come from."""
+
+    plan: StepPlan
+    source: TokenSource
+
+
+class HDPDataIterator:
+    """Yields one `HDPGlobalBatch` per step from a sampler over indexed datasets.
+
+    Every rank builds the same iterator (same sampler, same seed) and so the same plans;
+    no rank reads another's tokens.
+
+    Args:
+        sampler: The token-budget sampler (lengths only).
+        datasets: Readers of the sampler's datasets (`IndexedDataset`s).
+        pool_size: Ranks in the HDP pool.
+        capacity: Tokens per rank per micro-batch.
+        policy: Placement policy name (`scheduler.POLICIES`).
+        cp_size: CP size of the static policy.
+    """
+
+    def __init__(
+        self,
+        sampler: TokenBudgetSampler,
+        datasets: Sequence,
+        *,
+        pool_size: int,
+        capacity: int,
+        policy: str = "greedy",
+        cp_size: int | None = None,
+    ) -> None:
+        self.sampler = sampler
+        self.datasets = list(datasets)
+        self.pool_size, self.capacity = pool_size, capacity
+        self.policy, self.cp_size = policy, cp_size
+
+    def __iter__(self) -> Iterator[HDPGlobalBatch]:
+        return self
+
+    def __next__(self) -> HDPGlobalBatch:
+        units = self.sampler.next_batch()
+        plan = plan_step(
+            [u.length for u in units],
+            pool_size=self.pool_size,
+            capacity=self.capacity,
+            policy=self.policy,
+            cp_size=self.cp_size,
+        )
+        return HDPGlobalBatch(plan=plan, source=IndexedTokens(self.datasets, units))
+
+
+def megatron_batch(batch: LocalBatch, cfg: GPTConfig, runtime: StepRuntime) -> dict:
+    """The batch dict a `pretrain_gpt.py`-style `get_batch` returns, for one HDP micro-batch."""
+    return {
+        "tokens": batch.tokens,
+        "labels": batch.labels,
+        "loss_mask": batch.loss_mask,
+        "position_ids": batch.position_ids,
+        "attention_mask": None,
+        "packed_seq_params": packed_seq_params(batch, cfg, runtime),
+    }
+
+
+def hdp_forward_backward(runtime: StepRuntime, cfg: GPTConfig) -> Callable:
+    """A forward/backward function for Megatron-LM's `train_step`, running HDP plans.
+
+    Use it where Megatron-LM calls `get_forward_backward_func()`; the returned function is
+    collective over `runtime.group` (rings within it, one gradient sync over all of it).
+    """
+
+    def forward_backward(
+        *,
+        forward_step_func,
+        data_iterator,
+        model,
+        num_microbatches=None,
+        seq_length=None,
+        micro_batch_size=None,
+        decoder_seq_length=None,
+        forward_only=False,
+        collect_non_loss_data=False,
+        first_val_step=None,
+        adjust_tensor_shapes_fn=None,
+        p2p_communicator=None,
+        pg_collection=None,
+        force_all_reduce=False,
+    ) -> list:
+        chunks = model if isinstance(model, list) else [model]
+        if len(chunks) != 1:
+            raise ValueError(f"HDP runs without pipeline parallelism; got {len(chunks)} chunks")
+        model_chunk = chunks[0]
+        config = get_model_config(model_chunk)
+        if not config.calculate_per_token_loss:
+            raise ValueError("HDP needs calculate_per_token_loss=True (token-level loss)")
+        step = next(data_iterator)
+        step.plan.validate(pool_size=torch.distributed.get_world_size(runtime.group))
+        reports, num_tokens = [], 0
+        no_sync = config.no_sync_func or contextlib.nullcontext
+        with no_sync(), contextlib.ExitStack() as stack:
+            if forward_only:
+                stack.enter_context(torch.no_grad())
+            for batch in local_batches(step.plan, step.source, runtime):
+                batch_iterator = iter([megatron_batch(batch, cfg, runtime)])
+                output, loss_func = forward_step_func(batch_iterator, model_chunk)
+                loss_sum, tokens, report = loss_func(output)
+                if not forward_only:
+                    loss_sum.backward()
+                reports.append(report)
+                num_tokens += int(tokens)
+        if not forward_only and config.finalize_model_grads_func is not None:
+            total = torch.tensor(num_tokens, dtype=torch.int64, device=runtime.device)
+            config.finalize_model_grads_func(chunks, total, force_all_reduce=force_all_reduce)
+        return reports
+
+    return forward_backward

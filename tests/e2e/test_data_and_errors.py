@@ -1,0 +1,268 @@
+"""pretrain_hdp.py on preprocessed data: blends, data order across resume, bad input, launch."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_hdp.megatron import preprocess
+from megatron_hdp.megatron.indexed import open_indexed_dataset
+from tests.e2e.harness import SMALL_MODEL, run_pretrain
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_jsonl(path: Path, num_docs: int, seed: int) -> list[str]:
+    """Code-like documents of very different lengths (a model can learn their patterns)."""
+    rng = random.Random(seed)
+    texts = []
+    for i in range(num_docs):
+        lines = rng.choice([1, 2, 4, 30, 90])
+        texts.append("".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}\n" for j in range(lines)))
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return texts
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("data")
+    prefixes = []
+    for name, num_docs, seed in (("a", 60, 1), ("b", 40, 2)):
+        write_jsonl(folder / f"{name}.jsonl", num_docs, seed)
+        prefix = folder / name
+        assert (
+            preprocess.main(
+                ["--input", str(folder / f"{name}.jsonl"), "--output-prefix", str(prefix)]
+            )
+            == 0
+        )
+        prefixes.append(str(prefix))
+    return prefixes
+
+
+def data_args(data_path, *, iters, extra=()):
+    return [
+        *SMALL_MODEL,
+        "--seq-length",
+        "256",
+        "--hdp-capacity",
+        "128",
+        "--train-iters",
+        str(iters),
+        "--lr",
+        "3e-3",
+        "--lr-decay-style",
+        "constant",
+        "--data-path",
+        *data_path,
+        "--split",
+        "100,0,0",
+        "--seed",
+        "11",
+        *extra,
+    ]
+
+
+def test_trains_on_a_preprocessed_dataset(datasets):
+    steps = run_pretrain(
+        2, data_args([datasets[0]], iters=8, extra=["--hdp-global-batch-tokens", "1024"])
+    )
+    losses = [s["loss"] for s in steps]
+    assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.1, losses
+
+
+def test_weighted_blend_draws_from_both_datasets(datasets):
+    steps = run_pretrain(
+        2,
+        data_args(
+            ["0.25", datasets[0], "0.75", datasets[1]], iters=3, extra=["--global-batch-size", "8"]
+        ),
+    )
+    counts = [0, 0]
+    for step in steps:
+        assert len(step["units"]) == 8
+        for dataset, *_ in step["units"]:
+            counts[dataset] += 1
+    assert counts == [6, 18]
+
+
+def all_units(prefix, seq_length):
+    """Every (doc, start, length) of a dataset, computed from the raw index."""
+    dataset = open_indexed_dataset(prefix)  # keep it alive: its lengths live in its mmap
+    lengths = dataset.sequence_lengths.tolist()
+    units = set()
+    for doc, n in enumerate(lengths):
+        for start in range(0, n - 1, seq_length):
+            units.add((0, doc, start, min(seq_length, n - 1 - start)))
+    return units
+
+
+def test_every_document_once_per_epoch_across_stop_and_resume(datasets, tmp_path):
+    expected = all_units(datasets[0], 256)
+    batch = 7
+    steps_per_epoch = -(-len(expected) // batch)
+    stop = steps_per_epoch // 2
+    ckpt = str(tmp_path / "ckpt")
+    common = ["--global-batch-size", str(batch)]
+    first = run_pretrain(2, data_args([datasets[0]], iters=stop, extra=[*common, "--save", ckpt]))
+    second = run_pretrain(
+        2,
+        data_args(
+            [datasets[0]],
+            iters=steps_per_epoch + 1,
+            extra=[*common, "--load", ckpt, "--save", ckpt],
+        ),
+    )
+    consumed = [tuple(u) for s in first + second for u in s["units"]]
+    epoch = consumed[: len(expected)]
+    assert len(epoch) == len(set(epoch)) == len(expected)
+    assert set(epoch) == expected
+    assert set(consumed[len(expected) :]) <= expected  # the next epoch has begun
+
+
+@pytest.mark.parametrize(
+    "make_args, message",
+    [
+        (lambda d, t: data_args([str(t / "missing")], iters=1), "missing"),
+        (
+            lambda d, t: data_args([d[0]], iters=1, extra=["--no-such-flag"]),
+            "unknown arguments: --no-such-flag",
+        ),
+        (lambda d, t: data_args([d[0]], iters=1, extra=["--fp16"]), "--fp16 is not supported here"),
+        (
+            lambda d, t: data_args([d[0]], iters=1, extra=["--hdp-global-batch-tokens", "100"]),
+            "--hdp-global-batch-tokens 100 is smaller than one sequence (--seq-length 256)",
+        ),
+        (
+            lambda d, t: data_args([d[0]], iters=1, extra=["--hdp-capacity", "64"]),
+            "capacity 64 x 2 ranks = 128 tokens is too small for --seq-length 256",
+        ),
+        (lambda d, t: data_args([d[0]], iters=1, extra=["--load", str(t)]), "no checkpoint there"),
+        (
+            lambda d, t: data_args([d[0]], iters=1, extra=["--tensor-model-parallel-size", "2"]),
+            "tensor parallelism is not supported",
+        ),
+    ],
+)
+def test_bad_input_exits_with_a_clear_message(
+    datasets, tmp_path, monkeypatch, capsys, make_args, message
+):
+    import pretrain_hdp
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain_hdp.main(make_args(datasets, tmp_path))
+    assert exit_info.value.code != 0
+    assert message in capsys.readouterr().err
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_corrupt_index_exits_with_a_clear_message(datasets, tmp_path, monkeypatch, capsys, damage):
+    import pretrain_hdp
+
+    prefix = tmp_path / "broken"
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"broken{suffix}").write_bytes(Path(datasets[0] + suffix).read_bytes())
+    idx = tmp_path / "broken.idx"
+    data = idx.read_bytes()
+    idx.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"garbage" * 9)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain_hdp.main(data_args([str(prefix)], iters=1))
+    assert exit_info.value.code != 0
+    assert "broken.idx" in capsys.readouterr().err
+
+
+def test_torchrun_launch(corpus_cache, tmp_path):
+    """The real launcher: torchrun with 2 gloo ranks, a metrics file and TensorBoard events."""
+    metrics, board = tmp_path / "metrics.jsonl", tmp_path / "tb"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(REPO / "pretrain_hdp.py"),
+        *SMALL_MODEL,
+        "--seq-length",
+        "512",
+        "--hdp-capacity",
+        "256",
+        "--train-iters",
+        "2",
+        "--lr",
+        "1e-3",
+        "--data-cache-path",
+        str(corpus_cache),
+        "--hdp-metrics-file",
+        str(metrics),
+        "--tensorboard-dir",
+        str(board),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "iter 2/2" in done.stderr
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2]
+    assert list(board.glob("events.out.tfevents.*"))
+
+
+def _body_crash_while_saving(rank, world_size, folder):
+    from megatron_hdp.megatron import checkpoint
+    from megatron_hdp.megatron.cpu_shim import cpu_shims
+    from megatron_hdp.megatron.engine import (
+        OptimConfig,
+        build_engine,
+        destroy_parallel_state,
+        initialize_parallel_state,
+    )
+    from megatron_hdp.megatron.model import GPTConfig
+
+    cfg = GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32)
+    with cpu_shims():
+        initialize_parallel_state()
+        try:
+            engine = build_engine(cfg, OptimConfig())
+            group = dist.group.WORLD
+            first = checkpoint.TrainingState(iteration=1, data_state={"at": 1})
+            checkpoint.save_checkpoint(folder, engine, first, group=group)
+            real_save = torch.save
+
+            def failing_save(obj, path, *args, **kwargs):
+                if "common" in str(path):
+                    raise OSError("disk full")
+                return real_save(obj, path, *args, **kwargs)
+
+            checkpoint.torch.save = failing_save
+            try:
+                checkpoint.save_checkpoint(
+                    folder,
+                    engine,
+                    checkpoint.TrainingState(iteration=2, data_state={}),
+                    group=group,
+                )
+            except OSError:
+                pass
+            finally:
+                checkpoint.torch.save = real_save
+            state, _ = checkpoint.load_checkpoint(folder, engine, group=group)
+            return state.iteration, state.data_state, sorted(p.name for p in Path(folder).iterdir())
+        finally:
+            destroy_parallel_state()
+
+
+def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
+    from tests.dist import run_ranks
+
+    iteration, data_state, names = run_ranks(_body_crash_while_saving, 1, str(tmp_path))[0]
+    assert (iteration, data_state) == (1, {"at": 1})
+    assert "iter_0000002" not in names and "iter_0000001" in names

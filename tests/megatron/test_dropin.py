@@ -1,0 +1,113 @@
+"""The Megatron-LM drop-in path: a pretrain_gpt.py-style forward_step, our schedule, and
+Megatron-Core's own finalize_model_grads give the single-process gradients."""
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+from megatron_hdp.megatron.cpu_shim import cpu_shims
+from megatron_hdp.megatron.engine import (
+    build_engine,
+    destroy_parallel_state,
+    initialize_parallel_state,
+)
+from megatron_hdp.megatron.schedule import HDPGlobalBatch, hdp_forward_backward
+from megatron_hdp.megatron.step import StepRuntime
+from megatron_hdp.scheduler import plan_step
+from tests.dist import run_ranks
+from tests.megatron.test_model_equivalence import (
+    CAPACITY,
+    CFG,
+    OPTIM,
+    SEED,
+    assert_close_rel,
+    make_batch,
+    reference_run,
+    source_of,
+)
+
+
+def pretrain_gpt_forward_step(data_iterator, model):
+    """Shaped like Megatron-LM's pretrain_gpt.forward_step (per-token loss variant)."""
+    batch = next(data_iterator)
+    output = model(
+        batch["tokens"],
+        batch["position_ids"],
+        batch["attention_mask"],
+        labels=batch["labels"],
+        packed_seq_params=batch["packed_seq_params"],
+    )
+
+    def loss_func(output_tensor):
+        losses = output_tensor.float().view(-1)
+        mask = batch["loss_mask"].view(-1).float()
+        loss_sum = torch.sum(losses * mask)
+        num_tokens = mask.sum().clone().detach().to(torch.int)
+        return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens])}
+
+    return output, loss_func
+
+
+def _body_dropin(rank, world_size):
+    with cpu_shims():
+        initialize_parallel_state()
+        try:
+            engine = build_engine(CFG, OPTIM, seed=SEED)
+            config = engine.model.config
+            config.finalize_model_grads_func = finalize_model_grads
+            config.no_sync_func = engine.model.no_sync
+            source = source_of(make_batch(world_size, 0))
+            plan = plan_step(source.seqlens, pool_size=world_size, capacity=CAPACITY)
+            runtime = StepRuntime(group=dist.group.WORLD)
+            schedule = hdp_forward_backward(runtime, CFG)
+            engine.model.zero_grad_buffer()
+            reports = schedule(
+                forward_step_func=pretrain_gpt_forward_step,
+                data_iterator=iter([HDPGlobalBatch(plan=plan, source=source)]),
+                model=[engine.model],
+                num_microbatches=1,
+                seq_length=None,
+                micro_batch_size=1,
+                forward_only=False,
+            )
+            grads = {n: p.main_grad.clone() for n, p in engine.model.module.named_parameters()}
+            sums = torch.stack([r["lm loss"] for r in reports]).sum(0) if reports else None
+            return grads, None if sums is None else sums.tolist()
+        finally:
+            destroy_parallel_state()
+
+
+def test_pretrain_gpt_style_step_matches_single_process():
+    per_rank = run_ranks(_body_dropin, 3)
+    ref_losses, _, ref_grads, _ = reference_run(3, CFG, "mixed")
+    loss_sum = sum(s[0] for _, s in per_rank if s is not None)
+    tokens = sum(s[1] for _, s in per_rank if s is not None)
+    assert abs(loss_sum / tokens - ref_losses[0]) <= 1e-5 * ref_losses[0]
+    for rank, (grads, _) in enumerate(per_rank):
+        for name, want in ref_grads.items():
+            assert_close_rel(grads[name], want, f"rank {rank} grad {name}")
+
+
+def test_data_iterator_plans_sampler_batches_and_reads_the_index(tmp_path):
+    import numpy as np
+
+    from megatron_hdp.data.sampler import DatasetUnits, TokenBudgetSampler
+    from megatron_hdp.megatron.indexed import open_indexed_dataset, write_indexed_dataset
+    from megatron_hdp.megatron.schedule import HDPDataIterator
+
+    docs = [list(range(i % 50, i % 50 + n)) for i, n in enumerate([3, 40, 7, 90, 12, 5, 66])]
+    write_indexed_dataset(tmp_path / "d", docs, vocab_size=200)
+    dataset = open_indexed_dataset(tmp_path / "d")
+    units = DatasetUnits.from_documents(
+        np.arange(len(docs)), np.array([len(d) for d in docs]), max_seq_length=32
+    )
+    sampler = TokenBudgetSampler([units], [1.0], seed=0, tokens_per_batch=64)
+    iterator = HDPDataIterator(sampler, [dataset], pool_size=3, capacity=16)
+    for _ in range(4):
+        step = next(iterator)
+        step.plan.validate(pool_size=3)
+        for i, unit in enumerate(step.source.units):
+            tokens, labels, _ = step.source.read(i, 0, unit.length)
+            doc = docs[unit.doc]
+            assert tokens.tolist() == doc[unit.start : unit.start + unit.length]
+            assert labels.tolist() == doc[unit.start + 1 : unit.start + unit.length + 1]
