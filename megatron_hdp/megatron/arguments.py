@@ -212,6 +212,12 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--save-interval", type=int, default=None, help="steps between checkpoints (and at end)"
     )
+    g.add_argument(
+        "--exit-interval",
+        type=int,
+        default=None,
+        help="stop (after saving, with --save) when the iteration is a multiple of this",
+    )
     g.add_argument("--log-interval", type=int, default=100, help="steps between log lines")
     g.add_argument("--eval-interval", type=int, default=1000, help="steps between evaluations")
     g.add_argument("--eval-iters", type=int, default=100, help="validation batches per eval")
@@ -285,6 +291,7 @@ def build_parser() -> RefusingParser:
         description="Train a Megatron-Core GPT with Hybrid Data Parallelism (launch with "
         "torchrun).",
         allow_abbrev=False,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     _add_model_args(parser)
     _add_training_args(parser)
@@ -357,6 +364,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             "log_interval",
             "eval_interval",
             "save_interval",
+            "exit_interval",
             "context_parallel_size",
         ],
     )

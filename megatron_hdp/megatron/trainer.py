@@ -301,11 +301,16 @@ class Trainer:
                     logger.info("iter %d | validation loss %.4f", self.iteration, valid_loss)
                     if self._writer is not None:
                         self._writer.add_scalar("valid/loss", valid_loss, self.iteration)
+            exiting = bool(args.exit_interval) and self.iteration % args.exit_interval == 0
             if args.save and (
                 (args.save_interval and self.iteration % args.save_interval == 0)
                 or self.iteration == args.train_iters
+                or exiting
             ):
                 self.save()
+            if exiting and self.iteration < args.train_iters:
+                logger.info("iter %d: --exit-interval reached, stopping", self.iteration)
+                break
         if self._writer is not None:
             self._writer.close()
         if metrics is not None:

@@ -59,33 +59,25 @@ def test_hdp_static_mesh_and_one_rank_give_the_same_losses(corpus_cache):
 
 @pytest.mark.parametrize("distributed_optimizer", [False, True])
 def test_resume_equals_uninterrupted(corpus_cache, tmp_path, distributed_optimizer):
-    extra = ["--use-distributed-optimizer"] if distributed_optimizer else []
+    """Stop at step 3 (--exit-interval), resume to 5: same losses and parameters as 1-5."""
+    extra = ["--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--min-lr", "1e-4"]
+    if distributed_optimizer:
+        extra.append("--use-distributed-optimizer")
     straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
-    straight = run_pretrain(
-        2,
-        default_corpus_args(
-            corpus_cache, capacity=256, iters=5, extra=[*extra, "--save", str(straight_dir)]
-        ),
-    )
-    first = run_pretrain(
-        2,
-        default_corpus_args(
-            corpus_cache, capacity=256, iters=3, extra=[*extra, "--save", str(resumed_dir)]
-        ),
-    )
-    second = run_pretrain(
-        2,
-        default_corpus_args(
-            corpus_cache,
-            capacity=256,
-            iters=5,
-            extra=[*extra, "--load", str(resumed_dir), "--save", str(resumed_dir)],
-        ),
-    )
+
+    def run(iters_extra):
+        return run_pretrain(
+            2, default_corpus_args(corpus_cache, capacity=256, iters=5, extra=extra + iters_extra)
+        )
+
+    straight = run(["--save", str(straight_dir)])
+    first = run(["--save", str(resumed_dir), "--exit-interval", "3"])
+    second = run(["--load", str(resumed_dir), "--save", str(resumed_dir)])
     assert [s["iteration"] for s in first + second] == [1, 2, 3, 4, 5]
     assert [s["loss"] for s in first + second] == pytest.approx(
         [s["loss"] for s in straight], rel=1e-6
     )
+    assert [s["lr"] for s in first + second] == pytest.approx([s["lr"] for s in straight])
     a = torch.load(straight_dir / "iter_0000005" / "common.pt", weights_only=False)["model"]
     b = torch.load(resumed_dir / "iter_0000005" / "common.pt", weights_only=False)["model"]
     for name, value in a.items():
