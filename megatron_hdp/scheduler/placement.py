@@ -9,7 +9,8 @@ Two policies live here:
   to the context `cp * capacity`, and every pack is sharded over one fixed, contiguous CP
   group; packs go round robin over the DP groups, as Megatron's static mesh does.
 
-The balance scheduler (ByteScale Alg. 2) will be a third policy with the same contract.
+- `"balanced"` (HDP): ByteScale's balance scheduler (`balance.py`): the same rings and
+  packs, placed by predicted cost so that all ranks reach the gradient sync together.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+from megatron_hdp.scheduler.balance import plan_from_placements
 from megatron_hdp.scheduler.plan import MicroBatch, StepPlan, plan_from_rank_lists, validate_inputs
 
-POLICIES = ("greedy", "static")
+POLICIES = ("greedy", "balanced", "static")
 
 #: Cost of one micro-batch for one ring member: f(lengths, cp_size, capacity) -> float.
 CostFn = Callable[[Sequence[int], int, int], float]
@@ -143,6 +145,49 @@ def plan_static(
     return plan_from_rank_lists(seqlens, pool_size, capacity, "static", micro_batches)
 
 
+def plan_balanced(
+    seqlens: Sequence[int],
+    *,
+    pool_size: int,
+    capacity: int,
+    cost_model=None,
+    delta: float = 0.0,
+    core=None,
+) -> StepPlan:
+    """HDP with the balance scheduler; costs from `cost_model` (a `cost.CostModel`).
+
+    Without a cost model the costs are `simple_cost`'s. `core` is the placement core with
+    `balance.balance_core`'s signature (the C++ core by default).
+    """
+    validate_inputs(seqlens, pool_size, capacity)
+    if cost_model is not None:
+        ring_sizes, local, ring = cost_model.cost_arrays(seqlens, capacity)
+        ring_sizes, local, ring = ring_sizes.tolist(), local.tolist(), ring.tolist()
+    else:
+        ring_sizes = [max(1, math.ceil(s / capacity)) for s in seqlens]
+        local = [simple_cost([s], 1, capacity) for s in seqlens]
+        ring = [
+            simple_cost([s], k, capacity) if k > 1 else 0.0
+            for s, k in zip(seqlens, ring_sizes, strict=True)
+        ]
+    if core is None:
+        from megatron_hdp.scheduler.planner import default_core
+
+        core = default_core()
+    placements = core(
+        [int(s) for s in seqlens],
+        ring_sizes,
+        local,
+        ring,
+        pool_size=pool_size,
+        capacity=capacity,
+        delta=delta,
+    )
+    return plan_from_placements(
+        placements, seqlens, pool_size=pool_size, capacity=capacity, policy="balanced"
+    )
+
+
 def plan_step(
     seqlens: Sequence[int],
     *,
@@ -150,18 +195,26 @@ def plan_step(
     capacity: int,
     policy: str = "greedy",
     cp_size: int | None = None,
+    cost_model=None,
 ) -> StepPlan:
-    """Plan one step with the named policy (`"greedy"` HDP or the `"static"` mesh).
+    """Plan one step with the named policy (`"greedy"`, `"balanced"` or the `"static"` mesh).
 
     Deterministic: equal inputs give equal plans on every rank. Raises ValueError for bad
-    input before anything else happens. `cp_size` applies to the static policy only.
+    input before anything else happens. `cp_size` applies to the static policy only;
+    `cost_model` (a `cost.CostModel`) prices micro-batches for the balanced policy and
+    fills every policy's `predicted_cost`.
     """
     if policy != "static" and cp_size is not None:
         raise ValueError(f"cp_size {cp_size} applies to the static policy only, not {policy!r}")
+    cost = cost_model.planner_cost if cost_model is not None else simple_cost
     if policy == "greedy":
-        plan = plan_greedy(seqlens, pool_size=pool_size, capacity=capacity)
+        plan = plan_greedy(seqlens, pool_size=pool_size, capacity=capacity, cost=cost)
+    elif policy == "balanced":
+        plan = plan_balanced(seqlens, pool_size=pool_size, capacity=capacity, cost_model=cost_model)
     elif policy == "static":
-        plan = plan_static(seqlens, pool_size=pool_size, capacity=capacity, cp_size=cp_size)
+        plan = plan_static(
+            seqlens, pool_size=pool_size, capacity=capacity, cp_size=cp_size, cost=cost
+        )
     else:
         raise ValueError(f"unknown placement policy {policy!r}; choose one of {POLICIES}")
     plan.validate()

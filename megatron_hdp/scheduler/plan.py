@@ -35,6 +35,7 @@ class MicroBatch:
             sequence is cut into `2 * len(ring)` chunks (zigzag, see `sharding.py`).
         offload_ratio: Fraction of saved activations to move to host memory (0 = none).
         predicted_cost: The planner's cost estimate for one member of the ring.
+        predicted_start: When the planner expects the ring to start (0 if it does not say).
     """
 
     order: int
@@ -42,6 +43,7 @@ class MicroBatch:
     seq_indices: tuple[int, ...]
     offload_ratio: float = 0.0
     predicted_cost: float = 0.0
+    predicted_start: float = 0.0
 
     @property
     def cp_size(self) -> int:
@@ -109,6 +111,7 @@ class StepPlan:
                     "seq_indices": list(mb.seq_indices),
                     "offload_ratio": mb.offload_ratio,
                     "predicted_cost": mb.predicted_cost,
+                    "predicted_start": mb.predicted_start,
                 }
                 for mb in self.micro_batches
             ],
@@ -129,6 +132,7 @@ class StepPlan:
                     seq_indices=tuple(int(i) for i in m["seq_indices"]),
                     offload_ratio=float(m.get("offload_ratio", 0.0)),
                     predicted_cost=float(m.get("predicted_cost", 0.0)),
+                    predicted_start=float(m.get("predicted_start", 0.0)),
                 )
                 for m in data["micro_batches"]
             ),

@@ -1,0 +1,224 @@
+"""The cost model shared by the planner, the benchmarks and the simulator (pure).
+
+Time of one sequence of `s` tokens on a ring of `k` ranks, per member, forward + backward,
+all layers of one model replica (an HDP rank):
+
+    T(s, k) = linear(s) / k + attention(s) / k + exposed_ring(s, k)
+
+- `linear(s) = 6 * P * s / F_lin`: GEMMs of all layers and the output layer (P parameters
+  touched per token; 2 FLOPs per multiply-add, x3 for forward + backward).
+- `attention(s) = L * 3.5 * 2 * s^2 * d_q / F_attn`: causal attention scores and values,
+  forward `4 s^2 d_q / 2` FLOPs (half the square), backward 2.5x forward.
+- `exposed_ring(s, k)`: each layer's ring has `k - 1` forward steps moving K/V of `s/k`
+  tokens and, backward, `k - 1` K/V steps plus `k` dK/dV steps; a step costs
+  `latency + bytes / bandwidth` and hides behind that step's share of attention compute,
+  only the excess is exposed. Zero for `k = 1`.
+
+Activation bytes per token and layer follow field-anchors.md 5.4: about `34 h` bytes in
+16-bit (scaled by the element size). Constants of the named device profiles are documented
+where they are defined; `cpu` is a placeholder to be replaced by a calibration run
+(`python -m megatron_hdp.megatron.calibrate`), which writes a profile JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """The dimensions the cost model needs (Megatron flag names)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int | None = None
+    ffn_hidden_size: int | None = None
+    vocab_size: int = 32000
+    swiglu: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head."""
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Channels of K (or V) per token: query groups x head dim."""
+        return (self.num_query_groups or self.num_attention_heads) * self.head_dim
+
+    @property
+    def params_per_token(self) -> int:
+        """Weights each token multiplies: all transformer layers plus the output layer."""
+        h, ffn = self.hidden_size, self.ffn_hidden_size or 4 * self.hidden_size
+        attention = h * (h + 2 * self.kv_dim) + h * h
+        mlp = (3 if self.swiglu else 2) * h * ffn
+        return self.num_layers * (attention + mlp) + h * self.vocab_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceProfile:
+    """Effective speeds of one HDP rank (a model replica's device).
+
+    Attributes:
+        name: Profile name.
+        linear_flops: Sustained FLOP/s of the GEMMs.
+        attention_flops: Sustained FLOP/s of the attention kernel.
+        p2p_bandwidth: Bytes/s of one ring link, one direction.
+        p2p_latency: Seconds per ring message.
+        host_bandwidth: Bytes/s device-to-host (and back), for offloading.
+        memory_bytes: Device memory.
+        bytes_per_element: 2 for bf16 activations, 4 for fp32.
+    """
+
+    name: str
+    linear_flops: float
+    attention_flops: float
+    p2p_bandwidth: float
+    p2p_latency: float
+    host_bandwidth: float
+    memory_bytes: float
+    bytes_per_element: int = 2
+
+    def to_json(self) -> str:
+        """JSON text of the profile."""
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> DeviceProfile:
+        """Load a profile written by `to_json` (e.g. by the calibration command)."""
+        return cls(**json.loads(Path(path).read_text()))
+
+
+#: H100 SXM: 989 TFLOP/s dense bf16 (datasheet); 60% GEMM and 40% attention efficiency
+#: (typical Megatron MFU and FlashAttention-2 forward+backward); 50 GB/s per direction to a
+#: ring neighbour on another node (400 Gb/s InfiniBand NDR per GPU); ~10 us per message;
+#: PCIe Gen5 x16 ~50 GB/s effective per direction; 80 GB HBM3.
+H100 = DeviceProfile(
+    name="h100",
+    linear_flops=0.6 * 989e12,
+    attention_flops=0.4 * 989e12,
+    p2p_bandwidth=50e9,
+    p2p_latency=10e-6,
+    host_bandwidth=50e9,
+    memory_bytes=80e9,
+)
+#: A100 SXM: 312 TFLOP/s dense bf16; same efficiencies; 200 Gb/s HDR per GPU (25 GB/s);
+#: PCIe Gen4 ~25 GB/s; 80 GB HBM2e.
+A100 = DeviceProfile(
+    name="a100",
+    linear_flops=0.6 * 312e12,
+    attention_flops=0.4 * 312e12,
+    p2p_bandwidth=25e9,
+    p2p_latency=10e-6,
+    host_bandwidth=25e9,
+    memory_bytes=80e9,
+)
+#: This machine's kind (2 cores, gloo over loopback), before calibration: ~20 GFLOP/s per
+#: rank, gloo P2P ~1 GB/s and ~0.5 ms per message (cpu-gloo-facts.md, section 1), fp32.
+CPU = DeviceProfile(
+    name="cpu",
+    linear_flops=20e9,
+    attention_flops=10e9,
+    p2p_bandwidth=1e9,
+    p2p_latency=0.5e-3,
+    host_bandwidth=5e9,
+    memory_bytes=24e9,
+    bytes_per_element=4,
+)
+PROFILES = {p.name: p for p in (H100, A100, CPU)}
+
+_ATTENTION_TRAIN_FACTOR = 3.5  # forward + backward = 3.5 x forward (backward 2.5x)
+_BACKWARD_STEP_FACTOR = 2.5
+
+
+class CostModel:
+    """Times and bytes of sequences on rings, for one model on one device profile."""
+
+    def __init__(self, model: ModelShape, device: DeviceProfile) -> None:
+        self.model = model
+        self.device = device
+
+    def linear_time(self, s: float) -> float:
+        """GEMM seconds of a whole sequence of `s` tokens on one rank."""
+        return 6.0 * self.model.params_per_token * s / self.device.linear_flops
+
+    def attention_time(self, s: float) -> float:
+        """Causal attention seconds of a whole sequence on one rank, all layers."""
+        m = self.model
+        forward = 2.0 * s * s * m.num_attention_heads * m.head_dim
+        return m.num_layers * _ATTENTION_TRAIN_FACTOR * forward / self.device.attention_flops
+
+    def exposed_ring_time(self, s, k):
+        """Ring communication seconds not hidden by attention compute, per member.
+
+        Works on floats or numpy arrays; zero where `k <= 1`.
+        """
+        m, d = self.model, self.device
+        k = np.asarray(k, dtype=np.float64)
+        ring = k > 1
+        k_safe = np.where(ring, k, 2.0)
+        kv_bytes = 2.0 * (np.asarray(s, dtype=np.float64) / k_safe) * m.kv_dim
+        transfer = d.p2p_latency + kv_bytes * d.bytes_per_element / d.p2p_bandwidth
+        forward_step = (
+            self.attention_time(s) / (k_safe * k_safe) / (_ATTENTION_TRAIN_FACTOR * m.num_layers)
+        )
+        backward_step = forward_step * _BACKWARD_STEP_FACTOR
+        per_layer = (
+            (k_safe - 1) * np.maximum(0.0, transfer - forward_step)
+            + (k_safe - 1) * np.maximum(0.0, 2.0 * transfer - backward_step)
+            + transfer
+        )
+        out = np.where(ring, m.num_layers * per_layer, 0.0)
+        return float(out) if out.ndim == 0 else out
+
+    def time(self, s, k=1):
+        """Per-member seconds of a sequence of `s` tokens on a ring of `k` ranks.
+
+        Works on floats or numpy arrays (elementwise).
+        """
+        return (self.linear_time(s) + self.attention_time(s)) / np.asarray(
+            k, dtype=np.float64
+        ) + self.exposed_ring_time(s, k)
+
+    def micro_batch_time(self, lengths: Sequence[int], k: int = 1) -> float:
+        """Per-member seconds of a micro-batch of packed documents on a ring of `k`."""
+        return float(np.sum(self.time(np.asarray(lengths, dtype=np.float64), k)))
+
+    def activation_bytes_per_token(self) -> float:
+        """Saved activation bytes per token, all layers (about 34 h per layer in 16-bit)."""
+        m = self.model
+        return m.num_layers * 34.0 * m.hidden_size * self.device.bytes_per_element / 2.0
+
+    def planner_cost(self, lengths: Sequence[int], cp_size: int, capacity: int) -> float:
+        """`placement.CostFn` adapter: per-member time of a micro-batch."""
+        return self.micro_batch_time(lengths, cp_size)
+
+    def cost_arrays(
+        self, seqlens: Sequence[int], capacity: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Inputs of the balance core: ring sizes, local costs and per-member ring costs."""
+        s = np.asarray(seqlens, dtype=np.float64)
+        k = np.maximum(1, np.ceil(s / capacity)).astype(np.int64)
+        local = np.asarray(self.time(s, 1), dtype=np.float64)
+        ring = np.where(k > 1, self.time(s, k), 0.0)
+        return k, local, ring
+
+
+def lower_bound(ring_sizes, local_cost, ring_cost, pool_size: int) -> float:
+    """max(total work / pool, longest single item): no plan finishes earlier."""
+    k = np.asarray(ring_sizes)
+    work = np.where(k > 1, np.asarray(ring_cost) * k, np.asarray(local_cost))
+    longest = float(np.max(np.where(k > 1, ring_cost, local_cost)))
+    return max(float(work.sum()) / pool_size, longest)
+
+
+def rank_count(s: int, capacity: int) -> int:
+    """Ranks a sequence needs without offloading."""
+    return max(1, math.ceil(s / capacity))
