@@ -83,11 +83,16 @@ class IndexedTokens:
     Args:
         datasets: One reader per dataset of the blend.
         units: The units of the global batch, in batch order.
+        vocab_size: When given, a token id outside `[0, vocab_size)` raises ValueError
+            (data tokenized with another tokenizer than the job's).
     """
 
-    def __init__(self, datasets: Sequence[IndexedReader], units: Sequence) -> None:
+    def __init__(
+        self, datasets: Sequence[IndexedReader], units: Sequence, *, vocab_size: int | None = None
+    ) -> None:
         self.datasets = list(datasets)
         self.units = list(units)
+        self.vocab_size = vocab_size
 
     @property
     def seqlens(self) -> list[int]:
@@ -103,6 +108,16 @@ class IndexedTokens:
             unit.doc, offset=unit.start + start, length=length + 1
         )
         ids = torch.from_numpy(np.asarray(ids, dtype=np.int64))
+        if (
+            self.vocab_size is not None
+            and len(ids)
+            and (int(ids.max()) >= self.vocab_size or int(ids.min()) < 0)
+        ):
+            raise ValueError(
+                f"dataset {unit.dataset}, document {unit.doc}: token id {int(ids.max())} is "
+                f"outside the tokenizer's vocabulary of {self.vocab_size} (was the data "
+                "tokenized with another --tokenizer-type?)"
+            )
         return ids[:-1], ids[1:], torch.ones(length, dtype=torch.float32)
 
 

@@ -9,8 +9,9 @@ Vocabulary:
 - *stream*: the order in which units are consumed. Each dataset of a blend walks its units
   in a seeded permutation, a new one every epoch, so within an epoch every unit (and so
   every document) is used exactly once. Which dataset feeds the next unit is decided by
-  the blend weights alone (largest deficit first, as Megatron's blending does), so the
-  stream depends on the seed and the consumed counts only.
+  the blend weights and the tokens consumed so far (the dataset furthest below its token
+  share goes next, as Megatron's blending does with its fixed-length samples), so blend
+  weights are token shares and the stream depends on the seed and the consumed counts only.
 
 The sampler never reads tokens: lengths come from the index.
 """
@@ -92,19 +93,24 @@ def parse_split(text: str) -> list[float]:
 
 @dataclass
 class SamplerState:
-    """Where the stream stands: units consumed from each dataset and in total."""
+    """Where the stream stands: units and tokens consumed from each dataset, and steps."""
 
     consumed: list[int]
+    tokens: list[int]
     steps: int = 0
 
     def to_dict(self) -> dict:
         """A JSON-serialisable copy."""
-        return {"consumed": list(self.consumed), "steps": self.steps}
+        return {"consumed": list(self.consumed), "tokens": list(self.tokens), "steps": self.steps}
 
     @classmethod
     def from_dict(cls, data: dict) -> SamplerState:
         """Inverse of `to_dict`."""
-        return cls(consumed=[int(c) for c in data["consumed"]], steps=int(data["steps"]))
+        return cls(
+            consumed=[int(c) for c in data["consumed"]],
+            tokens=[int(t) for t in data["tokens"]],
+            steps=int(data["steps"]),
+        )
 
 
 class TokenBudgetSampler:
@@ -151,7 +157,7 @@ class TokenBudgetSampler:
         self.seed = seed
         self.tokens_per_batch = tokens_per_batch
         self.units_per_batch = units_per_batch
-        self.state = SamplerState(consumed=[0] * len(datasets))
+        self.state = SamplerState(consumed=[0] * len(datasets), tokens=[0] * len(datasets))
         self._perm_cache: dict[tuple[int, int], np.ndarray] = {}
 
     def _permutation(self, dataset: int, epoch: int) -> np.ndarray:
@@ -164,19 +170,14 @@ class TokenBudgetSampler:
         return self._perm_cache[key]
 
     def _next_dataset(self) -> int:
-        consumed = np.asarray(self.state.consumed, dtype=np.float64)
-        total = consumed.sum()
-        return int(np.argmax(self.weights * (total + 1) - consumed))
+        tokens = np.asarray(self.state.tokens, dtype=np.float64)
+        return int(np.argmax(self.weights * tokens.sum() - tokens))
 
     def _unit(self, dataset: int, index: int) -> Unit:
         units = self.datasets[dataset]
         epoch, offset = divmod(index, len(units))
         i = int(self._permutation(dataset, epoch)[offset])
         return Unit(dataset, int(units.doc[i]), int(units.start[i]), int(units.length[i]))
-
-    def epoch_of(self, dataset: int) -> int:
-        """The epoch the next unit of `dataset` belongs to."""
-        return self.state.consumed[dataset] // len(self.datasets[dataset])
 
     def next_batch(self) -> list[Unit]:
         """The next global batch; advances the state."""
@@ -193,21 +194,37 @@ class TokenBudgetSampler:
             batch.append(unit)
             tokens += unit.length
             self.state.consumed[k] += 1
+            self.state.tokens[k] += unit.length
         self.state.steps += 1
         return batch
 
+    def setup(self) -> dict:
+        """What the stream depends on besides the state: seed, weights, budgets, units."""
+        return {
+            "seed": self.seed,
+            "weights": [float(w) for w in self.weights],
+            "tokens_per_batch": self.tokens_per_batch,
+            "units_per_batch": self.units_per_batch,
+            "units": [len(u) for u in self.datasets],
+            "unit_tokens": [u.num_tokens for u in self.datasets],
+        }
+
     def state_dict(self) -> dict:
-        """The resumable state (with the seed, to catch a resume under another seed)."""
-        return {"seed": self.seed, **self.state.to_dict()}
+        """The resumable state, with the set-up it belongs to."""
+        return {"setup": self.setup(), **self.state.to_dict()}
 
     def load_state_dict(self, data: dict) -> None:
-        """Continue from a saved state; ValueError if it belongs to another set-up."""
-        if int(data["seed"]) != self.seed:
-            raise ValueError(f"data state was saved with seed {data['seed']}, not {self.seed}")
-        state = SamplerState.from_dict(data)
-        if len(state.consumed) != len(self.datasets):
-            raise ValueError(
-                f"data state has {len(state.consumed)} datasets, this blend has "
-                f"{len(self.datasets)}"
-            )
-        self.state = state
+        """Continue from a saved state; ValueError naming what differs if the set-up changed.
+
+        A different seed, blend, batch size or sequence length (which changes the units)
+        would break "every document once per epoch", so it is refused.
+        """
+        saved, mine = data["setup"], self.setup()
+        for key, value in mine.items():
+            if saved.get(key) != value:
+                raise ValueError(
+                    f"the data state was saved with {key}={saved.get(key)!r}, but this run has "
+                    f"{key}={value!r} (changed --seed, --data-path, --split, --seq-length or "
+                    "global batch size?)"
+                )
+        self.state = SamplerState.from_dict(data)

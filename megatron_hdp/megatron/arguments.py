@@ -17,7 +17,9 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from megatron_hdp.checkpoint_files import TRACKER, read_meta
 from megatron_hdp.data.sampler import parse_split
+from megatron_hdp.scheduler.cost import PROFILES
 from megatron_hdp.scheduler.placement import POLICIES
 
 #: Megatron-LM flags that exist there but not here; refused with this message.
@@ -120,7 +122,13 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="must be 0: HDP attention has no dropout (Megatron's default 0.1 is refused)",
     )
-    g.add_argument("--hidden-dropout", type=float, default=0.0, help="hidden dropout")
+    g.add_argument(
+        "--hidden-dropout",
+        type=float,
+        default=0.0,
+        help="hidden dropout (Megatron's default is 0.1; 0 here so that placements give "
+        "identical losses)",
+    )
     g.add_argument(
         "--make-vocab-size-divisible-by",
         type=int,
@@ -137,7 +145,8 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         "--global-batch-size",
         type=int,
         default=None,
-        help="sequences per global batch (alternative to --hdp-global-batch-tokens)",
+        help="sequences (documents or --seq-length pieces of them, not packed samples) per "
+        "global batch; alternative to --hdp-global-batch-tokens",
     )
     g.add_argument(
         "--micro-batch-size",
@@ -185,8 +194,9 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
         "--data-path",
         nargs="*",
         default=None,
-        help="indexed dataset prefixes, optionally weighted: 'P' or 'W1 P1 W2 P2 ...'; "
-        "omitted: the embedded Python-stdlib corpus",
+        help="indexed dataset prefixes, optionally weighted: 'P', 'P1 P2' (weighted by their "
+        "tokens) or 'W1 P1 W2 P2 ...' (weights are token shares); omitted: the embedded "
+        "Python-stdlib corpus",
     )
     g.add_argument("--split", default="969,30,1", help="train,valid,test weights over documents")
     g.add_argument(
@@ -242,8 +252,15 @@ def add_hdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--hdp-placement",
         choices=[p for p in POLICIES if p != "static"],
-        default="greedy",
-        help="HDP placement policy",
+        default="balanced",
+        help="HDP placement: 'balanced' (ByteScale's balance scheduler, priced by the cost "
+        "model) or 'greedy' (least-loaded rings and packs)",
+    )
+    g.add_argument(
+        "--hdp-device-profile",
+        default=None,
+        help="cost-model device profile: h100, a100, cpu, or a JSON file from "
+        "'python -m megatron_hdp.megatron.calibrate' (default: h100 on GPU, cpu on CPU)",
     )
     g.add_argument(
         "--hdp-capacity",
@@ -301,18 +318,22 @@ def build_parser() -> RefusingParser:
     return parser
 
 
-def parse_data_path(items: Sequence[str] | None) -> list[tuple[float, str]]:
-    """`--data-path` as `(weight, prefix)` pairs; `[]` when omitted."""
+def parse_data_path(items: Sequence[str] | None) -> list[tuple[float | None, str]]:
+    """`--data-path` as `(weight, prefix)` pairs; `[]` when omitted.
+
+    Without weights every prefix gets weight None: the data set-up then weights datasets by
+    their training tokens, as Megatron weights an unweighted list by dataset size.
+    """
     if not items:
         return []
     if len(items) == 1:
-        return [(1.0, items[0])]
+        return [(None, items[0])]
     try:
         weights = [float(w) for w in items[0::2]]
     except ValueError:
         if any(_is_number(x) for x in items):
             raise ValueError(f"--data-path {' '.join(items)}: mix of weights and paths") from None
-        return [(1.0, p) for p in items]
+        return [(None, p) for p in items]
     if len(items) % 2:
         raise ValueError(f"--data-path {' '.join(items)}: a weight without a path")
     if any(w <= 0 for w in weights):
@@ -437,12 +458,41 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             f"the embedded default corpus is byte-level; --tokenizer-type {args.tokenizer_type} "
             "needs --data-path"
         )
-    tracker = "latest_checkpointed_iteration.txt"
+    if args.min_lr > args.lr:
+        raise ValueError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+    if args.lr_decay_iters is not None and args.lr_decay_iters <= args.lr_warmup_iters:
+        raise ValueError(
+            f"--lr-decay-iters {args.lr_decay_iters} must exceed --lr-warmup-iters "
+            f"{args.lr_warmup_iters}"
+        )
+    if args.data_path is not None and len(args.data_path) == 0:
+        raise ValueError("--data-path needs at least one dataset prefix (omit it for the default)")
     if args.load is not None and args.hdp_load_if_exists is not None:
         raise ValueError("give --load or --hdp-load-if-exists, not both")
-    if args.load is not None and not (Path(args.load) / tracker).exists():
-        raise ValueError(f"--load {args.load}: no checkpoint there (no {tracker})")
-    if args.hdp_load_if_exists is not None and (Path(args.hdp_load_if_exists) / tracker).exists():
+    if args.hdp_load_if_exists is not None and (Path(args.hdp_load_if_exists) / TRACKER).exists():
         args.load = args.hdp_load_if_exists
+    if args.load is not None:
+        try:
+            meta = read_meta(args.load)
+        except ValueError as err:
+            raise ValueError(f"--load {args.load}: {err}") from None
+        if meta["distributed_optimizer"] and args.use_distributed_optimizer:
+            if meta["world_size"] != world_size:
+                raise ValueError(
+                    f"--load {args.load}: written by {meta['world_size']} ranks with the "
+                    f"distributed optimizer; resume it on {meta['world_size']} ranks, not "
+                    f"{world_size}"
+                )
+        if meta["distributed_optimizer"] != args.use_distributed_optimizer:
+            raise ValueError(
+                f"--load {args.load}: written with use_distributed_optimizer="
+                f"{meta['distributed_optimizer']}; resume with the same setting"
+            )
+    if args.hdp_device_profile is not None and args.hdp_device_profile not in PROFILES:
+        if not Path(args.hdp_device_profile).is_file():
+            raise ValueError(
+                f"--hdp-device-profile {args.hdp_device_profile}: neither a profile name "
+                f"({', '.join(sorted(PROFILES))}) nor a JSON file"
+            )
     if args.save_interval is not None and args.save is None:
         raise ValueError("--save-interval needs --save")

@@ -5,14 +5,19 @@ Layout, compatible in spirit with Megatron-LM's:
     <dir>/latest_checkpointed_iteration.txt     the newest complete checkpoint
     <dir>/iter_0000100/common.pt                model, optimizer, LR schedule, data position,
                                                 iteration, arguments (written by rank 0)
+    <dir>/iter_0000100/meta.json                world size and optimizer kind (for checks)
     <dir>/iter_0000100/rng_rank<r>.pt           every rank's RNG states
     <dir>/iter_0000100/optim_rank<r>.pt         this rank's optimizer shard: Adam state and fp32
                                                 main parameters (--use-distributed-optimizer)
 
-Atomicity: everything is written into `iter_XXXXXXX.partial`; after all ranks finished
-(barrier) rank 0 renames the folder to `iter_XXXXXXX` and then replaces the tracker file
-with `os.replace`. A crash at any point leaves the previous checkpoint as the latest; a
-stale `.partial` folder is removed by the next save.
+All ranks write into one folder, so `<dir>` must be on a filesystem every rank sees (as
+with Megatron-LM).
+
+Atomicity: everything is written (and fsync'ed) into `iter_XXXXXXX.partial`; once every
+rank has finished, rank 0 renames the folder to `iter_XXXXXXX` and then replaces the
+tracker file with `os.replace`. A crash or a failed write on any rank leaves the previous
+checkpoint as the latest; the failure is raised on every rank (no rank is left waiting),
+and stale `.partial` folders are removed by the next save.
 
 The model is replicated on every HDP rank (DP semantics), so one copy is saved. With the
 distributed optimizer every rank saves its own shard, so a resume needs the same number of
@@ -22,6 +27,7 @@ ranks. (Megatron-Core 0.16.1's gather-to-rank-0 format drops torch AdamW's per-p
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -33,11 +39,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_hdp.checkpoint_files import (
+    META,
+    TRACKER,
+    fsync_path,
+    iteration_dir,
+    latest_iteration,
+)
 from megatron_hdp.megatron.engine import Engine
 
 logger = logging.getLogger(__name__)
-
-TRACKER = "latest_checkpointed_iteration.txt"
 
 
 @dataclass
@@ -49,16 +60,12 @@ class TrainingState:
     consumed_tokens: int = 0
 
 
-def _iter_dir(root: Path, iteration: int) -> Path:
-    return root / f"iter_{iteration:07d}"
-
-
 def _rng_state() -> dict:
     return {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
     }
 
 
@@ -67,13 +74,14 @@ def _set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])
 
 
-def _write_atomically(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+def _write(path: Path, obj) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _shard_optimizers(optimizer) -> list:
@@ -102,72 +110,83 @@ def _load_optimizer_shard_state(optimizer, state: dict) -> None:
                 dst.copy_(src)
 
 
+def _all_ok(ok: bool, group: dist.ProcessGroup, device: torch.device) -> bool:
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, group=group)
+    return int(flag.item()) == 0
+
+
 def save_checkpoint(
     root: str | Path,
     engine: Engine,
     state: TrainingState,
     *,
     group: dist.ProcessGroup,
+    device: torch.device | None = None,
     extra: dict | None = None,
 ) -> Path:
     """Collective over `group`: write the checkpoint of `state.iteration` atomically.
 
     Returns the checkpoint folder. `extra` (e.g. the arguments) is stored in `common.pt`.
+    Raises on every rank if any rank failed to write its part.
     """
+    device = device or torch.device("cpu")
     root = Path(root)
     rank = dist.get_rank(group)
-    final = _iter_dir(root, state.iteration)
+    final = iteration_dir(root, state.iteration)
     partial = final.with_name(final.name + ".partial")
+    error: BaseException | None = None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir()
-    dist.barrier(group=group)
-    if engine.optimizer_is_distributed:
-        _write_atomically(
-            partial / f"optim_rank{rank}.pt", _optimizer_shard_state(engine.optimizer)
-        )
-    _write_atomically(partial / f"rng_rank{rank}.pt", _rng_state())
-    if rank == 0:
-        _write_atomically(
-            partial / "common.pt",
-            {
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob("iter_*.partial"):
+                shutil.rmtree(stale, ignore_errors=True)
+            partial.mkdir()
+        except OSError as err:
+            error = err
+    if not _all_ok(error is None, group, device):
+        raise error or RuntimeError(f"rank 0 could not create {partial}")
+    try:
+        if engine.optimizer_is_distributed:
+            _write(partial / f"optim_rank{rank}.pt", _optimizer_shard_state(engine.optimizer))
+        _write(partial / f"rng_rank{rank}.pt", _rng_state())
+        if rank == 0:
+            _write(
+                partial / "common.pt",
+                {
+                    "iteration": state.iteration,
+                    "consumed_tokens": state.consumed_tokens,
+                    "data_state": state.data_state,
+                    "model": engine.model.module.state_dict(),
+                    "optimizer": engine.optimizer.state_dict(),
+                    "scheduler": engine.scheduler.state_dict(),
+                    "extra": extra or {},
+                },
+            )
+            meta = {
                 "iteration": state.iteration,
-                "consumed_tokens": state.consumed_tokens,
-                "data_state": state.data_state,
-                "model": engine.model.module.state_dict(),
-                "optimizer": engine.optimizer.state_dict(),
-                "scheduler": engine.scheduler.state_dict(),
                 "world_size": dist.get_world_size(group),
-                "extra": extra or {},
-            },
-        )
-    dist.barrier(group=group)
+                "distributed_optimizer": engine.optimizer_is_distributed,
+            }
+            (partial / META).write_text(json.dumps(meta) + "\n")
+            fsync_path(partial / META)
+    except OSError as err:
+        error = err
+    if not _all_ok(error is None, group, device):
+        raise error or RuntimeError(f"another rank failed to write its part of {partial}")
     if rank == 0:
+        fsync_path(partial)
         if final.exists():
             shutil.rmtree(final)
         os.replace(partial, final)
         tracker_tmp = root / (TRACKER + ".tmp")
         tracker_tmp.write_text(f"{state.iteration}\n")
+        fsync_path(tracker_tmp)
         os.replace(tracker_tmp, root / TRACKER)
+        fsync_path(root)
         logger.info("saved checkpoint %s", final)
     dist.barrier(group=group)
     return final
-
-
-def latest_iteration(root: str | Path) -> int:
-    """The iteration the tracker file names; ValueError if there is no usable checkpoint."""
-    root = Path(root)
-    tracker = root / TRACKER
-    if not tracker.exists():
-        raise ValueError(f"no checkpoint in {root}: {TRACKER} is missing")
-    text = tracker.read_text().strip()
-    if not text.isdigit():
-        raise ValueError(f"{tracker} does not hold an iteration number: {text!r}")
-    iteration = int(text)
-    if not (_iter_dir(root, iteration) / "common.pt").exists():
-        raise ValueError(f"{tracker} names iteration {iteration}, but its folder is incomplete")
-    return iteration
 
 
 def load_checkpoint(
@@ -176,28 +195,29 @@ def load_checkpoint(
     """Collective over `group`: restore model, optimizer, schedule and RNG; return the state.
 
     Returns `(training_state, extra)`. Raises ValueError for a missing or incomplete
-    checkpoint or one written by a pool of another size with the distributed optimizer.
+    checkpoint, or one written by a pool of another size with the distributed optimizer.
     """
     root = Path(root)
     iteration = latest_iteration(root)
-    folder = _iter_dir(root, iteration)
-    common = torch.load(folder / "common.pt", weights_only=False)
-    rank = dist.get_rank(group)
-    if engine.optimizer_is_distributed and common["world_size"] != dist.get_world_size(group):
+    folder = iteration_dir(root, iteration)
+    meta = json.loads((folder / META).read_text())
+    if engine.optimizer_is_distributed and meta["world_size"] != dist.get_world_size(group):
         raise ValueError(
-            f"{folder} was written by {common['world_size']} ranks with the distributed "
+            f"{folder} was written by {meta['world_size']} ranks with the distributed "
             f"optimizer; this pool has {dist.get_world_size(group)}"
         )
+    common = torch.load(folder / "common.pt", map_location="cpu", weights_only=False)
+    rank = dist.get_rank(group)
     engine.model.module.load_state_dict(common["model"])
     engine.optimizer.reload_model_params()
     engine.optimizer.load_state_dict(common["optimizer"])
     if engine.optimizer_is_distributed:
-        shard = torch.load(folder / f"optim_rank{rank}.pt", weights_only=False)
+        shard = torch.load(folder / f"optim_rank{rank}.pt", map_location="cpu", weights_only=False)
         _load_optimizer_shard_state(engine.optimizer, shard)
     engine.scheduler.load_state_dict(common["scheduler"])
     rng_file = folder / f"rng_rank{rank}.pt"
     if rng_file.exists():
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        _set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False))
     logger.info("loaded checkpoint %s (iteration %d)", folder, iteration)
     state = TrainingState(
         iteration=iteration,

@@ -60,7 +60,8 @@ class OptimConfig:
     lr_warmup_iters: int = 0
     """Linear warm-up steps (--lr-warmup-iters)."""
     lr_decay_iters: int | None = None
-    """Steps of decay after warm-up ends; None = constant (--lr-decay-iters / --train-iters)."""
+    """Step at which the decay ends, counted from step 0 like Megatron's --lr-decay-iters
+    (warm-up included); None = constant learning rate."""
     lr_decay_style: str = "constant"
     """"constant", "linear", "cosine" or "inverse-square-root" (--lr-decay-style)."""
 
@@ -73,6 +74,11 @@ class OptimConfig:
             raise ValueError(f"unknown lr_decay_style {self.lr_decay_style!r}")
         if self.lr_warmup_iters < 0:
             raise ValueError(f"lr_warmup_iters must be >= 0, got {self.lr_warmup_iters}")
+        if self.lr_decay_iters is not None and self.lr_decay_iters <= self.lr_warmup_iters:
+            raise ValueError(
+                f"lr_decay_iters {self.lr_decay_iters} must exceed lr_warmup_iters "
+                f"{self.lr_warmup_iters}"
+            )
 
 
 @dataclass
@@ -94,7 +100,9 @@ def build_engine(cfg: GPTConfig, optim: OptimConfig, *, seed: int = 1234) -> Eng
     parameters), so it is part of the engine even for a constant learning rate.
     """
     torch.manual_seed(seed)
-    model = build_gpt(cfg)
+    model = build_gpt(cfg)  # initialised on the CPU: equal weights on every rank
+    if torch.cuda.is_available():
+        model = model.cuda(torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
@@ -115,15 +123,14 @@ def build_engine(cfg: GPTConfig, optim: OptimConfig, *, seed: int = 1234) -> Eng
         use_distributed_optimizer=optim.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(optimizer_config, [ddp_model])
-    decay_iters = optim.lr_decay_iters or 0
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if optim.lr_warmup_iters else optim.lr,
         max_lr=optim.lr,
         min_lr=optim.min_lr,
         lr_warmup_steps=optim.lr_warmup_iters,
-        lr_decay_steps=max(decay_iters + optim.lr_warmup_iters, optim.lr_warmup_iters + 1),
-        lr_decay_style=optim.lr_decay_style if decay_iters else "constant",
+        lr_decay_steps=optim.lr_decay_iters or optim.lr_warmup_iters + 1,
+        lr_decay_style=optim.lr_decay_style if optim.lr_decay_iters else "constant",
         start_wd=optim.weight_decay,
         end_wd=optim.weight_decay,
         wd_incr_steps=1,

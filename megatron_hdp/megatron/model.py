@@ -12,6 +12,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn import functional
 
 from megatron_hdp.megatron.core_attention import HDPCoreAttention
+from megatron_hdp.scheduler.cost import ModelShape
 
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -84,6 +85,19 @@ class GPTConfig:
     def dtype(self) -> torch.dtype:
         """The torch dtype of the parameters."""
         return _DTYPES[self.params_dtype]
+
+
+def model_shape(cfg: GPTConfig) -> ModelShape:
+    """The cost model's view of a model configuration."""
+    return ModelShape(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        vocab_size=cfg.vocab_size,
+        swiglu=cfg.swiglu,
+    )
 
 
 def transformer_config(cfg: GPTConfig) -> TransformerConfig:

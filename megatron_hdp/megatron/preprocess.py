@@ -58,8 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--json-key",
+        "--json-keys",
+        dest="json_key",
         default="text",
-        help="JSONL key holding each document's text (default: %(default)s)",
+        help="JSONL key holding each document's text (default: %(default)s); --json-keys is "
+        "Megatron's spelling and takes one key here",
     )
     parser.add_argument(
         "--output-prefix",
@@ -100,7 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-append-eod",
         dest="append_eod",
         action="store_false",
-        help="do not end every document with the end-of-document token",
+        help="do not end every document with the end-of-document token (appending is the "
+        "default here; Megatron's preprocess_data.py needs --append-eod for it)",
+    )
+    parser.add_argument(
+        "--append-eod",
+        dest="append_eod",
+        action="store_true",
+        help="end every document with the end-of-document token (the default; accepted for "
+        "Megatron's spelling)",
     )
     parser.add_argument(
         "--extensions",

@@ -54,6 +54,8 @@ class HDPDataIterator:
         capacity: Tokens per rank per micro-batch.
         policy: Placement policy name (`scheduler.POLICIES`).
         cp_size: CP size of the static policy.
+        cost_model: Prices micro-batches for the balanced policy (`cost.CostModel`).
+        vocab_size: Refuse token ids outside the vocabulary (see `IndexedTokens`).
     """
 
     def __init__(
@@ -63,16 +65,27 @@ class HDPDataIterator:
         *,
         pool_size: int,
         capacity: int,
-        policy: str = "greedy",
+        policy: str = "balanced",
         cp_size: int | None = None,
+        cost_model=None,
+        vocab_size: int | None = None,
     ) -> None:
         self.sampler = sampler
         self.datasets = list(datasets)
         self.pool_size, self.capacity = pool_size, capacity
         self.policy, self.cp_size = policy, cp_size
+        self.cost_model, self.vocab_size = cost_model, vocab_size
 
     def __iter__(self) -> Iterator[HDPGlobalBatch]:
         return self
+
+    def state_dict(self) -> dict:
+        """The sampler position, to store in your checkpoint (Megatron-LM does not know it)."""
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state_dict()` after loading a checkpoint."""
+        self.sampler.load_state_dict(state)
 
     def __next__(self) -> HDPGlobalBatch:
         units = self.sampler.next_batch()
@@ -82,8 +95,11 @@ class HDPDataIterator:
             capacity=self.capacity,
             policy=self.policy,
             cp_size=self.cp_size,
+            cost_model=self.cost_model,
         )
-        return HDPGlobalBatch(plan=plan, source=IndexedTokens(self.datasets, units))
+        return HDPGlobalBatch(
+            plan=plan, source=IndexedTokens(self.datasets, units, vocab_size=self.vocab_size)
+        )
 
 
 def megatron_batch(batch: LocalBatch, cfg: GPTConfig, runtime: StepRuntime) -> dict:
@@ -98,11 +114,16 @@ def megatron_batch(batch: LocalBatch, cfg: GPTConfig, runtime: StepRuntime) -> d
     }
 
 
-def hdp_forward_backward(runtime: StepRuntime, cfg: GPTConfig) -> Callable:
+def hdp_forward_backward(
+    runtime: StepRuntime, cfg: GPTConfig, *, empty_report: Callable[[], dict] | None = None
+) -> Callable:
     """A forward/backward function for Megatron-LM's `train_step`, running HDP plans.
 
     Use it where Megatron-LM calls `get_forward_backward_func()`; the returned function is
     collective over `runtime.group` (rings within it, one gradient sync over all of it).
+    A rank that runs no micro-batch in a step (HDP allows it) returns `[empty_report()]`
+    (default `{"lm loss": zeros(2)}`), since Megatron-LM's `train_step` reads the keys of
+    the first report and all-reduces each.
     """
 
     def forward_backward(
@@ -144,6 +165,12 @@ def hdp_forward_backward(runtime: StepRuntime, cfg: GPTConfig) -> Callable:
                     loss_sum.backward()
                 reports.append(report)
                 num_tokens += int(tokens)
+        if not reports:
+            reports.append(
+                empty_report()
+                if empty_report is not None
+                else {"lm loss": torch.zeros(2, device=runtime.device)}
+            )
         if not forward_only and config.finalize_model_grads_func is not None:
             total = torch.tensor(num_tokens, dtype=torch.int64, device=runtime.device)
             config.finalize_model_grads_func(chunks, total, force_all_reduce=force_all_reduce)

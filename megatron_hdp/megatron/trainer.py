@@ -15,6 +15,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from megatron_hdp.batching import IndexedTokens
@@ -26,13 +27,23 @@ from megatron_hdp.megatron.arguments import (
 )
 from megatron_hdp.megatron.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from megatron_hdp.megatron.engine import Engine, OptimConfig, build_engine
-from megatron_hdp.megatron.model import GPTConfig
+from megatron_hdp.megatron.model import GPTConfig, model_shape
 from megatron_hdp.megatron.step import StepResult, StepRuntime, evaluate, train_step
 from megatron_hdp.megatron.training_data import DataConfig, TrainingData
 from megatron_hdp.scheduler import plan_step
+from megatron_hdp.scheduler.cost import PROFILES, CostModel, DeviceProfile
 from megatron_hdp.scheduler.stats import plan_statistics
 
 logger = logging.getLogger(__name__)
+
+
+def device_profile(spec: str | None) -> DeviceProfile:
+    """A named profile, a calibrated profile JSON, or the default for this machine."""
+    if spec is None:
+        spec = "h100" if torch.cuda.is_available() else "cpu"
+    if spec in PROFILES:
+        return PROFILES[spec]
+    return DeviceProfile.from_json(spec)
 
 
 def padded_vocab_size(vocab_size: int, multiple: int) -> int:
@@ -83,7 +94,7 @@ def optim_config(args: argparse.Namespace) -> OptimConfig:
         clip_grad=args.clip_grad,
         use_distributed_optimizer=args.use_distributed_optimizer,
         lr_warmup_iters=args.lr_warmup_iters,
-        lr_decay_iters=(args.lr_decay_iters or args.train_iters) - args.lr_warmup_iters,
+        lr_decay_iters=args.lr_decay_iters or args.train_iters,
         lr_decay_style=args.lr_decay_style,
     )
 
@@ -122,7 +133,7 @@ class _Window:
 
     losses: list[float] = field(default_factory=list)
     tokens: int = 0
-    seconds: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
     stats: list[dict] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
 
@@ -144,12 +155,11 @@ class Trainer:
         self.rank = dist.get_rank(runtime.group)
         self.capacity = capacity_of(args)
         self.policy = "static" if uses_static_mesh(args) else args.hdp_placement
-        self.engine: Engine = build_engine(
-            model_config(args, data.vocab_size), optim_config(args), seed=args.seed
-        )
+        cfg = model_config(args, data.vocab_size)
+        self.engine: Engine = build_engine(cfg, optim_config(args), seed=args.seed)
+        self.cost_model = CostModel(model_shape(cfg), device_profile(args.hdp_device_profile))
         self.iteration = 0
         self.consumed_tokens = 0
-        self.history: list[dict] = []
         self._writer = None
         if args.tensorboard_dir and self.rank == 0:
             from torch.utils.tensorboard import SummaryWriter
@@ -163,20 +173,27 @@ class Trainer:
             capacity=self.capacity,
             policy=self.policy,
             cp_size=self.args.context_parallel_size if self.policy == "static" else None,
+            cost_model=self.cost_model,
         )
 
     def resume(self) -> None:
         """Collective: restore everything from `--load`."""
         state, _ = load_checkpoint(self.args.load, self.engine, group=self.runtime.group)
+        saved_data = state.data_state
+        if saved_data.get("prefixes") != self.data.prefixes:
+            raise ValueError(
+                f"the checkpoint was trained on {saved_data.get('prefixes')}, this run reads "
+                f"{self.data.prefixes}"
+            )
         self.iteration = state.iteration
         self.consumed_tokens = state.consumed_tokens
-        self.data.train.load_state_dict(state.data_state)
+        self.data.train.load_state_dict(saved_data["sampler"])
 
     def save(self) -> None:
         """Collective: write a checkpoint of the current iteration to `--save`."""
         state = TrainingState(
             iteration=self.iteration,
-            data_state=self.data.train.state_dict(),
+            data_state={"sampler": self.data.train.state_dict(), "prefixes": self.data.prefixes},
             consumed_tokens=self.consumed_tokens,
         )
         save_checkpoint(
@@ -184,6 +201,7 @@ class Trainer:
             self.engine,
             state,
             group=self.runtime.group,
+            device=self.runtime.device,
             extra={"args": vars(self.args)},
         )
 
@@ -191,7 +209,7 @@ class Trainer:
         """Collective: one training step; returns result, plan statistics, seconds, units."""
         units = self.data.train.next_batch()
         plan = self._plan(units)
-        source = IndexedTokens(self.data.datasets, units)
+        source = IndexedTokens(self.data.datasets, units, vocab_size=self.data.vocab_size)
         start = time.perf_counter()
         result = train_step(self.engine, plan, source, self.runtime)
         elapsed = time.perf_counter() - start
@@ -210,7 +228,7 @@ class Trainer:
             s, n = evaluate(
                 self.engine,
                 self._plan(units),
-                IndexedTokens(self.data.datasets, units),
+                IndexedTokens(self.data.datasets, units, vocab_size=self.data.vocab_size),
                 self.runtime,
             )
             loss_sum, tokens = loss_sum + s, tokens + n
@@ -219,7 +237,10 @@ class Trainer:
     def _log(self, window: _Window) -> None:
         lr = self.engine.optimizer.param_groups[0]["lr"]
         loss = statistics.fmean(window.losses)
-        throughput = window.tokens / window.seconds if window.seconds else 0.0
+        # Wall-clock since the last log line: sampling, planning and the steps themselves
+        # (evaluation and checkpointing restart the window).
+        elapsed = time.perf_counter() - window.started
+        throughput = window.tokens / elapsed if elapsed > 0 else 0.0
         merged = _merge_stats(window.stats)
         grad_norm = statistics.fmean(window.grad_norms) if window.grad_norms else float("nan")
         record = {
@@ -230,7 +251,6 @@ class Trainer:
             "tokens_per_s": throughput,
             **merged,
         }
-        self.history.append(record)
         logger.info(
             "iter %d/%d | loss %.4f | lr %.3e | grad norm %.3f | %.0f tokens/s | ranks/seq "
             "mean %.2f max %d (token-weighted %.2f) | micro-batches/rank %d-%d | predicted "
@@ -284,7 +304,6 @@ class Trainer:
             )
             window.losses.append(result.loss)
             window.tokens += result.num_loss_tokens
-            window.seconds += elapsed
             window.stats.append(stats)
             if result.grad_norm is not None:
                 window.grad_norms.append(result.grad_norm)
@@ -301,6 +320,7 @@ class Trainer:
                     logger.info("iter %d | validation loss %.4f", self.iteration, valid_loss)
                     if self._writer is not None:
                         self._writer.add_scalar("valid/loss", valid_loss, self.iteration)
+                window.started = time.perf_counter()
             exiting = bool(args.exit_interval) and self.iteration % args.exit_interval == 0
             if args.save and (
                 (args.save_interval and self.iteration % args.save_interval == 0)
@@ -308,6 +328,7 @@ class Trainer:
                 or exiting
             ):
                 self.save()
+                window.started = time.perf_counter()
             if exiting and self.iteration < args.train_iters:
                 logger.info("iter %d: --exit-interval reached, stopping", self.iteration)
                 break

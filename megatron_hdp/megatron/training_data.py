@@ -32,8 +32,9 @@ DEFAULT_CACHE = Path(os.path.expanduser("~")) / ".cache" / "megatron_hdp"
 class DataConfig:
     """What the data set-up needs (Megatron flag names in parentheses)."""
 
-    blend: list[tuple[float, str]]
-    """(weight, prefix) pairs (--data-path); empty = the embedded stdlib corpus."""
+    blend: list[tuple[float | None, str]]
+    """(weight, prefix) pairs (--data-path); weight None = by the dataset's training tokens
+    (as Megatron weights an unweighted list by size); empty = the embedded stdlib corpus."""
     split: list[float]
     """Train/valid/test weights over each dataset's documents (--split)."""
     seq_length: int
@@ -65,6 +66,7 @@ class TrainingData:
     prefixes: list[str]
     train: TokenBudgetSampler
     vocab_size: int
+    train_units: list[DatasetUnits]
     valid_units: list[DatasetUnits] | None
     cfg: DataConfig
 
@@ -72,13 +74,20 @@ class TrainingData:
         """A validation sampler at its start (every evaluation sees the same batches)."""
         if self.valid_units is None:
             return None
-        return _sampler(self.valid_units, self.cfg, seed=self.cfg.seed + 1)
+        return _sampler(
+            self.valid_units, self.cfg, seed=self.cfg.seed + 1, train_units=self.train_units
+        )
 
 
-def _sampler(units, cfg: DataConfig, *, seed: int) -> TokenBudgetSampler:
+def _sampler(units, cfg: DataConfig, *, seed: int, train_units=None) -> TokenBudgetSampler:
+    sizes = train_units or units
+    weights = [
+        w if w is not None else float(u.num_tokens)
+        for (w, _), u in zip(cfg.blend or [(1.0, "")], sizes, strict=True)
+    ]
     return TokenBudgetSampler(
         units,
-        [w for w, _ in cfg.blend] if cfg.blend else [1.0],
+        weights,
         seed=seed,
         tokens_per_batch=cfg.tokens_per_batch,
         units_per_batch=cfg.units_per_batch,
@@ -87,7 +96,7 @@ def _sampler(units, cfg: DataConfig, *, seed: int) -> TokenBudgetSampler:
 
 def _vocab_size(cfg: DataConfig) -> int:
     if cfg.tokenizer_type == "NullTokenizer":
-        return int(cfg.vocab_size)
+        return int(cfg.vocab_size) + 1  # Megatron's NullTokenizer puts EOD at vocab_size
     return build_tokenizer(cfg.tokenizer_type, tokenizer_model=cfg.tokenizer_model).vocab_size
 
 
@@ -133,6 +142,7 @@ def build_training_data(cfg: DataConfig) -> TrainingData:
         prefixes=prefixes,
         train=_sampler(train_units, cfg, seed=cfg.seed),
         vocab_size=vocab_size,
+        train_units=train_units,
         valid_units=valid_units,
         cfg=cfg,
     )

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from megatron_hdp.megatron import preprocess
@@ -69,27 +68,71 @@ def data_args(data_path, *, iters, extra=()):
     ]
 
 
-def test_trains_on_a_preprocessed_dataset(datasets):
+@pytest.mark.parametrize("world_size, capacity", [(1, 256), (2, 128), (4, 64)])
+def test_trains_on_a_preprocessed_dataset(datasets, world_size, capacity):
     steps = run_pretrain(
-        2, data_args([datasets[0]], iters=8, extra=["--hdp-global-batch-tokens", "1024"])
+        world_size,
+        data_args(
+            [datasets[0]],
+            iters=8,
+            extra=["--hdp-global-batch-tokens", "1024", "--hdp-capacity", str(capacity)],
+        ),
     )
     losses = [s["loss"] for s in steps]
     assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.1, losses
 
 
-def test_weighted_blend_draws_from_both_datasets(datasets):
+def test_weighted_blend_takes_token_shares(datasets):
     steps = run_pretrain(
         2,
         data_args(
-            ["0.25", datasets[0], "0.75", datasets[1]], iters=3, extra=["--global-batch-size", "8"]
+            ["0.25", datasets[0], "0.75", datasets[1]],
+            iters=4,
+            extra=["--hdp-global-batch-tokens", "2048"],
         ),
     )
-    counts = [0, 0]
+    tokens = [0, 0]
     for step in steps:
-        assert len(step["units"]) == 8
-        for dataset, *_ in step["units"]:
-            counts[dataset] += 1
-    assert counts == [6, 18]
+        for dataset, _, _, length in step["units"]:
+            tokens[dataset] += length
+    assert abs(tokens[1] / sum(tokens) - 0.75) < 256 / sum(tokens)  # within one sequence
+
+
+def test_bpe_tokenized_data_trains_and_a_tokenizer_mismatch_is_refused(tmp_path):
+    write_jsonl(tmp_path / "c.jsonl", 40, 3)
+    tokenizer = tmp_path / "tokenizer.json"
+    assert (
+        preprocess.main(
+            [
+                "--input",
+                str(tmp_path / "c.jsonl"),
+                "--output-prefix",
+                str(tmp_path / "c"),
+                "--train-bpe-vocab-size",
+                "400",
+                "--tokenizer-model",
+                str(tokenizer),
+            ]
+        )
+        == 0
+    )
+    bpe = [
+        "--tokenizer-type",
+        "HuggingFaceTokenizer",
+        "--tokenizer-model",
+        str(tokenizer),
+        "--hdp-global-batch-tokens",
+        "1024",
+        "--hdp-capacity",
+        "256",
+    ]
+    steps = run_pretrain(1, data_args([str(tmp_path / "c")], iters=3, extra=bpe))
+    assert len(steps) == 3
+    with pytest.raises(AssertionError, match="outside the tokenizer's vocabulary of 257"):
+        run_pretrain(
+            2,
+            data_args([str(tmp_path / "c")], iters=1, extra=["--hdp-global-batch-tokens", "1024"]),
+        )
 
 
 def all_units(prefix, seq_length):
@@ -143,7 +186,7 @@ def test_every_document_once_per_epoch_across_stop_and_resume(datasets, tmp_path
             lambda d, t: data_args([d[0]], iters=1, extra=["--hdp-capacity", "64"]),
             "capacity 64 x 2 ranks = 128 tokens is too small for --seq-length 256",
         ),
-        (lambda d, t: data_args([d[0]], iters=1, extra=["--load", str(t)]), "no checkpoint there"),
+        (lambda d, t: data_args([d[0]], iters=1, extra=["--load", str(t)]), "no checkpoint in"),
         (
             lambda d, t: data_args([d[0]], iters=1, extra=["--tensor-model-parallel-size", "2"]),
             "tensor parallelism is not supported",
@@ -216,7 +259,7 @@ def test_torchrun_launch(corpus_cache, tmp_path):
     assert list(board.glob("events.out.tfevents.*"))
 
 
-def _body_crash_while_saving(rank, world_size, folder):
+def _body_crash_while_saving(rank, world_size, folder, failing_rank):
     from megatron_hdp.megatron import checkpoint
     from megatron_hdp.megatron.cpu_shim import cpu_shims
     from megatron_hdp.megatron.engine import (
@@ -235,14 +278,15 @@ def _body_crash_while_saving(rank, world_size, folder):
             group = dist.group.WORLD
             first = checkpoint.TrainingState(iteration=1, data_state={"at": 1})
             checkpoint.save_checkpoint(folder, engine, first, group=group)
-            real_save = torch.save
+            real_write = checkpoint._write
 
-            def failing_save(obj, path, *args, **kwargs):
-                if "common" in str(path):
+            def failing_write(path, obj):
+                if rank == failing_rank:
                     raise OSError("disk full")
-                return real_save(obj, path, *args, **kwargs)
+                return real_write(path, obj)
 
-            checkpoint.torch.save = failing_save
+            checkpoint._write = failing_write
+            raised = None
             try:
                 checkpoint.save_checkpoint(
                     folder,
@@ -250,19 +294,25 @@ def _body_crash_while_saving(rank, world_size, folder):
                     checkpoint.TrainingState(iteration=2, data_state={}),
                     group=group,
                 )
-            except OSError:
-                pass
+            except (OSError, RuntimeError) as err:
+                raised = str(err)
             finally:
-                checkpoint.torch.save = real_save
+                checkpoint._write = real_write
             state, _ = checkpoint.load_checkpoint(folder, engine, group=group)
-            return state.iteration, state.data_state, sorted(p.name for p in Path(folder).iterdir())
+            names = sorted(p.name for p in Path(folder).iterdir())
+            return raised, state.iteration, state.data_state, names
         finally:
             destroy_parallel_state()
 
 
-def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
+@pytest.mark.parametrize("world_size, failing_rank", [(1, 0), (2, 0), (2, 1)])
+def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, world_size, failing_rank):
     from tests.dist import run_ranks
 
-    iteration, data_state, names = run_ranks(_body_crash_while_saving, 1, str(tmp_path))[0]
-    assert (iteration, data_state) == (1, {"at": 1})
-    assert "iter_0000002" not in names and "iter_0000001" in names
+    results = run_ranks(
+        _body_crash_while_saving, world_size, str(tmp_path), failing_rank, timeout_s=60
+    )
+    for raised, iteration, data_state, names in results:
+        assert raised is not None  # every rank learns of the failure; none hangs
+        assert (iteration, data_state) == (1, {"at": 1})
+        assert "iter_0000002" not in names and "iter_0000001" in names

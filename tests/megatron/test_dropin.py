@@ -111,3 +111,33 @@ def test_data_iterator_plans_sampler_batches_and_reads_the_index(tmp_path):
             doc = docs[unit.doc]
             assert tokens.tolist() == doc[unit.start : unit.start + unit.length]
             assert labels.tolist() == doc[unit.start + 1 : unit.start + unit.length + 1]
+
+
+def _body_empty_rank(rank, world_size):
+    with cpu_shims():
+        initialize_parallel_state()
+        try:
+            engine = build_engine(CFG, OPTIM, seed=SEED)
+            config = engine.model.config
+            config.finalize_model_grads_func = finalize_model_grads
+            config.no_sync_func = engine.model.no_sync
+            source = source_of(make_batch(world_size, 0, "few"))  # 2 sequences, 4 ranks
+            plan = plan_step(source.seqlens, pool_size=world_size, capacity=CAPACITY)
+            schedule = hdp_forward_backward(StepRuntime(group=dist.group.WORLD), CFG)
+            engine.model.zero_grad_buffer()
+            reports = schedule(
+                forward_step_func=pretrain_gpt_forward_step,
+                data_iterator=iter([HDPGlobalBatch(plan=plan, source=source)]),
+                model=[engine.model],
+                num_microbatches=1,
+            )
+            return len(plan.for_rank(rank)), sorted(reports[0].keys()), len(reports)
+        finally:
+            destroy_parallel_state()
+
+
+def test_a_rank_without_micro_batches_returns_a_zero_report():
+    results = run_ranks(_body_empty_rank, 4)
+    assert any(n == 0 for n, _, _ in results)
+    for n, keys, count in results:
+        assert keys == ["lm loss"] and count == max(n, 1)

@@ -203,7 +203,7 @@ def check_case(case: Case):
 
 
 @pytest.mark.parametrize("pool_size", [1, 2, 3, 4, 5])
-@pytest.mark.parametrize("policy", ["greedy", "static"])
+@pytest.mark.parametrize("policy", ["greedy", "balanced", "static"])
 def test_matches_single_process(policy, pool_size):
     check_case(Case(pool_size=pool_size, policy=policy))
 
@@ -335,3 +335,41 @@ def test_bfloat16_model_runs_and_stays_near_float32_reference():
     losses = run_ranks(_body_bf16, 3)
     ref_loss = reference_run(3, CFG, "mixed")[0][0]
     assert all(abs(loss - ref_loss) <= 1e-2 * ref_loss for loss in losses), (losses, ref_loss)
+
+
+class CountingSource:
+    """Records every (sequence, start, length) a rank reads."""
+
+    def __init__(self, inner):
+        self.inner, self.reads = inner, []
+
+    def read(self, seq_index, start, length):
+        self.reads.append((seq_index, start, length))
+        return self.inner.read(seq_index, start, length)
+
+
+def _body_reads(rank, world_size, policy):
+    with cpu_shims():
+        initialize_parallel_state()
+        try:
+            engine = build_engine(CFG, OPTIM, seed=SEED)
+            inner = source_of(make_batch(world_size, 0))
+            plan = plan_step(inner.seqlens, pool_size=world_size, capacity=CAPACITY, policy=policy)
+            source = CountingSource(inner)
+            train_step(engine, plan, source, StepRuntime(group=dist.group.WORLD))
+            return source.reads, inner.seqlens
+        finally:
+            destroy_parallel_state()
+
+
+@pytest.mark.parametrize("policy", ["balanced", "static"])
+def test_each_rank_reads_only_its_share(policy):
+    """Across the pool every token position is read exactly once."""
+    per_rank = run_ranks(_body_reads, 4, policy)
+    seqlens = per_rank[0][1]
+    covered = {i: [0] * n for i, n in enumerate(seqlens)}
+    for reads, _ in per_rank:
+        for seq, start, length in reads:
+            for pos in range(start, start + length):
+                covered[seq][pos] += 1
+    assert all(count == 1 for counts in covered.values() for count in counts)

@@ -168,7 +168,7 @@ def test_help_documents_every_flag(capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     flags = [a.option_strings[-1] for a in build_parser()._actions]
-    assert len(flags) == 10
+    assert len(flags) == 11
     for flag in flags:
         assert flag in out
 

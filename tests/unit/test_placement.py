@@ -138,8 +138,8 @@ def test_plan_for_another_pool_is_refused():
 
 
 def test_unknown_policy_is_refused():
-    with pytest.raises(ValueError, match="unknown placement policy 'balanced'"):
-        plan_step([5], pool_size=1, capacity=8, policy="balanced")
+    with pytest.raises(ValueError, match="unknown placement policy 'wavefront'"):
+        plan_step([5], pool_size=1, capacity=8, policy="wavefront")
 
 
 def test_plan_statistics_by_hand():

@@ -62,20 +62,23 @@ def test_resume_continues_the_same_stream():
     b = TokenBudgetSampler([units], [1.0], seed=9, tokens_per_batch=50)
     b.load_state_dict(state)
     assert [b.next_batch() for _ in range(20)] == expected
-    with pytest.raises(ValueError, match="saved with seed 9, not 10"):
+    with pytest.raises(ValueError, match="saved with seed=9, but this run has seed=10"):
         TokenBudgetSampler([units], [1.0], seed=10, tokens_per_batch=50).load_state_dict(state)
+    other = DatasetUnits.from_documents(np.arange(40), np.arange(2, 42), max_seq_length=8)
+    with pytest.raises(ValueError, match="saved with units="):
+        TokenBudgetSampler([other], [1.0], seed=9, tokens_per_batch=50).load_state_dict(state)
 
 
-def test_blend_follows_weights():
-    a = DatasetUnits.from_documents(np.arange(50), np.full(50, 5), max_seq_length=8)
-    b = DatasetUnits.from_documents(np.arange(70), np.full(70, 5), max_seq_length=8)
+def test_blend_weights_are_token_shares():
+    rng = np.random.default_rng(5)
+    a = DatasetUnits.from_documents(np.arange(300), rng.integers(2, 40, 300), max_seq_length=32)
+    b = DatasetUnits.from_documents(np.arange(90), rng.integers(2, 200, 90), max_seq_length=32)
     sampler = TokenBudgetSampler([a, b], [1.0, 3.0], seed=0, units_per_batch=8)
-    counts = [0, 0]
-    for step in range(1, 26):
+    tokens = [0, 0]
+    for _ in range(40):
         for unit in sampler.next_batch():
-            counts[unit.dataset] += 1
-        total = 8 * step
-        assert abs(counts[1] - 0.75 * total) <= 1
+            tokens[unit.dataset] += unit.length
+        assert abs(tokens[1] - 0.75 * sum(tokens)) <= 32  # within one sequence
 
 
 def test_bad_inputs_name_the_value():

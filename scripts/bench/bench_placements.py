@@ -1,13 +1,14 @@
-"""HDP vs the static DP x CP mesh on one mixed-length global batch (launch with torchrun).
+"""HDP placements vs the static DP x CP mesh on one mixed-length batch (launch with torchrun).
 
-Both placements train the same model from the same weights on the same batch, their steps
-interleaved (alternating which goes first) in one run, and rank 0 writes JSON: step time
-(median over the measured steps, slowest rank), attention point-to-point bytes per step
-(all ranks), micro-batches each rank ran, per-rank compute time, and the loss of every
-step of both (they must agree).
+The balanced and greedy HDP placements and the static mesh train the same model from the
+same weights on the same global batch, their steps interleaved (rotating which goes
+first) in one run. Rank 0 writes JSON: step time (median over the measured steps, slowest
+rank), attention point-to-point bytes per step (all ranks), micro-batches each rank ran,
+each rank's measured forward+backward time next to the plan's prediction from the cost
+model (a calibrated CPU profile), and the loss of every step (all placements must agree).
 
-    torchrun --standalone --nproc-per-node 4 scripts/bench/bench_hdp_vs_static.py \
-        --out results/hdp_vs_static_cpu4.json
+    torchrun --standalone --nproc-per-node 4 scripts/bench/bench_placements.py \
+        --device-profile results/cpu_profile.json --out results/placements_cpu4.json
 """
 
 from __future__ import annotations
@@ -32,17 +33,24 @@ from megatron_hdp.megatron.engine import (
     destroy_parallel_state,
     initialize_parallel_state,
 )
-from megatron_hdp.megatron.model import GPTConfig
+from megatron_hdp.megatron.model import GPTConfig, model_shape
 from megatron_hdp.megatron.step import StepRuntime, train_step
+from megatron_hdp.megatron.trainer import device_profile
 from megatron_hdp.provenance import environment
 from megatron_hdp.scheduler import plan_step
+from megatron_hdp.scheduler.cost import CostModel
 
-logger = logging.getLogger("bench_hdp_vs_static")
+logger = logging.getLogger("bench_placements")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path("results/hdp_vs_static_cpu4.json"))
+    p.add_argument("--out", type=Path, default=Path("results/placements_cpu4.json"))
+    p.add_argument(
+        "--device-profile",
+        default="results/cpu_profile.json",
+        help="cost-model profile name or JSON from python -m megatron_hdp.megatron.calibrate",
+    )
     p.add_argument("--capacity", type=int, default=1024, help="tokens per rank per micro-batch")
     p.add_argument("--short-tokens", type=int, default=12000, help="tokens of short sequences")
     p.add_argument("--warmup-steps", type=int, default=1)
@@ -74,10 +82,14 @@ def mixed_lengths(pool_size: int, capacity: int, short_tokens: int, seed: int) -
 class PolicyRun:
     """One placement's engine, plan and measurements."""
 
-    def __init__(self, policy, args, cfg, source, pool_size):
+    def __init__(self, policy, args, cfg, source, pool_size, cost_model):
         self.policy = policy
         self.plan = plan_step(
-            source.seqlens, pool_size=pool_size, capacity=args.capacity, policy=policy
+            source.seqlens,
+            pool_size=pool_size,
+            capacity=args.capacity,
+            policy=policy,
+            cost_model=cost_model,
         )
         self.engine = build_engine(cfg, OptimConfig(lr=1e-3), seed=args.seed)
         self.losses, self.times, self.bytes, self.compute = [], [], [], []
@@ -103,8 +115,26 @@ class PolicyRun:
             self.compute.append([t[0].item() for t in per_rank])
         logger.info("%s: loss %.5f, %.3f s", self.policy, result.loss, elapsed.item())
 
+    def predicted_busy(self, pool_size):
+        """Per-rank sum of the plan's predicted micro-batch times (seconds)."""
+        busy = [0.0] * pool_size
+        for mb in self.plan.micro_batches:
+            for r in mb.ring:
+                busy[r] += mb.predicted_cost
+        return busy
+
     def report(self, pool_size):
+        measured = [statistics.median(c[r] for c in self.compute) for r in range(pool_size)]
+        predicted = self.predicted_busy(pool_size)
+        predicted_step = max(
+            mb.predicted_start + mb.predicted_cost for mb in self.plan.micro_batches
+        )
         return {
+            "predicted_busy_s_per_rank": predicted,
+            "busy_prediction_error_per_rank": [
+                (p - m) / m for p, m in zip(predicted, measured, strict=True)
+            ],
+            "predicted_step_time_s": predicted_step,
             "policy": self.policy,
             "ring_sizes": sorted((mb.cp_size for mb in self.plan.micro_batches), reverse=True),
             "micro_batches_run_per_rank": self.micro_batches,
@@ -138,19 +168,28 @@ def main(argv=None):
         initialize_parallel_state()
         try:
             runtime = StepRuntime(group=dist.group.WORLD, device=device)
-            runs = [PolicyRun(p, args, cfg, source, pool_size) for p in ("greedy", "static")]
+            cost_model = CostModel(model_shape(cfg), device_profile(args.device_profile))
+            runs = [
+                PolicyRun(p, args, cfg, source, pool_size, cost_model)
+                for p in ("balanced", "greedy", "static")
+            ]
             for step in range(args.warmup_steps + args.steps):
-                # Alternate which placement goes first, so drift on the machine hits both.
-                for run in runs if step % 2 == 0 else runs[::-1]:
+                # Rotate which placement goes first, so drift on the machine hits all of them.
+                shift = step % len(runs)
+                for run in runs[shift:] + runs[:shift]:
                     run.step(source, runtime, pool_size, measured=step >= args.warmup_steps)
             results = {run.policy: run.report(pool_size) for run in runs}
         finally:
             destroy_parallel_state()
     if rank == 0:
-        hdp, static = results["greedy"], results["static"]
-        loss_diff = max(abs(a - b) for a, b in zip(hdp["losses"], static["losses"]))
+        balanced, greedy, static = results["balanced"], results["greedy"], results["static"]
+        loss_diff = max(
+            abs(a - b)
+            for other in (greedy, static)
+            for a, b in zip(balanced["losses"], other["losses"], strict=True)
+        )
         report = {
-            "benchmark": "hdp_vs_static",
+            "benchmark": "placements",
             "config": {**vars(args), "out": str(args.out), "pool_size": pool_size},
             "environment": environment(),
             "global_batch": {
@@ -158,15 +197,23 @@ def main(argv=None):
                 "num_tokens": sum(lengths),
                 "lengths": lengths,
             },
-            "hdp": hdp,
-            "static": static,
+            "device_profile": args.device_profile,
+            "placements": results,
             "summary": {
-                "static_over_hdp_step_time": static["step_time_s_median"]
-                / hdp["step_time_s_median"],
-                "hdp_attention_bytes_per_step": hdp["attention_p2p_bytes_per_step"],
-                "static_attention_bytes_per_step": static["attention_p2p_bytes_per_step"],
+                "step_time_s_median": {k: v["step_time_s_median"] for k, v in results.items()},
+                "static_over_balanced_step_time": static["step_time_s_median"]
+                / balanced["step_time_s_median"],
+                "greedy_over_balanced_step_time": greedy["step_time_s_median"]
+                / balanced["step_time_s_median"],
+                "attention_bytes_per_step": {
+                    k: v["attention_p2p_bytes_per_step"] for k, v in results.items()
+                },
+                "max_abs_busy_prediction_error": {
+                    k: max(abs(e) for e in v["busy_prediction_error_per_rank"])
+                    for k, v in results.items()
+                },
                 "max_abs_loss_difference": loss_diff,
-                "losses_agree": loss_diff <= 1e-4 * abs(hdp["losses"][0]),
+                "losses_agree": loss_diff <= 1e-4 * abs(balanced["losses"][0]),
             },
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)

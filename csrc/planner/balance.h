@@ -1,0 +1,54 @@
+// The balance scheduler core (ByteScale Alg. 2, DP-Balance) in C++17.
+//
+// Same contract as the pure-Python specification
+// megatron_hdp/scheduler/balance.py::balance_core: identical placements, identical start
+// times bit for bit (plain IEEE double arithmetic in the reference's order) and the same
+// global order. No Python dependency; bindings.cc exposes it as megatron_hdp._planner.
+#ifndef MEGATRON_HDP_CSRC_PLANNER_BALANCE_H_
+#define MEGATRON_HDP_CSRC_PLANNER_BALANCE_H_
+
+#include <cstdint>
+#include <vector>
+
+namespace megatron_hdp {
+namespace planner {
+
+// One placed item: its start, per-member cost, ring (ranks ascending) and sequences
+// (a pack's sequences in packing order; a ring item holds exactly one sequence).
+struct Placement {
+  double start = 0.0;
+  double cost = 0.0;
+  std::vector<int64_t> ring;
+  std::vector<int64_t> seq_indices;
+};
+
+// Best-fit decreasing: packs `indices` (sizes from `lengths`) into bins of `capacity`.
+// Items are taken by (length desc, index asc); each goes into the bin with the least room
+// that still holds it (ties: the earliest bin). Bins are returned in creation order, each
+// bin's indices in insertion order. O(n log n). Throws std::invalid_argument unless
+// capacity > 0 and every index is in range with a size in [0, capacity].
+std::vector<std::vector<int64_t>> best_fit_decreasing(const std::vector<int64_t>& lengths,
+                                                      const std::vector<int64_t>& indices,
+                                                      int64_t capacity);
+
+// Places every sequence and returns the placements in the global order
+// (start, larger ring first, lowest rank, item position).
+//
+// lengths: tokens of each sequence; ring_sizes: ranks each sequence needs (1 = packed);
+// local_cost: cost of a sequence alone on one rank (summed for packs); ring_cost: per-member
+// cost on its ring (used when the ring size is > 1); pool_size: ranks in the pool;
+// capacity: tokens per rank per micro-batch; delta: idle gaps at most this long stay idle.
+//
+// Throws std::invalid_argument for: arrays of unequal length, pool_size < 1, capacity <= 0,
+// a negative length, a ring size outside [1, pool_size], a ring-size-1 sequence longer than
+// the capacity, a non-finite cost that the plan would use, or a NaN delta.
+std::vector<Placement> balance_core(const std::vector<int64_t>& lengths,
+                                    const std::vector<int64_t>& ring_sizes,
+                                    const std::vector<double>& local_cost,
+                                    const std::vector<double>& ring_cost, int64_t pool_size,
+                                    int64_t capacity, double delta = 0.0);
+
+}  // namespace planner
+}  // namespace megatron_hdp
+
+#endif  // MEGATRON_HDP_CSRC_PLANNER_BALANCE_H_

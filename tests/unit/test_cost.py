@@ -1,0 +1,101 @@
+"""Cost model: formulas against hand computation, monotonicity, and calibration fitting."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from megatron_hdp.scheduler.balance import balance_core
+from megatron_hdp.scheduler.cost import CPU, H100, CostModel, ModelShape, lower_bound
+
+LLAMA7B = ModelShape(
+    num_layers=32,
+    hidden_size=4096,
+    num_attention_heads=32,
+    num_query_groups=8,
+    ffn_hidden_size=11008,
+    vocab_size=32000,
+)
+
+
+def test_params_and_flops_by_hand():
+    h, kv, ffn = 4096, 8 * 128, 11008
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * ffn
+    assert LLAMA7B.params_per_token == 32 * per_layer + h * 32000  # ~6.5e9, a 7B model
+    model = CostModel(LLAMA7B, H100)
+    s = 8192
+    assert model.linear_time(s) == pytest.approx(6 * LLAMA7B.params_per_token * s / (0.6 * 989e12))
+    causal_forward = 2 * s * s * 32 * 128
+    assert model.attention_time(s) == pytest.approx(32 * 3.5 * causal_forward / (0.4 * 989e12))
+
+
+def test_attention_overtakes_linear_at_long_lengths():
+    model = CostModel(LLAMA7B, H100)
+    assert model.attention_time(4096) < model.linear_time(4096)
+    assert model.attention_time(131072) > 3 * model.linear_time(131072)
+
+
+def test_ring_time_splits_compute_and_hides_communication_when_chunks_are_long():
+    model = CostModel(LLAMA7B, H100)
+    s = 1 << 20
+    for k in (2, 8, 128):
+        assert model.time(s, k) >= (model.linear_time(s) + model.attention_time(s)) / k
+    # Long chunks hide the ring: only the last dK/dV hop is exposed per layer.
+    final_hop = 32 * (10e-6 + 2 * (s / 8) * LLAMA7B.kv_dim * 2 / 50e9)
+    assert model.exposed_ring_time(s, 8) == pytest.approx(final_hop)
+    # A tiny sequence on a big ring is communication bound.
+    slow = CostModel(LLAMA7B, dataclasses.replace(H100, p2p_bandwidth=1e9))
+    assert slow.exposed_ring_time(16384, 16) > 0.5 * slow.time(16384, 16)
+
+
+@pytest.mark.parametrize("profile", [H100, CPU])
+def test_monotone_in_length_and_bandwidth(profile):
+    model = CostModel(LLAMA7B, profile)
+    lengths = np.array([1, 100, 4096, 65536, 1 << 20], dtype=float)
+    assert np.all(np.diff(model.time(lengths, 1)) > 0)
+    faster = CostModel(
+        LLAMA7B, dataclasses.replace(profile, p2p_bandwidth=10 * profile.p2p_bandwidth)
+    )
+    for s, k in ((65536, 4), (1 << 20, 64), (4096, 2)):
+        assert faster.time(s, k) <= model.time(s, k)
+
+
+def test_vectorised_and_scalar_agree():
+    model = CostModel(LLAMA7B, H100)
+    s = np.array([10, 9000, 300000], dtype=float)
+    k = np.array([1, 2, 37])
+    assert model.time(s, k) == pytest.approx([model.time(x, int(y)) for x, y in zip(s, k)])
+
+
+def test_calibration_recovers_known_speeds():
+    from megatron_hdp.megatron.calibrate import fit_profile
+
+    shape = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=384)
+    truth = dataclasses.replace(CPU, linear_flops=3e10, attention_flops=7e10)
+    lengths = [256, 512, 1024, 2048, 4096]
+    seconds = [CostModel(shape, truth).time(s, 1) + 0.002 for s in lengths]
+    fitted = fit_profile(lengths, seconds, shape, CPU, "fitted")
+    assert fitted.linear_flops == pytest.approx(3e10, rel=1e-6)
+    assert fitted.attention_flops == pytest.approx(7e10, rel=1e-6)
+    with pytest.raises(ValueError, match="non-positive coefficients"):
+        fit_profile(lengths, [1.0, 0.9, 0.8, 0.7, 0.6], shape, CPU, "bad")
+
+
+def test_balanced_plan_is_close_to_the_lower_bound_on_a_mixed_batch():
+    rng = np.random.default_rng(1)
+    pool, capacity = 256, 8192
+    lengths = np.minimum(
+        rng.lognormal(np.log(2048), 1.4, size=3000).astype(int) + 1, pool * capacity
+    )
+    k, local, ring = CostModel(LLAMA7B, H100).cost_arrays(lengths, capacity)
+    placements = balance_core(
+        lengths.tolist(),
+        k.tolist(),
+        local.tolist(),
+        ring.tolist(),
+        pool_size=pool,
+        capacity=capacity,
+    )
+    makespan = max(p.start + p.cost for p in placements)
+    bound = lower_bound(k, local, ring, pool)
+    assert bound <= makespan <= 1.05 * bound
