@@ -151,7 +151,7 @@ def hdp_forward_backward(
         if not config.calculate_per_token_loss:
             raise ValueError("HDP needs calculate_per_token_loss=True (token-level loss)")
         step = next(data_iterator)
-        step.plan.validate(pool_size=torch.distributed.get_world_size(runtime.group))
+        step.plan.check_pool(torch.distributed.get_world_size(runtime.group))
         reports, num_tokens = [], 0
         no_sync = config.no_sync_func or contextlib.nullcontext
         with no_sync(), contextlib.ExitStack() as stack:

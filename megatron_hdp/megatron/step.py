@@ -92,7 +92,7 @@ def packed_seq_params(
 
 def check_plan_fits(plan: StepPlan, engine: Engine, group: dist.ProcessGroup) -> None:
     """Raise ValueError (before any communication) if the plan cannot run on this pool/model."""
-    plan.validate(pool_size=dist.get_world_size(group))
+    plan.check_pool(dist.get_world_size(group))
     cfg = engine.cfg
     longest = max(plan.seqlens)
     if cfg.position_embedding_type == "learned_absolute" and longest > cfg.max_position_embeddings:

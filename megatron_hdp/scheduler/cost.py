@@ -155,20 +155,15 @@ class CostModel:
         forward = 2.0 * s * s * m.num_attention_heads * m.head_dim
         return m.num_layers * _ATTENTION_TRAIN_FACTOR * forward / self.device.attention_flops
 
-    def exposed_ring_time(self, s, k):
-        """Ring communication seconds not hidden by attention compute, per member.
-
-        Works on floats or numpy arrays; zero where `k <= 1`.
-        """
+    def _exposed(self, tokens, attention, k):
+        """Exposed ring seconds for `tokens` per ring pass hiding behind `attention` seconds."""
         m, d = self.model, self.device
         k = np.asarray(k, dtype=np.float64)
         ring = k > 1
         k_safe = np.where(ring, k, 2.0)
-        kv_bytes = 2.0 * (np.asarray(s, dtype=np.float64) / k_safe) * m.kv_dim
+        kv_bytes = 2.0 * (np.asarray(tokens, dtype=np.float64) / k_safe) * m.kv_dim
         transfer = d.p2p_latency + kv_bytes * d.bytes_per_element / d.p2p_bandwidth
-        forward_step = (
-            self.attention_time(s) / (k_safe * k_safe) / (_ATTENTION_TRAIN_FACTOR * m.num_layers)
-        )
+        forward_step = attention / (k_safe * k_safe) / (_ATTENTION_TRAIN_FACTOR * m.num_layers)
         backward_step = forward_step * _BACKWARD_STEP_FACTOR
         per_layer = (
             (k_safe - 1) * np.maximum(0.0, transfer - forward_step)
@@ -177,6 +172,13 @@ class CostModel:
         )
         out = np.where(ring, m.num_layers * per_layer, 0.0)
         return float(out) if out.ndim == 0 else out
+
+    def exposed_ring_time(self, s, k):
+        """Ring communication seconds not hidden by attention compute, per member.
+
+        Works on floats or numpy arrays; zero where `k <= 1`.
+        """
+        return self._exposed(s, self.attention_time(s), k)
 
     def time(self, s, k=1):
         """Per-member seconds of a sequence of `s` tokens on a ring of `k` ranks.
@@ -188,8 +190,16 @@ class CostModel:
         ) + self.exposed_ring_time(s, k)
 
     def micro_batch_time(self, lengths: Sequence[int], k: int = 1) -> float:
-        """Per-member seconds of a micro-batch of packed documents on a ring of `k`."""
-        return float(np.sum(self.time(np.asarray(lengths, dtype=np.float64), k)))
+        """Per-member seconds of a micro-batch of packed documents on a ring of `k`.
+
+        Compute adds up per document; the ring makes one pass per layer for the whole pack
+        (one K/V message per step holds every document's chunks, as `hdp_attention` does),
+        hidden by the pack's total attention.
+        """
+        s = np.asarray(lengths, dtype=np.float64)
+        attention = float(np.sum(self.attention_time(s)))
+        compute = (float(np.sum(self.linear_time(s))) + attention) / k
+        return compute + float(self._exposed(float(s.sum()), attention, k))
 
     def activation_bytes_per_token(self) -> float:
         """Saved activation bytes per token, all layers (about 34 h per layer in 16-bit)."""

@@ -15,10 +15,13 @@ Two policies live here:
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Sequence
 
-from megatron_hdp.scheduler.balance import plan_from_placements
+import numpy as np
+
+from megatron_hdp.scheduler.balance import best_fit_decreasing, plan_from_placements
 from megatron_hdp.scheduler.plan import MicroBatch, StepPlan, plan_from_rank_lists, validate_inputs
 
 POLICIES = ("greedy", "balanced", "static")
@@ -36,61 +39,40 @@ def simple_cost(lengths: Sequence[int], cp_size: int, capacity: int) -> float:
     return sum(s + s * s / (2.0 * capacity) for s in lengths) / cp_size
 
 
-def best_fit_pack(items: Sequence[tuple[int, int]], bin_size: int) -> list[list[int]]:
-    """Best-fit decreasing: pack `(index, size)` items into bins of `bin_size`.
-
-    Returns bins as lists of item indices, in bin creation order; each bin's items in the
-    order they were added. Ties break by item index, so the result is deterministic.
-    """
-    order = sorted(items, key=lambda it: (-it[1], it[0]))
-    bins: list[list[int]] = []
-    free: list[int] = []
-    for index, size in order:
-        best = -1
-        for b, room in enumerate(free):
-            if size <= room and (best < 0 or room < free[best]):
-                best = b
-        if best < 0:
-            bins.append([index])
-            free.append(bin_size - size)
-        else:
-            bins[best].append(index)
-            free[best] -= size
-    return bins
-
-
-def _least_loaded(loads: Sequence[float], count: int) -> list[int]:
-    ranked = sorted(range(len(loads)), key=lambda r: (loads[r], r))
-    return sorted(ranked[:count])
-
-
 def plan_greedy(
     seqlens: Sequence[int], *, pool_size: int, capacity: int, cost: CostFn = simple_cost
 ) -> StepPlan:
-    """HDP placement: rings of `ceil(s / capacity)` ranks for long sequences, packs for short."""
+    """HDP placement: rings of `ceil(s / capacity)` ranks for long sequences, packs for short.
+
+    Rings go first, longest first, each on the `k` least-loaded ranks (ties: lower rank);
+    packs (best-fit decreasing) follow, heaviest first, each on the least-loaded rank.
+    """
     validate_inputs(seqlens, pool_size, capacity)
-    loads = [0.0] * pool_size
+    loads = [(0.0, r) for r in range(pool_size)]  # heap of (load, rank)
     micro_batches: list[MicroBatch] = []
     long_ids = sorted(
         (i for i, s in enumerate(seqlens) if s > capacity), key=lambda i: (-seqlens[i], i)
     )
     for i in long_ids:
         k = math.ceil(seqlens[i] / capacity)
-        ring = _least_loaded(loads, k)
+        members = [heapq.heappop(loads) for _ in range(k)]
         c = cost([seqlens[i]], k, capacity)
-        for r in ring:
-            loads[r] += c
+        for load, r in members:
+            heapq.heappush(loads, (load + c, r))
         micro_batches.append(
             MicroBatch(
-                order=len(micro_batches), ring=tuple(ring), seq_indices=(i,), predicted_cost=c
+                order=len(micro_batches),
+                ring=tuple(sorted(r for _, r in members)),
+                seq_indices=(i,),
+                predicted_cost=c,
             )
         )
-    short = [(i, s) for i, s in enumerate(seqlens) if s <= capacity]
-    packs = best_fit_pack(short, capacity)
+    short = [i for i, s in enumerate(seqlens) if s <= capacity]
+    packs = best_fit_decreasing(seqlens, short, capacity)
     costed = [(cost([seqlens[i] for i in p], 1, capacity), n, p) for n, p in enumerate(packs)]
     for c, _, pack in sorted(costed, key=lambda x: (-x[0], x[1])):
-        (rank,) = _least_loaded(loads, 1)
-        loads[rank] += c
+        load, rank = heapq.heappop(loads)
+        heapq.heappush(loads, (load + c, rank))
         micro_batches.append(
             MicroBatch(
                 order=len(micro_batches), ring=(rank,), seq_indices=tuple(pack), predicted_cost=c
@@ -133,7 +115,7 @@ def plan_static(
             f"cp_size {cp_size} x capacity {capacity} = {context}"
         )
     dp_size = pool_size // cp_size
-    packs = best_fit_pack(list(enumerate(seqlens)), context)
+    packs = best_fit_decreasing(seqlens, range(len(seqlens)), context)
     micro_batches = []
     for n, pack in enumerate(packs):
         group = n % dp_size
@@ -162,7 +144,6 @@ def plan_balanced(
     validate_inputs(seqlens, pool_size, capacity)
     if cost_model is not None:
         ring_sizes, local, ring = cost_model.cost_arrays(seqlens, capacity)
-        ring_sizes, local, ring = ring_sizes.tolist(), local.tolist(), ring.tolist()
     else:
         ring_sizes = [max(1, math.ceil(s / capacity)) for s in seqlens]
         local = [simple_cost([s], 1, capacity) for s in seqlens]
@@ -175,7 +156,7 @@ def plan_balanced(
 
         core = default_core()
     placements = core(
-        [int(s) for s in seqlens],
+        np.asarray(seqlens, dtype=np.int64),
         ring_sizes,
         local,
         ring,
@@ -200,9 +181,10 @@ def plan_step(
     """Plan one step with the named policy (`"greedy"`, `"balanced"` or the `"static"` mesh).
 
     Deterministic: equal inputs give equal plans on every rank. Raises ValueError for bad
-    input before anything else happens. `cp_size` applies to the static policy only;
-    `cost_model` (a `cost.CostModel`) prices micro-batches for the balanced policy and
-    fills every policy's `predicted_cost`.
+    input before anything else happens. The policies' invariants are held by property
+    tests, not re-checked here (`StepPlan.validate()` does that, at O(plan) Python cost).
+    `cp_size` applies to the static policy only; `cost_model` (a `cost.CostModel`) prices
+    micro-batches for the balanced policy and fills every policy's `predicted_cost`.
     """
     if policy != "static" and cp_size is not None:
         raise ValueError(f"cp_size {cp_size} applies to the static policy only, not {policy!r}")
@@ -217,5 +199,4 @@ def plan_step(
         )
     else:
         raise ValueError(f"unknown placement policy {policy!r}; choose one of {POLICIES}")
-    plan.validate()
     return plan

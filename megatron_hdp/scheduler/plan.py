@@ -146,6 +146,17 @@ class StepPlan:
         """A short hash of the canonical JSON; equal plans have equal digests."""
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
+    def check_pool(self, pool_size: int) -> None:
+        """The cheap check before a step runs: the plan is for this pool, its inputs valid.
+
+        Raises ValueError. O(sequences); `validate()` checks every invariant, O(plan).
+        """
+        if pool_size != self.pool_size:
+            raise ValueError(
+                f"plan is for a pool of {self.pool_size} ranks, but this pool has {pool_size}"
+            )
+        validate_inputs(self.seqlens, self.pool_size, self.capacity)
+
     def validate(self, *, pool_size: int | None = None) -> None:
         """Check the plan's invariants; raise ValueError naming the first broken one.
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_hdp.scheduler import StepPlan, plan_step
-from megatron_hdp.scheduler.placement import best_fit_pack
+from megatron_hdp.scheduler.balance import best_fit_decreasing
 from megatron_hdp.sharding import rank_token_counts
 
 
@@ -43,6 +43,7 @@ def batches(draw):
 def test_greedy_plan_invariants(batch):
     lengths, pool_size, capacity = batch
     plan = plan_step(lengths, pool_size=pool_size, capacity=capacity)
+    plan.validate(pool_size=pool_size)
     placed = sorted(i for mb in plan.micro_batches for i in mb.seq_indices)
     assert placed == list(range(len(lengths)))
     for mb in plan.micro_batches:
@@ -72,6 +73,7 @@ def test_static_plan_uses_fixed_contiguous_groups(batch):
             plan_step(lengths, pool_size=pool_size, capacity=capacity, policy="static")
         return
     plan = plan_step(lengths, pool_size=pool_size, capacity=capacity, policy="static")
+    plan.validate(pool_size=pool_size)
     cp = cp_options[0]
     groups = {tuple(range(g * cp, (g + 1) * cp)) for g in range(pool_size // cp)}
     for mb in plan.micro_batches:
@@ -107,7 +109,7 @@ def _optimal_bins(sizes, bin_size):
 @given(st.lists(st.integers(min_value=1, max_value=10), min_size=1, max_size=7))
 @settings(max_examples=80, deadline=None)
 def test_best_fit_is_within_its_bound_of_optimal(sizes):
-    bins = best_fit_pack(list(enumerate(sizes)), 10)
+    bins = best_fit_decreasing(sizes, range(len(sizes)), 10)
     assert sorted(i for b in bins for i in b) == list(range(len(sizes)))
     assert all(sum(sizes[i] for i in b) <= 10 for b in bins)
     # Best-fit decreasing uses at most 11/9 OPT + 6/9 bins (Dosa 2007).
