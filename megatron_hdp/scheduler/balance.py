@@ -144,8 +144,14 @@ def plan_from_placements(
     pool_size: int,
     capacity: int,
     policy: str,
+    offload_ratios=None,
+    num_layers: int = 0,
 ) -> StepPlan:
-    """A `StepPlan` whose orders follow the placements' global order."""
+    """A `StepPlan` whose orders follow the placements' global order.
+
+    `offload_ratios[i]` is sequence i's ratio; a ring micro-batch (one sequence) takes its
+    sequence's ratio, packs never offload.
+    """
     micro_batches = [
         MicroBatch(
             order=n,
@@ -153,7 +159,14 @@ def plan_from_placements(
             seq_indices=p.seq_indices,
             predicted_cost=p.cost,
             predicted_start=p.start,
+            offload_ratio=(
+                float(offload_ratios[p.seq_indices[0]])
+                if offload_ratios is not None and len(p.ring) > 1
+                else 0.0
+            ),
         )
         for n, p in enumerate(placements)
     ]
-    return plan_from_rank_lists(seqlens, pool_size, capacity, policy, micro_batches)
+    return plan_from_rank_lists(
+        seqlens, pool_size, capacity, policy, micro_batches, num_layers=num_layers
+    )

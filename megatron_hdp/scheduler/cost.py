@@ -74,6 +74,7 @@ class DeviceProfile:
         p2p_latency: Seconds per ring message.
         host_bandwidth: Bytes/s device-to-host (and back), for offloading.
         memory_bytes: Device memory.
+        host_memory_bytes: Host memory one rank may fill with offloaded activations.
         bytes_per_element: 2 for bf16 activations, 4 for fp32.
     """
 
@@ -84,6 +85,7 @@ class DeviceProfile:
     p2p_latency: float
     host_bandwidth: float
     memory_bytes: float
+    host_memory_bytes: float = 64e9
     bytes_per_element: int = 2
 
     def to_json(self) -> str:
@@ -99,7 +101,8 @@ class DeviceProfile:
 #: H100 SXM: 989 TFLOP/s dense bf16 (datasheet); 60% GEMM and 40% attention efficiency
 #: (typical Megatron MFU and FlashAttention-2 forward+backward); 50 GB/s per direction to a
 #: ring neighbour on another node (400 Gb/s InfiniBand NDR per GPU); ~10 us per message;
-#: PCIe Gen5 x16 ~50 GB/s effective per direction; 80 GB HBM3.
+#: PCIe Gen5 x16 ~50 GB/s effective per direction; 80 GB HBM3; 2 TB of host memory per
+#: 8-GPU node, half of a GPU's share (128 GB) for offloaded activations.
 H100 = DeviceProfile(
     name="h100",
     linear_flops=0.6 * 989e12,
@@ -108,9 +111,10 @@ H100 = DeviceProfile(
     p2p_latency=10e-6,
     host_bandwidth=50e9,
     memory_bytes=80e9,
+    host_memory_bytes=128e9,
 )
 #: A100 SXM: 312 TFLOP/s dense bf16; same efficiencies; 200 Gb/s HDR per GPU (25 GB/s);
-#: PCIe Gen4 ~25 GB/s; 80 GB HBM2e.
+#: PCIe Gen4 ~25 GB/s; 80 GB HBM2e; 1 TB host memory per node, 64 GB per GPU for offload.
 A100 = DeviceProfile(
     name="a100",
     linear_flops=0.6 * 312e12,
@@ -119,9 +123,11 @@ A100 = DeviceProfile(
     p2p_latency=10e-6,
     host_bandwidth=25e9,
     memory_bytes=80e9,
+    host_memory_bytes=64e9,
 )
 #: This machine's kind (2 cores, gloo over loopback), before calibration: ~20 GFLOP/s per
-#: rank, gloo P2P ~1 GB/s and ~0.5 ms per message (cpu-gloo-facts.md, section 1), fp32.
+#: rank, gloo P2P ~1 GB/s and ~0.5 ms per message (cpu-gloo-facts.md, section 1), fp32;
+#: "host" copies are memcpy (~5 GB/s) into an 8 GB store per rank.
 CPU = DeviceProfile(
     name="cpu",
     linear_flops=20e9,
@@ -130,6 +136,7 @@ CPU = DeviceProfile(
     p2p_latency=0.5e-3,
     host_bandwidth=5e9,
     memory_bytes=24e9,
+    host_memory_bytes=8e9,
     bytes_per_element=4,
 )
 PROFILES = {p.name: p for p in (H100, A100, CPU)}
@@ -211,11 +218,18 @@ class CostModel:
         return self.micro_batch_time(lengths, cp_size)
 
     def cost_arrays(
-        self, seqlens: Sequence[int], capacity: int
+        self, seqlens: Sequence[int], capacity: int, *, ring_sizes=None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Inputs of the balance core: ring sizes, local costs and per-member ring costs."""
+        """Inputs of the balance core: ring sizes, local costs and per-member ring costs.
+
+        Ring sizes default to `ceil(s / capacity)`; offloading passes smaller ones (its
+        copies hide under compute by construction, so they add no time here).
+        """
         s = np.asarray(seqlens, dtype=np.float64)
-        k = np.maximum(1, np.ceil(s / capacity)).astype(np.int64)
+        if ring_sizes is None:
+            k = np.maximum(1, np.ceil(s / capacity)).astype(np.int64)
+        else:
+            k = np.asarray(ring_sizes, dtype=np.int64)
         local = np.asarray(self.time(s, 1), dtype=np.float64)
         ring = np.where(k > 1, self.time(s, k), 0.0)
         return k, local, ring

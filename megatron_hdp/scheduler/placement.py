@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from megatron_hdp.scheduler.balance import best_fit_decreasing, plan_from_placements
+from megatron_hdp.scheduler.offload_rule import offload_rule
 from megatron_hdp.scheduler.plan import MicroBatch, StepPlan, plan_from_rank_lists, validate_inputs
 
 POLICIES = ("greedy", "balanced", "static")
@@ -135,14 +136,23 @@ def plan_balanced(
     cost_model=None,
     delta: float = 0.0,
     core=None,
+    offload: bool = False,
 ) -> StepPlan:
     """HDP with the balance scheduler; costs from `cost_model` (a `cost.CostModel`).
 
     Without a cost model the costs are `simple_cost`'s. `core` is the placement core with
-    `balance.balance_core`'s signature (the C++ core by default).
+    `balance.balance_core`'s signature (the C++ core by default). With `offload`, long
+    sequences get the smaller rings and offload ratios of `offload_rule` (needs a cost
+    model); the plan then records the model's layer count for its memory check.
     """
     validate_inputs(seqlens, pool_size, capacity)
-    if cost_model is not None:
+    ratios = None
+    if offload:
+        if cost_model is None:
+            raise ValueError("offloading needs a cost model (bandwidths and activation sizes)")
+        ring_sizes, ratios = offload_rule(seqlens, capacity, cost_model)
+        ring_sizes, local, ring = cost_model.cost_arrays(seqlens, capacity, ring_sizes=ring_sizes)
+    elif cost_model is not None:
         ring_sizes, local, ring = cost_model.cost_arrays(seqlens, capacity)
     else:
         ring_sizes = [max(1, math.ceil(s / capacity)) for s in seqlens]
@@ -165,7 +175,13 @@ def plan_balanced(
         delta=delta,
     )
     return plan_from_placements(
-        placements, seqlens, pool_size=pool_size, capacity=capacity, policy="balanced"
+        placements,
+        seqlens,
+        pool_size=pool_size,
+        capacity=capacity,
+        policy="balanced",
+        offload_ratios=ratios,
+        num_layers=cost_model.model.num_layers if offload else 0,
     )
 
 
@@ -177,6 +193,7 @@ def plan_step(
     policy: str = "greedy",
     cp_size: int | None = None,
     cost_model=None,
+    offload: bool = False,
 ) -> StepPlan:
     """Plan one step with the named policy (`"greedy"`, `"balanced"` or the `"static"` mesh).
 
@@ -184,15 +201,20 @@ def plan_step(
     input before anything else happens. The policies' invariants are held by property
     tests, not re-checked here (`StepPlan.validate()` does that, at O(plan) Python cost).
     `cp_size` applies to the static policy only; `cost_model` (a `cost.CostModel`) prices
-    micro-batches for the balanced policy and fills every policy's `predicted_cost`.
+    micro-batches for the balanced policy and fills every policy's `predicted_cost`;
+    `offload` applies the selective-offloading capacity rule (balanced policy only).
     """
+    if offload and policy != "balanced":
+        raise ValueError(f"offloading is planned by the balanced policy, not {policy!r}")
     if policy != "static" and cp_size is not None:
         raise ValueError(f"cp_size {cp_size} applies to the static policy only, not {policy!r}")
     cost = cost_model.planner_cost if cost_model is not None else simple_cost
     if policy == "greedy":
         plan = plan_greedy(seqlens, pool_size=pool_size, capacity=capacity, cost=cost)
     elif policy == "balanced":
-        plan = plan_balanced(seqlens, pool_size=pool_size, capacity=capacity, cost_model=cost_model)
+        plan = plan_balanced(
+            seqlens, pool_size=pool_size, capacity=capacity, cost_model=cost_model, offload=offload
+        )
     elif policy == "static":
         plan = plan_static(
             seqlens, pool_size=pool_size, capacity=capacity, cp_size=cp_size, cost=cost

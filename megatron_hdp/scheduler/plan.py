@@ -66,6 +66,8 @@ class StepPlan:
         seqlens: Length of every sequence of the global batch, in batch order.
         policy: Name of the placement policy that made the plan.
         micro_batches: All micro-batches, sorted by `order`.
+        num_layers: Layers per rank, needed to check the memory of offloading micro-batches
+            (0 when nothing offloads).
     """
 
     pool_size: int
@@ -73,6 +75,7 @@ class StepPlan:
     seqlens: tuple[int, ...]
     policy: str
     micro_batches: tuple[MicroBatch, ...]
+    num_layers: int = 0
     _by_rank: tuple[tuple[int, ...], ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -104,6 +107,7 @@ class StepPlan:
             "capacity": self.capacity,
             "seqlens": list(self.seqlens),
             "policy": self.policy,
+            "num_layers": self.num_layers,
             "micro_batches": [
                 {
                     "order": mb.order,
@@ -125,6 +129,7 @@ class StepPlan:
             capacity=int(data["capacity"]),
             seqlens=tuple(int(s) for s in data["seqlens"]),
             policy=str(data["policy"]),
+            num_layers=int(data.get("num_layers", 0)),
             micro_batches=tuple(
                 MicroBatch(
                     order=int(m["order"]),
@@ -196,10 +201,19 @@ class StepPlan:
                 )
             lengths = [self.seqlens[i] for i in mb.seq_indices]
             load = max(rank_token_counts(lengths, mb.cp_size))
-            if load > self.capacity:
+            resident = load
+            if mb.offload_ratio > 0:
+                if mb.is_local or self.num_layers <= 2:
+                    raise ValueError(
+                        f"micro-batch {mb.order} offloads, but only rings offload and the plan "
+                        f"needs num_layers > 2 (has {self.num_layers})"
+                    )
+                layers = self.num_layers
+                resident = load * (2 + (1 - mb.offload_ratio) * (layers - 2)) / layers
+            if resident > self.capacity * (1 + 1e-9):
                 raise ValueError(
-                    f"micro-batch {mb.order} puts {load} tokens on one rank, over the capacity "
-                    f"{self.capacity}"
+                    f"micro-batch {mb.order} keeps {resident:.0f} tokens' activations on one "
+                    f"rank, over the capacity {self.capacity}"
                 )
         for i, n in enumerate(seen):
             if n != 1:
@@ -245,6 +259,8 @@ def plan_from_rank_lists(
     capacity: int,
     policy: str,
     micro_batches: Sequence[MicroBatch],
+    *,
+    num_layers: int = 0,
 ) -> StepPlan:
     """Build a `StepPlan` from micro-batches given in any order (sorted by `order` here)."""
     return StepPlan(
@@ -253,4 +269,5 @@ def plan_from_rank_lists(
         seqlens=tuple(int(s) for s in seqlens),
         policy=policy,
         micro_batches=tuple(sorted(micro_batches, key=lambda m: m.order)),
+        num_layers=num_layers,
     )

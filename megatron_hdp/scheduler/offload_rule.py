@@ -1,0 +1,95 @@
+"""Selective offloading's capacity rule (ByteScale Eq. 3, closed form; pure).
+
+For a sequence of `s > C` tokens, with `l` layers per rank, per-layer activation bytes
+`Act(s)` and per-layer forward compute time `T(s)` (both of the whole sequence, from the
+cost model), and host link bandwidth `B`:
+
+    r_max  = min(1, T(s) * B / Act(s))               # a layer's D2H copy hides under compute
+    r_host = H l / ((l - 2) (l Act(C) + H))          # offloaded bytes fit the host budget H
+    r_min  = min(1, l * Act(C) / ((l - 2) * Act(s)))  # offloading must free one rank's budget
+    r      = min(r_max, r_host) if that is >= r_min else 0
+    D(s)   = ceil((2 + (1 - r)(l - 2)) * Act(s) / (l * Act(C)))
+
+Two layers always stay resident (the one computing and a staging buffer); the other
+`l - 2` keep a `1 - r` share. Splitting the sequence over `D` ranks divides both compute
+and bytes by `D`, so `r_max` does not depend on `D`, and since `D` falls as `r` grows the
+best ratio is `r_max` itself: no search.
+
+Edge cases, decided here:
+- `s <= C`: packed with other short sequences on one rank, never offloaded (`r = 0`, `D = 1`).
+- `r_max < r_min`: offloading cannot free a whole rank; `r = 0`, `D = ceil(s / C)`.
+- `l <= 2`: nothing can be offloaded; `r = 0`.
+- `D` never exceeds `ceil(s / C)` and never falls below 2 for `s > C`: a one-rank
+  micro-batch is a pack, and packs never offload. (So a sequence just above `C` keeps a
+  ring of 2.)
+- `D` larger than the pool: offloading shrinks rings but does not raise the longest
+  sequence the pool accepts (`N x C`); longer sequences are refused as without offloading.
+- Host memory: a rank of the ring holds `r (l - 2) Act(s) / D` offloaded bytes. With
+  `D = (2 + (1 - r)(l - 2)) Act(s) / (l Act(C))` (before rounding up, which only lowers
+  the bytes) that is at most `H` exactly when `r <= r_host`, so the ratio is capped there.
+  A budget of zero or less with offloading asked for is refused with a ValueError.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from megatron_hdp.scheduler.cost import CostModel
+
+
+def layer_forward_time(cost_model: CostModel, s):
+    """Forward seconds of one layer for a whole sequence (the compute a D2H copy hides under)."""
+    layers = cost_model.model.num_layers
+    return (cost_model.linear_time(s) / 3.0 + cost_model.attention_time(s) / 3.5) / layers
+
+
+def layer_activation_bytes(cost_model: CostModel, s):
+    """Saved activation bytes of one layer for `s` tokens."""
+    return cost_model.activation_bytes_per_token() / cost_model.model.num_layers * s
+
+
+def resident_fraction(ratio, num_layers: int):
+    """Share of a micro-batch's activations that stays on the device with offload `ratio`."""
+    if num_layers <= 2:
+        return np.ones_like(np.asarray(ratio, dtype=np.float64))
+    return (2.0 + (1.0 - np.asarray(ratio, dtype=np.float64)) * (num_layers - 2)) / num_layers
+
+
+def offload_rule(
+    seqlens: Sequence[int],
+    capacity: int,
+    cost_model: CostModel,
+    *,
+    host_budget_bytes: float | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Ranks `D(s)` and offload ratios `r` for every sequence (see the module docstring).
+
+    Returns `(ring_sizes, ratios)` as numpy arrays. `host_budget_bytes` is the host memory
+    one rank may fill with offloaded activations (default: the device profile's).
+    """
+    s = np.asarray(seqlens, dtype=np.float64)
+    layers = cost_model.model.num_layers
+    base = np.maximum(1, np.ceil(s / capacity)).astype(np.int64)
+    ratios = np.zeros_like(s)
+    if host_budget_bytes is None:
+        host_budget_bytes = cost_model.device.host_memory_bytes
+    if not host_budget_bytes > 0:
+        raise ValueError(
+            f"offloading asked for, but the host memory budget is {host_budget_bytes} bytes"
+        )
+    if layers <= 2:
+        return base, ratios
+    act = layer_activation_bytes(cost_model, s)
+    act_c = layer_activation_bytes(cost_model, float(capacity))
+    bandwidth = cost_model.device.host_bandwidth
+    r_max = np.minimum(1.0, layer_forward_time(cost_model, s) * bandwidth / act)
+    r_host = host_budget_bytes * layers / ((layers - 2) * (layers * act_c + host_budget_bytes))
+    r_min = np.minimum(1.0, layers * act_c / ((layers - 2) * act))
+    r = np.minimum(r_max, r_host)
+    useful = (s > capacity) & (r >= r_min)
+    ratios = np.where(useful, r, 0.0)
+    shrunk = np.ceil(resident_fraction(ratios, layers) * act / act_c - 1e-9).astype(np.int64)
+    ring_sizes = np.where(useful, np.clip(shrunk, 2, base), base)
+    return ring_sizes, ratios
