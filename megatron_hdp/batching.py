@@ -137,6 +137,7 @@ class LocalBatch:
     shard: RankShard
     ring: tuple[int, ...]
     rank: int
+    offload_ratio: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -199,4 +200,5 @@ def gather_local_batch(
         shard=my_shard,
         ring=micro_batch.ring,
         rank=rank,
+        offload_ratio=micro_batch.offload_ratio,
     )

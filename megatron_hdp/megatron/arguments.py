@@ -257,6 +257,19 @@ def add_hdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "model) or 'greedy' (least-loaded rings and packs)",
     )
     g.add_argument(
+        "--hdp-offload",
+        action="store_true",
+        help="selective activation offloading: long sequences get fewer ranks and move a "
+        "share of their activations to host memory (ByteScale Eq. 3; balanced placement)",
+    )
+    g.add_argument(
+        "--hdp-host-memory-gb",
+        type=float,
+        default=None,
+        help="host memory one rank may fill with offloaded activations (default: the "
+        "device profile's)",
+    )
+    g.add_argument(
         "--hdp-device-profile",
         default=None,
         help="cost-model device profile: h100, a100, cpu, or a JSON file from "
@@ -488,6 +501,14 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                 f"--load {args.load}: written with use_distributed_optimizer="
                 f"{meta['distributed_optimizer']}; resume with the same setting"
             )
+    if args.hdp_offload and (uses_static_mesh(args) or args.hdp_placement != "balanced"):
+        raise ValueError(
+            "--hdp-offload needs the balanced HDP placement (--hdp-placement balanced)"
+        )
+    if args.hdp_host_memory_gb is not None and not args.hdp_host_memory_gb > 0:
+        raise ValueError(
+            f"--hdp-host-memory-gb {args.hdp_host_memory_gb}: no room for offloaded activations"
+        )
     if args.hdp_device_profile is not None and args.hdp_device_profile not in PROFILES:
         if not Path(args.hdp_device_profile).is_file():
             raise ValueError(

@@ -143,3 +143,29 @@ def build_engine(cfg: GPTConfig, optim: OptimConfig, *, seed: int = 1234) -> Eng
         scheduler=scheduler,
         optimizer_is_distributed=optim.use_distributed_optimizer,
     )
+
+
+def offload_manager(
+    engine: Engine,
+    host_budget_bytes: float,
+    device: torch.device,
+    *,
+    min_offload_bytes: int | None = None,
+):
+    """An activation offload manager installed on the engine's transformer layers.
+
+    The copy engine follows the device: CUDA streams and pinned buffers on GPU, a host
+    store that really moves and counts the bytes on CPU. `min_offload_bytes` overrides the
+    manager's threshold below which saved tensors stay on the device.
+    """
+    from megatron_hdp.offload.engines import CudaCopyEngine, HostCopyEngine
+    from megatron_hdp.offload.hooks import OffloadManager
+
+    if device.type == "cuda":
+        copy_engine = CudaCopyEngine(device, host_budget_bytes)
+    else:
+        copy_engine = HostCopyEngine(host_budget_bytes)
+    extra = {} if min_offload_bytes is None else {"min_offload_bytes": min_offload_bytes}
+    manager = OffloadManager(copy_engine, num_layers=engine.cfg.num_layers, **extra)
+    manager.install(list(engine.model.module.decoder.layers))
+    return manager

@@ -8,6 +8,7 @@ whole global batch, whatever the placement and the micro-batch counts.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ from megatron_hdp.distributed.ring_comm import CommStats
 from megatron_hdp.megatron.core_attention import HDPPackedSeqParams
 from megatron_hdp.megatron.engine import Engine
 from megatron_hdp.megatron.model import GPTConfig
+from megatron_hdp.offload.hooks import OffloadManager
 from megatron_hdp.scheduler.plan import StepPlan
 
 
@@ -36,6 +38,8 @@ class StepRuntime:
         device: Where micro-batch tensors go.
         stats: Counters of attention traffic sent from this rank.
         check_plans: All-gather plan digests every step and fail on disagreement (debug).
+        offload: The activation offload manager installed on the model's layers; each
+            micro-batch runs with its plan's offload ratio. None: no offloading.
     """
 
     group: dist.ProcessGroup
@@ -43,6 +47,7 @@ class StepRuntime:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     stats: CommStats = field(default_factory=CommStats)
     check_plans: bool = False
+    offload: OffloadManager | None = None
 
 
 @dataclass(frozen=True)
@@ -163,8 +168,14 @@ def forward_backward(
     """
     loss_sum = 0.0
     for batch in batches:
-        masked = (_token_losses(engine, batch, runtime).float() * batch.loss_mask).sum()
-        (masked * loss_scale).backward()
+        offload = (
+            runtime.offload.micro_batch(batch.offload_ratio)
+            if runtime.offload is not None
+            else contextlib.nullcontext()
+        )
+        with offload:
+            masked = (_token_losses(engine, batch, runtime).float() * batch.loss_mask).sum()
+            (masked * loss_scale).backward()
         loss_sum += float(masked.detach())
     return loss_sum
 

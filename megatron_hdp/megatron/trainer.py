@@ -8,6 +8,7 @@ update. Logging, evaluation, checkpoints and TensorBoard hang off that loop.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -26,7 +27,7 @@ from megatron_hdp.megatron.arguments import (
     uses_static_mesh,
 )
 from megatron_hdp.megatron.checkpoint import TrainingState, load_checkpoint, save_checkpoint
-from megatron_hdp.megatron.engine import Engine, OptimConfig, build_engine
+from megatron_hdp.megatron.engine import Engine, OptimConfig, build_engine, offload_manager
 from megatron_hdp.megatron.model import GPTConfig, model_shape
 from megatron_hdp.megatron.step import StepResult, StepRuntime, evaluate, train_step
 from megatron_hdp.megatron.training_data import DataConfig, TrainingData
@@ -157,7 +158,14 @@ class Trainer:
         self.policy = "static" if uses_static_mesh(args) else args.hdp_placement
         cfg = model_config(args, data.vocab_size)
         self.engine: Engine = build_engine(cfg, optim_config(args), seed=args.seed)
-        self.cost_model = CostModel(model_shape(cfg), device_profile(args.hdp_device_profile))
+        profile = device_profile(args.hdp_device_profile)
+        if args.hdp_host_memory_gb is not None:
+            profile = dataclasses.replace(profile, host_memory_bytes=args.hdp_host_memory_gb * 1e9)
+        self.cost_model = CostModel(model_shape(cfg), profile)
+        if args.hdp_offload:
+            runtime.offload = offload_manager(
+                self.engine, profile.host_memory_bytes, runtime.device
+            )
         self.iteration = 0
         self.consumed_tokens = 0
         self._writer = None
@@ -174,6 +182,7 @@ class Trainer:
             policy=self.policy,
             cp_size=self.args.context_parallel_size if self.policy == "static" else None,
             cost_model=self.cost_model,
+            offload=self.args.hdp_offload,
         )
 
     def resume(self) -> None:

@@ -14,10 +14,12 @@ from megatron_hdp.megatron.engine import (
     build_engine,
     destroy_parallel_state,
     initialize_parallel_state,
+    offload_manager,
 )
-from megatron_hdp.megatron.model import GPTConfig, build_gpt
+from megatron_hdp.megatron.model import GPTConfig, build_gpt, model_shape
 from megatron_hdp.megatron.step import StepRuntime, train_step
 from megatron_hdp.scheduler import plan_step
+from megatron_hdp.scheduler.cost import CPU, CostModel
 from tests.dist import run_ranks
 from tests.megatron.reference import (
     build_reference,
@@ -55,6 +57,7 @@ class Case:
     distributed_optimizer: bool = False
     cfg: GPTConfig = CFG
     batch: str = "mixed"
+    offload: bool = False
 
 
 def batch_lengths(pool_size: int, step: int, kind: str) -> list[int]:
@@ -119,6 +122,14 @@ def _body_train(rank, world_size, case: Case):
         try:
             engine = build_engine(case.cfg, optim, seed=SEED)
             runtime = StepRuntime(group=dist.group.WORLD, check_plans=True)
+            cost_model, offloaded = None, []
+            if case.offload:
+                # Copies that always hide and room to spare: the rule offloads all it can.
+                profile = dataclasses.replace(CPU, host_bandwidth=1e15, host_memory_bytes=1e12)
+                cost_model = CostModel(model_shape(case.cfg), profile)
+                runtime.offload = offload_manager(
+                    engine, 1e12, torch.device("cpu"), min_offload_bytes=0
+                )
             groups_before = len(dist.distributed_c10d._world.pg_map)
             results = []
             for step in range(NUM_STEPS):
@@ -129,7 +140,17 @@ def _body_train(rank, world_size, case: Case):
                     capacity=CAPACITY,
                     policy=case.policy,
                     cp_size=case.cp_size,
+                    cost_model=cost_model,
+                    offload=case.offload,
                 )
+                if case.offload:
+                    offloaded.append(
+                        sorted(
+                            (mb.cp_size, mb.offload_ratio)
+                            for mb in plan.micro_batches
+                            if mb.offload_ratio > 0
+                        )
+                    )
                 grads = {}
                 if step == 0 and not case.distributed_optimizer:
                     snapshot_grads_before_update(engine, grads)
@@ -138,6 +159,9 @@ def _body_train(rank, world_size, case: Case):
             params = {n: p.detach().clone() for n, p in engine.model.module.named_parameters()}
             new_groups = len(dist.distributed_c10d._world.pg_map) - groups_before
             assert new_groups == 0, f"{new_groups} process groups were created during training"
+            if case.offload:
+                moved = runtime.offload.engine.bytes_to_host
+                assert all(offloaded) and moved > 0, (offloaded, moved)
             return results, params
         finally:
             destroy_parallel_state()
@@ -224,6 +248,12 @@ def test_ranks_without_micro_batches_match_single_process():
 
 def test_distributed_optimizer_matches_single_process():
     check_case(Case(pool_size=3, distributed_optimizer=True))
+
+
+def test_offloading_plans_match_single_process():
+    """Eq. 3 plans (fewer ranks, offload ratio 1) and the offload hooks keep training exact."""
+    cfg = dataclasses.replace(CFG, num_layers=4)
+    check_case(Case(pool_size=3, policy="balanced", cfg=cfg, offload=True))
 
 
 def test_learned_absolute_positions_match_single_process():
