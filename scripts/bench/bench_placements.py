@@ -39,6 +39,7 @@ from megatron_hdp.megatron.trainer import device_profile
 from megatron_hdp.provenance import environment
 from megatron_hdp.scheduler import plan_step
 from megatron_hdp.scheduler.cost import CostModel
+from megatron_hdp.sim.timeline import timeline
 
 logger = logging.getLogger("bench_placements")
 
@@ -115,26 +116,18 @@ class PolicyRun:
             self.compute.append([t[0].item() for t in per_rank])
         logger.info("%s: loss %.5f, %.3f s", self.policy, result.loss, elapsed.item())
 
-    def predicted_busy(self, pool_size):
-        """Per-rank sum of the plan's predicted micro-batch times (seconds)."""
-        busy = [0.0] * pool_size
-        for mb in self.plan.micro_batches:
-            for r in mb.ring:
-                busy[r] += mb.predicted_cost
-        return busy
-
     def report(self, pool_size):
         measured = [statistics.median(c[r] for c in self.compute) for r in range(pool_size)]
-        predicted = self.predicted_busy(pool_size)
-        predicted_step = max(
-            mb.predicted_start + mb.predicted_cost for mb in self.plan.micro_batches
-        )
+        predicted_timeline = timeline(self.plan)
+        predicted = list(predicted_timeline.busy)
+        predicted_step = predicted_timeline.step_time
         return {
             "predicted_busy_s_per_rank": predicted,
             "busy_prediction_error_per_rank": [
                 (p - m) / m for p, m in zip(predicted, measured, strict=True)
             ],
             "predicted_step_time_s": predicted_step,
+            "measured_over_predicted_step_time": statistics.median(self.times) / predicted_step,
             "policy": self.policy,
             "ring_sizes": sorted((mb.cp_size for mb in self.plan.micro_batches), reverse=True),
             "micro_batches_run_per_rank": self.micro_batches,
