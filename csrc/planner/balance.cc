@@ -1,15 +1,23 @@
 // The balance scheduler core; see balance.h and megatron_hdp/scheduler/balance.py (the
 // specification). Every comparison and every floating-point operation below mirrors the
 // reference in kind and order, so plans are identical bit for bit.
+//
+// Where the reference uses general containers, this uses ones that give the same answers
+// faster: best fit over rooms indexed directly (per-room min-heaps of bin ids and a bitset
+// with find-next-set), stable radix sorts for the item order and the global order, a heap
+// of groups of ranks that become free together for the free times, and an ordered set of
+// gaps that sorts a gap in only once some pack could use it. Plans are flat arrays
+// (PlanArrays), with no allocation per placement.
 #include "balance.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <numeric>
-#include <queue>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -24,7 +32,6 @@ namespace {
 struct Item {
   double cost;
   int64_t k;
-  int64_t first;   // first sequence index (pack[0] or the ring sequence)
   int64_t source;  // pack id (k == 1) or sequence index (k > 1)
 };
 
@@ -41,9 +48,6 @@ struct Gap {
     return rank < o.rank;
   }
 };
-
-// (free time, rank); the heap's order is the reference's tuple order.
-using FreeSlot = std::pair<double, int64_t>;
 
 [[noreturn]] void fail(const std::string& message) {
   throw std::invalid_argument("balance_core: " + message);
@@ -65,9 +69,14 @@ void validate(const std::vector<int64_t>& lengths, const std::vector<int64_t>& r
   }
   if (std::isnan(delta)) fail("delta must be a number, got NaN");
   for (size_t i = 0; i < n; ++i) {
+    const int64_t k = ring_sizes[i];
+    const bool bad = lengths[i] < 0 || k < 1 || k > pool_size ||
+                     (k == 1 ? lengths[i] > capacity || !std::isfinite(local_cost[i])
+                             : !std::isfinite(ring_cost[i]));
+    if (!bad) continue;
+    // The messages are built only on failure: no allocation per sequence.
     const std::string seq = "sequence " + std::to_string(i);
     if (lengths[i] < 0) fail(seq + " has a negative length " + std::to_string(lengths[i]));
-    const int64_t k = ring_sizes[i];
     if (k < 1 || k > pool_size) {
       fail(seq + " has ring size " + std::to_string(k) + ", outside [1, pool_size=" +
            std::to_string(pool_size) + "]");
@@ -77,10 +86,9 @@ void validate(const std::vector<int64_t>& lengths, const std::vector<int64_t>& r
         fail(seq + " has ring size 1 but " + std::to_string(lengths[i]) +
              " tokens, more than the capacity " + std::to_string(capacity));
       }
-      if (!std::isfinite(local_cost[i])) fail(seq + " has a non-finite local_cost");
-    } else if (!std::isfinite(ring_cost[i])) {
-      fail(seq + " has a non-finite ring_cost");
+      fail(seq + " has a non-finite local_cost");
     }
+    fail(seq + " has a non-finite ring_cost");
   }
 }
 
@@ -109,11 +117,409 @@ std::vector<int64_t> decreasing_length_order(const std::vector<int64_t>& lengths
   return order;
 }
 
+inline unsigned lowest_bit(uint64_t bits) { return static_cast<unsigned>(__builtin_ctzll(bits)); }
+
+// A set of positions in [0, n) with find-next-set: 64-ary levels of bit words, level l + 1
+// holding one bit per non-zero word of level l (two levels up to 4096 positions, three up
+// to 262,144). Set, reset and next are O(levels) word operations.
+class NextSetBits {
+ public:
+  static constexpr size_t kNone = std::numeric_limits<size_t>::max();
+
+  explicit NextSetBits(size_t n) {
+    size_t words = n;
+    do {
+      words = (words + 63) / 64;
+      levels_.emplace_back(words, uint64_t{0});
+    } while (words > 1);
+  }
+
+  void set(size_t i) {
+    for (std::vector<uint64_t>& level : levels_) {
+      uint64_t& word = level[i >> 6];
+      const bool had_bits = word != 0;
+      word |= uint64_t{1} << (i & 63);
+      if (had_bits) return;  // the levels above already mark this word
+      i >>= 6;
+    }
+  }
+
+  void reset(size_t i) {
+    for (std::vector<uint64_t>& level : levels_) {
+      uint64_t& word = level[i >> 6];
+      word &= ~(uint64_t{1} << (i & 63));
+      if (word != 0) return;
+      i >>= 6;
+    }
+  }
+
+  // The smallest set position >= i, or kNone.
+  size_t next(size_t i) const {
+    size_t l = 0;
+    for (;; ++l) {  // up: the first level whose word at i has a set bit at or after i
+      if (l == levels_.size()) return kNone;
+      const size_t w = i >> 6;
+      if (w >= levels_[l].size()) return kNone;
+      const uint64_t bits = levels_[l][w] & (~uint64_t{0} << (i & 63));
+      if (bits != 0) {
+        i = (w << 6) | lowest_bit(bits);
+        break;
+      }
+      i = w + 1;
+    }
+    while (l > 0) {  // down: the lowest set bit of each marked word
+      --l;
+      i = (i << 6) | lowest_bit(levels_[l][i]);
+    }
+    return i;
+  }
+
+ private:
+  std::vector<std::vector<uint64_t>> levels_;
+};
+
+// Best fit with rooms indexed directly. The items come from a counting sort by
+// `capacity - length`: order[first[key]:first[key + 1]] have length capacity - key, indices
+// ascending. rooms[r] is a min-heap of the ids of the bins with room r, `nonempty` marks the
+// rooms that have a bin: the smallest room >= size is nonempty.next(size), and its lowest
+// bin id is the heap's top.
+void best_fit_by_room(const std::vector<int64_t>& first, int64_t capacity,
+                      std::vector<int64_t>& bin_of, int64_t& num_bins) {
+  std::vector<std::vector<int64_t>> rooms(static_cast<size_t>(capacity) + 1);
+  NextSetBits nonempty(static_cast<size_t>(capacity) + 1);
+  const std::greater<int64_t> min_heap;
+  for (int64_t key = 0; key <= capacity; ++key) {
+    const int64_t size = capacity - key;
+    for (int64_t j = first[static_cast<size_t>(key)]; j < first[static_cast<size_t>(key) + 1];
+         ++j) {
+      const size_t found = nonempty.next(static_cast<size_t>(size));
+      int64_t bin;
+      int64_t room;
+      if (found == NextSetBits::kNone) {
+        bin = num_bins++;
+        room = key;  // capacity - size
+      } else {
+        std::vector<int64_t>& heap = rooms[found];
+        std::pop_heap(heap.begin(), heap.end(), min_heap);
+        bin = heap.back();
+        heap.pop_back();
+        if (heap.empty()) nonempty.reset(found);
+        room = static_cast<int64_t>(found) - size;
+      }
+      std::vector<int64_t>& heap = rooms[static_cast<size_t>(room)];
+      if (heap.empty()) nonempty.set(static_cast<size_t>(room));
+      heap.push_back(bin);
+      std::push_heap(heap.begin(), heap.end(), min_heap);
+      bin_of[static_cast<size_t>(j)] = bin;
+    }
+  }
+}
+
+// The same best fit with an ordered set of (room, bin id), for capacities too large to
+// index directly.
+void best_fit_by_set(const std::vector<int64_t>& lengths, const std::vector<int64_t>& order,
+                     int64_t capacity, std::vector<int64_t>& bin_of, int64_t& num_bins) {
+  std::set<std::pair<int64_t, int64_t>> rooms;  // (room, bin id); bin ids are unique
+  for (size_t j = 0; j < order.size(); ++j) {
+    const int64_t size = lengths[order[j]];
+    auto it = rooms.lower_bound({size, std::numeric_limits<int64_t>::min()});
+    if (it == rooms.end()) {
+      bin_of[j] = num_bins++;
+      rooms.emplace(capacity - size, bin_of[j]);
+    } else {
+      auto node = rooms.extract(it);  // reuse the node: no allocation per item
+      node.value().first -= size;
+      bin_of[j] = node.value().second;
+      rooms.insert(std::move(node));
+    }
+  }
+}
+
+// Rooms are indexed directly when that costs about as much memory as the items do.
+bool index_rooms_directly(int64_t capacity, size_t num_items) {
+  return capacity < 4096 ||
+         (capacity <= (int64_t{1} << 22) && static_cast<uint64_t>(capacity) <= 4 * num_items);
+}
+
+// An unsigned key whose order is the order of the doubles (not NaN); -0.0 and 0.0, which
+// compare equal, get the same key.
+inline uint64_t ascending_key(double x) {
+  x += 0.0;  // -0.0 + 0.0 == +0.0
+  uint64_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return (u >> 63) != 0 ? ~u : u | (uint64_t{1} << 63);
+}
+
+// Stably sorts `order` (indices into `keys`) by key, ascending: LSD radix sort with 11-bit
+// digits on (key, index) pairs, skipping the digits in which all keys agree.
+void stable_sort_by_key(std::vector<int64_t>& order, const std::vector<uint64_t>& keys) {
+  constexpr unsigned kBits = 11;
+  constexpr size_t kBuckets = size_t{1} << kBits;
+  constexpr unsigned kDigits = (64 + kBits - 1) / kBits;
+  using Entry = std::pair<uint64_t, int64_t>;
+  const size_t n = order.size();
+  std::vector<Entry> entries(n);
+  uint64_t any = 0;
+  uint64_t all = ~uint64_t{0};
+  for (size_t j = 0; j < n; ++j) {
+    const uint64_t key = keys[static_cast<size_t>(order[j])];
+    entries[j] = {key, order[j]};
+    any |= key;
+    all &= key;
+  }
+  const uint64_t varying = any ^ all;
+  std::vector<unsigned> shifts;
+  for (unsigned d = 0; d < kDigits; ++d) {
+    if (((varying >> (d * kBits)) & (kBuckets - 1)) != 0) shifts.push_back(d * kBits);
+  }
+  if (shifts.empty()) return;  // all keys are equal
+  std::vector<size_t> count(shifts.size() * kBuckets, 0);
+  for (const Entry& e : entries) {  // every digit's histogram in one pass
+    for (size_t d = 0; d < shifts.size(); ++d) {
+      ++count[d * kBuckets + ((e.first >> shifts[d]) & (kBuckets - 1))];
+    }
+  }
+  std::vector<Entry> scratch(n);
+  for (size_t d = 0; d < shifts.size(); ++d) {
+    size_t* first = &count[d * kBuckets];
+    size_t sum = 0;
+    for (size_t bucket = 0; bucket < kBuckets; ++bucket) {
+      const size_t c = first[bucket];
+      first[bucket] = sum;
+      sum += c;
+    }
+    for (const Entry& e : entries) scratch[first[(e.first >> shifts[d]) & (kBuckets - 1)]++] = e;
+    entries.swap(scratch);
+  }
+  for (size_t j = 0; j < n; ++j) order[j] = entries[j].second;
+}
+
+// Ranks that become free at the same time, consumed in ascending rank order: ranks
+// store[pos:end], the next of which is `rank`. A heap of such groups ordered by
+// (time, rank) pops (free time, rank) pairs in exactly the order of a heap of the pairs,
+// but a ring's k members enter it as one group. `key` is ascending_key(time): free times
+// are never NaN or -0.0 (they are sums of finite costs starting from 0.0), so the key
+// orders them as the doubles compare and gives the time back exactly.
+struct Group {
+  uint64_t key;
+  int64_t rank;
+  int64_t pos;
+  int64_t end;
+};
+
+inline bool earlier(const Group& a, const Group& b) {
+  return a.key < b.key || (a.key == b.key && a.rank < b.rank);
+}
+
+inline double time_of_key(uint64_t key) {
+  const uint64_t u = (key >> 63) != 0 ? key & ~(uint64_t{1} << 63) : ~key;
+  double x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+// The free ranks: a 4-ary min-heap of groups.
+class FreeRanks {
+ public:
+  FreeRanks(int64_t pool_size, std::vector<int64_t>& store) : store_(store) {
+    store_.resize(static_cast<size_t>(pool_size));
+    std::iota(store_.begin(), store_.end(), int64_t{0});
+    heap_.reserve(64);
+    heap_.push_back({ascending_key(0.0), 0, 0, pool_size});
+  }
+
+  // Pops the k earliest (free time, rank) pairs, appending the ranks to store and the
+  // times to `times` in pop order. The ranks of one group that precede every other
+  // group's next rank leave in one step.
+  void pop_many(int64_t k, std::vector<double>& times) {
+    while (k > 0) {
+      const Group top = heap_[0];
+      int64_t take = std::min(k, top.end - top.pos);
+      const size_t n = heap_.size();
+      if (n > 1 && take > 1) {
+        size_t best = 1;  // the earliest other group is a child of the root
+        for (size_t c = 2; c <= kArity && c < n; ++c) {
+          if (earlier(heap_[c], heap_[best])) best = c;
+        }
+        if (heap_[best].key == top.key) {  // same time: only the ranks below its rank
+          const int64_t bound = heap_[best].rank;
+          int64_t fit = 1;  // top.rank < bound
+          while (fit < take && store_[static_cast<size_t>(top.pos + fit)] < bound) ++fit;
+          take = fit;
+        }
+      }
+      const double time = time_of_key(top.key);
+      for (int64_t j = 0; j < take; ++j) {
+        const int64_t rank = store_[static_cast<size_t>(top.pos + j)];
+        store_.push_back(rank);
+        times.push_back(time);
+      }
+      k -= take;
+      if (top.pos + take < top.end) {
+        const int64_t pos = top.pos + take;
+        replace_top({top.key, store_[static_cast<size_t>(pos)], pos, top.end});
+      } else {
+        const Group last = heap_.back();
+        heap_.pop_back();
+        if (!heap_.empty()) replace_top(last);
+      }
+    }
+  }
+
+  // Pops the earliest (free time, rank) and adds that rank back as free from
+  // time + cost, kept at store[pos]; returns the time it was free from.
+  double pop_and_push_back(double cost, int64_t pos) {
+    const Group top = heap_[0];
+    const double time = time_of_key(top.key);
+    const Group back{ascending_key(time + cost), top.rank, pos, pos + 1};
+    if (top.pos + 1 < top.end) {
+      const int64_t next = top.pos + 1;
+      replace_top({top.key, store_[static_cast<size_t>(next)], next, top.end});
+      push(back);
+    } else {
+      replace_top(back);
+    }
+    return time;
+  }
+
+  int64_t next_rank() const { return heap_[0].rank; }
+
+  // Adds the ranks store[pos:end] (ascending) as free from `time`.
+  void push(double time, int64_t pos, int64_t end) {
+    push({ascending_key(time), store_[static_cast<size_t>(pos)], pos, end});
+  }
+
+ private:
+  static constexpr size_t kArity = 4;
+
+  void push(const Group& g) {
+    size_t i = heap_.size();
+    heap_.emplace_back();
+    while (i > 0) {
+      const size_t parent = (i - 1) / kArity;
+      if (!earlier(g, heap_[parent])) break;
+      heap_[i] = heap_[parent];
+      i = parent;
+    }
+    heap_[i] = g;
+  }
+
+  // Puts `g` at the root and restores the heap order below it.
+  void replace_top(const Group& g) {
+    const size_t n = heap_.size();
+    size_t i = 0;
+    for (;;) {
+      const size_t first = kArity * i + 1;
+      if (first >= n) break;
+      const size_t last = std::min(first + kArity, n);
+      size_t best = first;
+      for (size_t c = first + 1; c < last; ++c) {
+        if (earlier(heap_[c], heap_[best])) best = c;
+      }
+      if (!earlier(heap_[best], g)) break;
+      heap_[i] = heap_[best];
+      i = best;
+    }
+    heap_[i] = g;
+  }
+
+  std::vector<int64_t>& store_;
+  std::vector<Group> heap_;
+};
+
+// The idle gaps, an ordered multiset by (length, start, rank) that answers "the first gap
+// that is not less than (cost, -inf, min)", i.e. the shortest gap of length >= cost (ties:
+// earlier start, lower rank). New gaps wait in a max-heap by length and are sorted in only
+// once a query could pick them (length >= its cost): a gap shorter than every later pack
+// is never sorted. Every waiting gap is less than the probe of the current query, so the
+// answer from the sorted part is the answer over all gaps. The sorted part is a list of
+// sorted blocks of at most kMaxBlock gaps, each block's last gap in `lasts_` for the
+// search. Equal gaps are interchangeable.
+class GapSet {
+ public:
+  struct Position {
+    size_t block;
+    size_t index;
+  };
+
+  void insert(const Gap& gap) {
+    waiting_.push_back(gap);
+    std::push_heap(waiting_.begin(), waiting_.end(), shorter);
+  }
+
+  // The shortest gap that holds `cost`; check with found().
+  Position first_fit(double cost) {
+    const Gap probe{cost, -std::numeric_limits<double>::infinity(),
+                    std::numeric_limits<int64_t>::min()};
+    while (!waiting_.empty() && !(waiting_.front() < probe)) {
+      std::pop_heap(waiting_.begin(), waiting_.end(), shorter);
+      sort_in(waiting_.back());
+      waiting_.pop_back();
+    }
+    const size_t b = static_cast<size_t>(
+        std::lower_bound(lasts_.begin(), lasts_.end(), probe) - lasts_.begin());
+    if (b == blocks_.size()) return {b, 0};
+    const std::vector<Gap>& block = blocks_[b];
+    return {b, static_cast<size_t>(std::lower_bound(block.begin(), block.end(), probe) -
+                                   block.begin())};
+  }
+
+  bool found(const Position& at) const { return at.block < blocks_.size(); }
+  const Gap& at(const Position& at) const { return blocks_[at.block][at.index]; }
+
+  void erase(const Position& at) {
+    std::vector<Gap>& block = blocks_[at.block];
+    block.erase(block.begin() + static_cast<std::ptrdiff_t>(at.index));
+    if (block.empty()) {
+      blocks_.erase(blocks_.begin() + static_cast<std::ptrdiff_t>(at.block));
+      lasts_.erase(lasts_.begin() + static_cast<std::ptrdiff_t>(at.block));
+    } else {
+      lasts_[at.block] = block.back();
+    }
+  }
+
+ private:
+  static constexpr size_t kMaxBlock = 128;
+
+  // The heap order: by length (as keys, a strict weak order even for NaN).
+  static bool shorter(const Gap& a, const Gap& b) {
+    return ascending_key(a.length) < ascending_key(b.length);
+  }
+
+  void sort_in(const Gap& gap) {
+    if (blocks_.empty()) {
+      blocks_.emplace_back();
+      blocks_.back().reserve(kMaxBlock + 1);
+      blocks_.back().push_back(gap);
+      lasts_.push_back(gap);
+      return;
+    }
+    size_t b = static_cast<size_t>(std::lower_bound(lasts_.begin(), lasts_.end(), gap) -
+                                   lasts_.begin());
+    if (b == blocks_.size()) --b;  // larger than every gap: the last block's end
+    std::vector<Gap>& block = blocks_[b];
+    block.insert(std::upper_bound(block.begin(), block.end(), gap), gap);
+    lasts_[b] = block.back();
+    if (block.size() > kMaxBlock) {  // split in halves
+      std::vector<Gap> upper;
+      upper.reserve(kMaxBlock + 1);
+      upper.assign(block.begin() + kMaxBlock / 2, block.end());
+      block.resize(kMaxBlock / 2);
+      lasts_[b] = block.back();
+      lasts_.insert(lasts_.begin() + static_cast<std::ptrdiff_t>(b) + 1, upper.back());
+      blocks_.insert(blocks_.begin() + static_cast<std::ptrdiff_t>(b) + 1, std::move(upper));
+    }
+  }
+
+  std::vector<Gap> waiting_;  // max-heap by length
+  std::vector<std::vector<Gap>> blocks_;
+  std::vector<Gap> lasts_;
+};
+
 }  // namespace
 
-std::vector<std::vector<int64_t>> best_fit_decreasing(const std::vector<int64_t>& lengths,
-                                                      const std::vector<int64_t>& indices,
-                                                      int64_t capacity) {
+Bins best_fit_decreasing_bins(const std::vector<int64_t>& lengths,
+                              const std::vector<int64_t>& indices, int64_t capacity) {
   if (capacity <= 0) fail("capacity must be > 0, got " + std::to_string(capacity));
   for (const int64_t i : indices) {
     if (i < 0 || static_cast<size_t>(i) >= lengths.size()) {
@@ -124,23 +530,225 @@ std::vector<std::vector<int64_t>> best_fit_decreasing(const std::vector<int64_t>
            " tokens, outside [0, capacity=" + std::to_string(capacity) + "]");
     }
   }
-  const std::vector<int64_t> order = decreasing_length_order(lengths, indices, capacity);
-  std::vector<std::vector<int64_t>> bins;
-  std::set<std::pair<int64_t, int64_t>> rooms;  // (room, bin id); bin ids are unique
-  for (const int64_t i : order) {
-    const int64_t size = lengths[i];
-    auto it = rooms.lower_bound({size, std::numeric_limits<int64_t>::min()});
-    if (it == rooms.end()) {
-      bins.push_back({i});
-      rooms.emplace(capacity - size, static_cast<int64_t>(bins.size()) - 1);
-    } else {
-      auto node = rooms.extract(it);  // reuse the node: no allocation per item
-      node.value().first -= size;
-      bins[static_cast<size_t>(node.value().second)].push_back(i);
-      rooms.insert(std::move(node));
+  std::vector<int64_t> order;
+  std::vector<int64_t> bin_of(indices.size());
+  int64_t num_bins = 0;
+  if (index_rooms_directly(capacity, indices.size())) {
+    // A counting sort by capacity - length, indices ascending within a length.
+    std::vector<int64_t> first(static_cast<size_t>(capacity) + 2, 0);
+    for (const int64_t i : indices) ++first[static_cast<size_t>(capacity - lengths[i]) + 1];
+    for (size_t key = 1; key < first.size(); ++key) first[key] += first[key - 1];
+    std::vector<int64_t> ascending(indices);
+    if (!std::is_sorted(ascending.begin(), ascending.end())) {
+      std::sort(ascending.begin(), ascending.end());
     }
+    order.resize(indices.size());
+    std::vector<int64_t> fill(first.begin(), first.end() - 1);
+    for (const int64_t i : ascending) {
+      order[static_cast<size_t>(fill[static_cast<size_t>(capacity - lengths[i])]++)] = i;
+    }
+    best_fit_by_room(first, capacity, bin_of, num_bins);
+  } else {
+    order = decreasing_length_order(lengths, indices, capacity);
+    best_fit_by_set(lengths, order, capacity, bin_of, num_bins);
+  }
+  // Bins in creation order, each in insertion order: a stable counting sort by bin.
+  Bins bins;
+  bins.offsets.assign(static_cast<size_t>(num_bins) + 1, 0);
+  for (const int64_t b : bin_of) ++bins.offsets[static_cast<size_t>(b) + 1];
+  for (size_t b = 1; b < bins.offsets.size(); ++b) bins.offsets[b] += bins.offsets[b - 1];
+  bins.items.resize(order.size());
+  std::vector<int64_t> fill(bins.offsets.begin(), bins.offsets.end() - 1);
+  for (size_t j = 0; j < order.size(); ++j) {
+    bins.items[static_cast<size_t>(fill[static_cast<size_t>(bin_of[j])]++)] = order[j];
   }
   return bins;
+}
+
+std::vector<std::vector<int64_t>> best_fit_decreasing(const std::vector<int64_t>& lengths,
+                                                      const std::vector<int64_t>& indices,
+                                                      int64_t capacity) {
+  const Bins bins = best_fit_decreasing_bins(lengths, indices, capacity);
+  std::vector<std::vector<int64_t>> out(bins.size());
+  for (size_t b = 0; b < bins.size(); ++b) {
+    out[b].assign(bins.items.begin() + bins.offsets[b], bins.items.begin() + bins.offsets[b + 1]);
+  }
+  return out;
+}
+
+namespace {
+
+// Packs of the ring-size-1 sequences (best-fit decreasing).
+Bins pack_short_sequences(const std::vector<int64_t>& lengths,
+                          const std::vector<int64_t>& ring_sizes, int64_t capacity) {
+  std::vector<int64_t> short_ids;
+  short_ids.reserve(lengths.size());
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    if (ring_sizes[i] == 1) short_ids.push_back(static_cast<int64_t>(i));
+  }
+  return best_fit_decreasing_bins(lengths, short_ids, capacity);
+}
+
+// The items, the packs and one ring item per sequence of ring size > 1, in the order of
+// placement: decreasing cost, then larger ring, then lower first sequence index (pack[0]
+// or the ring's sequence; a total order, as first indices are distinct).
+std::vector<Item> sorted_items(const Bins& packs, const std::vector<int64_t>& ring_sizes,
+                               const std::vector<double>& local_cost,
+                               const std::vector<double>& ring_cost) {
+  const size_t n = ring_sizes.size();
+  // Items in order of their first sequence index.
+  std::vector<int64_t> pack_starting_at(n, -1);
+  std::vector<double> pack_cost(packs.size());
+  size_t rings = 0;
+  for (size_t p = 0; p < packs.size(); ++p) {
+    double cost = 0.0;
+    for (int64_t j = packs.offsets[p]; j < packs.offsets[p + 1]; ++j) {
+      cost += local_cost[static_cast<size_t>(packs.items[static_cast<size_t>(j)])];
+    }
+    pack_cost[p] = cost;
+    pack_starting_at[static_cast<size_t>(packs.items[static_cast<size_t>(packs.offsets[p])])] =
+        static_cast<int64_t>(p);
+  }
+  for (size_t i = 0; i < n; ++i) rings += ring_sizes[i] > 1 ? 1 : 0;
+  std::vector<Item> by_first;
+  by_first.reserve(packs.size() + rings);
+  int64_t max_k = 1;
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t p = pack_starting_at[i];
+    if (ring_sizes[i] > 1) {
+      by_first.push_back({ring_cost[i], ring_sizes[i], static_cast<int64_t>(i)});
+      max_k = std::max(max_k, ring_sizes[i]);
+    } else if (p >= 0) {
+      by_first.push_back({pack_cost[static_cast<size_t>(p)], 1, p});
+    }
+  }
+  // Stable radix sorts of that order by the larger ring, then by decreasing cost.
+  const size_t m = by_first.size();
+  std::vector<int64_t> order(m);
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::vector<uint64_t> keys(m);
+  for (size_t p = 0; p < m; ++p) keys[p] = static_cast<uint64_t>(max_k - by_first[p].k);
+  stable_sort_by_key(order, keys);
+  for (size_t p = 0; p < m; ++p) keys[p] = ~ascending_key(by_first[p].cost);
+  stable_sort_by_key(order, keys);
+  std::vector<Item> items(m);
+  for (size_t p = 0; p < m; ++p) items[p] = by_first[static_cast<size_t>(order[p])];
+  return items;
+}
+
+}  // namespace
+
+PlanArrays balance_core_arrays(std::vector<int64_t> lengths, std::vector<int64_t> ring_sizes,
+                               std::vector<double> local_cost, std::vector<double> ring_cost,
+                               int64_t pool_size, int64_t capacity, double delta) {
+  validate(lengths, ring_sizes, local_cost, ring_cost, pool_size, capacity, delta);
+  const int64_t n = static_cast<int64_t>(lengths.size());
+
+  const Bins packs = pack_short_sequences(lengths, ring_sizes, capacity);
+  const std::vector<Item> items = sorted_items(packs, ring_sizes, local_cost, ring_cost);
+  // The inputs are no longer needed: a lower peak of memory, fewer fresh pages.
+  std::vector<int64_t>().swap(lengths);
+  std::vector<int64_t>().swap(ring_sizes);
+  std::vector<double>().swap(local_cost);
+  std::vector<double>().swap(ring_cost);
+  const size_t m = items.size();
+  int64_t max_k = 1;
+  size_t members = 0;  // ranks over all items
+  for (const Item& item : items) {
+    max_k = std::max(max_k, item.k);
+    members += static_cast<size_t>(item.k);
+  }
+  std::vector<uint64_t> keys(m);
+
+  // store: the ranks 0..pool_size-1, then each item's ring (ascending) in item order.
+  std::vector<int64_t> store;
+  store.reserve(static_cast<size_t>(pool_size) + members);
+  FreeRanks free_at(pool_size, store);
+  std::vector<int64_t> ring_begin(m + 1);
+  std::vector<double> starts(m);
+  GapSet gaps;
+
+  std::vector<double> member_times;
+  for (size_t position = 0; position < m; ++position) {
+    const Item& item = items[position];
+    ring_begin[position] = static_cast<int64_t>(store.size());
+    if (item.k == 1) {
+      const GapSet::Position it = gaps.first_fit(item.cost);  // shortest gap that holds it
+      if (gaps.found(it)) {
+        const Gap gap = gaps.at(it);
+        gaps.erase(it);
+        const double rest = gap.length - item.cost;
+        if (rest > delta) gaps.insert({rest, gap.start + item.cost, gap.rank});
+        starts[position] = gap.start;
+        store.push_back(gap.rank);
+      } else {
+        store.push_back(free_at.next_rank());
+        starts[position] =
+            free_at.pop_and_push_back(item.cost, static_cast<int64_t>(store.size()) - 1);
+      }
+    } else {
+      // The k earliest ranks; the ring starts when the last of them is free.
+      const size_t begin = store.size();
+      member_times.clear();
+      free_at.pop_many(item.k, member_times);
+      double start = member_times[0];  // max() keeps the first of equal maxima
+      for (const double t : member_times) {
+        if (t > start) start = t;
+      }
+      for (size_t j = 0; j < member_times.size(); ++j) {
+        const double t = member_times[j];
+        if (start - t > delta) gaps.insert({start - t, t, store[begin + j]});
+      }
+      std::sort(store.begin() + static_cast<std::ptrdiff_t>(begin), store.end());
+      free_at.push(start + item.cost, static_cast<int64_t>(begin),
+                   static_cast<int64_t>(store.size()));
+      starts[position] = start;
+    }
+  }
+  ring_begin[m] = static_cast<int64_t>(store.size());
+
+  // Global order: (start, larger ring first, lowest rank, item position): stable sorts of
+  // the positions by lowest rank, then by the larger ring, then by start.
+  std::vector<int64_t> order(m);
+  std::iota(order.begin(), order.end(), int64_t{0});
+  for (size_t p = 0; p < m; ++p) {
+    keys[p] = static_cast<uint64_t>(store[static_cast<size_t>(ring_begin[p])]);
+  }
+  stable_sort_by_key(order, keys);
+  for (size_t p = 0; p < m; ++p) keys[p] = static_cast<uint64_t>(max_k - items[p].k);
+  stable_sort_by_key(order, keys);
+  for (size_t p = 0; p < m; ++p) keys[p] = ascending_key(starts[p]);
+  stable_sort_by_key(order, keys);
+
+  PlanArrays out;
+  out.starts.resize(m);
+  out.costs.resize(m);
+  out.ring_offsets.resize(m + 1);
+  out.seq_offsets.resize(m + 1);
+  out.ring_ranks.resize(store.size() - static_cast<size_t>(pool_size));
+  out.seq_indices.resize(static_cast<size_t>(n));
+  int64_t ring_at = 0;
+  int64_t seq_at = 0;
+  for (size_t q = 0; q < m; ++q) {
+    const size_t p = static_cast<size_t>(order[q]);
+    const Item& item = items[p];
+    out.starts[q] = starts[p];
+    out.costs[q] = item.cost;
+    for (int64_t j = ring_begin[p]; j < ring_begin[p + 1]; ++j) {
+      out.ring_ranks[static_cast<size_t>(ring_at++)] = store[static_cast<size_t>(j)];
+    }
+    if (item.k == 1) {
+      const size_t b = static_cast<size_t>(item.source);
+      for (int64_t j = packs.offsets[b]; j < packs.offsets[b + 1]; ++j) {
+        out.seq_indices[static_cast<size_t>(seq_at++)] = packs.items[static_cast<size_t>(j)];
+      }
+    } else {
+      out.seq_indices[static_cast<size_t>(seq_at++)] = item.source;
+    }
+    out.ring_offsets[q + 1] = ring_at;
+    out.seq_offsets[q + 1] = seq_at;
+  }
+  return out;
 }
 
 std::vector<Placement> balance_core(const std::vector<int64_t>& lengths,
@@ -148,104 +756,19 @@ std::vector<Placement> balance_core(const std::vector<int64_t>& lengths,
                                     const std::vector<double>& local_cost,
                                     const std::vector<double>& ring_cost, int64_t pool_size,
                                     int64_t capacity, double delta) {
-  validate(lengths, ring_sizes, local_cost, ring_cost, pool_size, capacity, delta);
-  const int64_t n = static_cast<int64_t>(lengths.size());
-
-  // Items: packs of the ring-size-1 sequences, then one ring item per longer sequence.
-  std::vector<int64_t> short_ids;
-  for (int64_t i = 0; i < n; ++i) {
-    if (ring_sizes[i] == 1) short_ids.push_back(i);
+  const PlanArrays plan =
+      balance_core_arrays(lengths, ring_sizes, local_cost, ring_cost, pool_size, capacity, delta);
+  std::vector<Placement> out(plan.size());
+  for (size_t q = 0; q < plan.size(); ++q) {
+    Placement& p = out[q];
+    p.start = plan.starts[q];
+    p.cost = plan.costs[q];
+    p.ring.assign(plan.ring_ranks.begin() + plan.ring_offsets[q],
+                  plan.ring_ranks.begin() + plan.ring_offsets[q + 1]);
+    p.seq_indices.assign(plan.seq_indices.begin() + plan.seq_offsets[q],
+                         plan.seq_indices.begin() + plan.seq_offsets[q + 1]);
   }
-  std::vector<std::vector<int64_t>> packs = best_fit_decreasing(lengths, short_ids, capacity);
-  std::vector<Item> items;
-  items.reserve(packs.size() + static_cast<size_t>(n - static_cast<int64_t>(short_ids.size())));
-  for (size_t p = 0; p < packs.size(); ++p) {
-    double cost = 0.0;
-    for (const int64_t i : packs[p]) cost += local_cost[i];
-    items.push_back({cost, 1, packs[p][0], static_cast<int64_t>(p)});
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    if (ring_sizes[i] > 1) items.push_back({ring_cost[i], ring_sizes[i], i, i});
-  }
-  // Decreasing cost, then larger ring, then lower first index (a total order: first
-  // indices are distinct).
-  std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
-    if (a.cost != b.cost) return a.cost > b.cost;
-    if (a.k != b.k) return a.k > b.k;
-    return a.first < b.first;
-  });
-
-  std::vector<FreeSlot> heap_storage;
-  heap_storage.reserve(static_cast<size_t>(pool_size));
-  for (int64_t r = 0; r < pool_size; ++r) heap_storage.emplace_back(0.0, r);
-  std::priority_queue<FreeSlot, std::vector<FreeSlot>, std::greater<FreeSlot>> free_at(
-      std::greater<FreeSlot>(), std::move(heap_storage));
-  std::multiset<Gap> gaps;
-  const Gap probe_floor{0.0, -std::numeric_limits<double>::infinity(),
-                        std::numeric_limits<int64_t>::min()};
-
-  std::vector<Placement> placed(items.size());
-  std::vector<FreeSlot> members;
-  for (size_t position = 0; position < items.size(); ++position) {
-    const Item& item = items[position];
-    Placement& out = placed[position];
-    out.cost = item.cost;
-    if (item.k == 1) {
-      Gap probe = probe_floor;
-      probe.length = item.cost;
-      auto it = gaps.lower_bound(probe);  // shortest gap that holds it
-      if (it != gaps.end()) {
-        const Gap gap = *it;
-        gaps.erase(it);
-        const double rest = gap.length - item.cost;
-        if (rest > delta) gaps.insert({rest, gap.start + item.cost, gap.rank});
-        out.start = gap.start;
-        out.ring.assign(1, gap.rank);
-      } else {
-        const FreeSlot slot = free_at.top();
-        free_at.pop();
-        free_at.emplace(slot.first + item.cost, slot.second);
-        out.start = slot.first;
-        out.ring.assign(1, slot.second);
-      }
-      out.seq_indices = std::move(packs[static_cast<size_t>(item.source)]);
-    } else {
-      members.clear();
-      for (int64_t m = 0; m < item.k; ++m) {
-        members.push_back(free_at.top());
-        free_at.pop();
-      }
-      double start = members[0].first;  // max() keeps the first of equal maxima
-      for (const FreeSlot& m : members) {
-        if (m.first > start) start = m.first;
-      }
-      out.ring.reserve(members.size());
-      for (const FreeSlot& m : members) {
-        if (start - m.first > delta) gaps.insert({start - m.first, m.first, m.second});
-        free_at.emplace(start + item.cost, m.second);
-        out.ring.push_back(m.second);
-      }
-      std::sort(out.ring.begin(), out.ring.end());
-      out.start = start;
-      out.seq_indices.assign(1, item.source);
-    }
-  }
-
-  // Global order: (start, larger ring first, lowest rank, item position).
-  std::vector<size_t> order(placed.size());
-  std::iota(order.begin(), order.end(), size_t{0});
-  std::sort(order.begin(), order.end(), [&placed](size_t a, size_t b) {
-    const Placement& pa = placed[a];
-    const Placement& pb = placed[b];
-    if (pa.start != pb.start) return pa.start < pb.start;
-    if (pa.ring.size() != pb.ring.size()) return pa.ring.size() > pb.ring.size();
-    if (pa.ring[0] != pb.ring[0]) return pa.ring[0] < pb.ring[0];
-    return a < b;
-  });
-  std::vector<Placement> result;
-  result.reserve(placed.size());
-  for (const size_t i : order) result.push_back(std::move(placed[i]));
-  return result;
+  return out;
 }
 
 }  // namespace planner
