@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from megatron_hdp.scheduler.offload_rule import resident_fraction
 from megatron_hdp.scheduler.plan import StepPlan
+from megatron_hdp.sharding import rank_token_counts
 
 
 def plan_statistics(plan: StepPlan) -> dict:
@@ -38,3 +40,22 @@ def plan_statistics(plan: StepPlan) -> dict:
         "micro_batches_per_rank_max": max(counts),
         "predicted_imbalance": max(loads) / mean_load if mean_load > 0 else 1.0,
     }
+
+
+def predicted_activation_bytes(plan: StepPlan, bytes_per_token: float) -> list[float]:
+    """Each rank's predicted peak of resident saved-activation bytes.
+
+    A rank runs its micro-batches one after another, so its peak is the largest of them:
+    the tokens it holds times `bytes_per_token` (all layers, e.g.
+    `CostModel.activation_bytes_per_token()`), times the resident share left by the
+    micro-batch's offload ratio (`(2 + (1 - r)(l - 2)) / l`).
+    """
+    peaks = [0.0] * plan.pool_size
+    for mb in plan.micro_batches:
+        counts = rank_token_counts([plan.seqlens[i] for i in mb.seq_indices], mb.cp_size)
+        share = 1.0
+        if mb.offload_ratio > 0:
+            share = float(resident_fraction(mb.offload_ratio, plan.num_layers))
+        for position, rank in enumerate(mb.ring):
+            peaks[rank] = max(peaks[rank], counts[position] * bytes_per_token * share)
+    return peaks

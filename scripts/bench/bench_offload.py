@@ -35,12 +35,14 @@ from megatron_hdp.megatron.engine import (
     initialize_parallel_state,
     offload_manager,
 )
-from megatron_hdp.megatron.model import GPTConfig
+from megatron_hdp.megatron.model import GPTConfig, model_shape
 from megatron_hdp.megatron.step import StepRuntime, forward_backward, local_batches
+from megatron_hdp.megatron.trainer import device_profile
 from megatron_hdp.provenance import environment
 from megatron_hdp.scheduler.cost import H100, CostModel, ModelShape
 from megatron_hdp.scheduler.offload_rule import offload_rule, resident_fraction
 from megatron_hdp.scheduler.plan import MicroBatch, plan_from_rank_lists
+from megatron_hdp.scheduler.stats import predicted_activation_bytes
 
 logger = logging.getLogger("bench_offload")
 
@@ -111,7 +113,13 @@ def measure(args, device) -> list[dict]:
         seconds = time.perf_counter() - start
         stats = runtime.offload.stats()
         runtime.offload.uninstall()
-        rows.append({"ratio": ratio, "seconds": seconds, **stats})
+        model = CostModel(model_shape(cfg), device_profile("cpu"))
+        # The plan's own prediction, from the cost model's bytes per token (all layers;
+        # the manager measures the hooked transformer layers).
+        plan_bytes = predicted_activation_bytes(plan, model.activation_bytes_per_token())[0]
+        rows.append(
+            {"ratio": ratio, "seconds": seconds, "plan_predicted_bytes": plan_bytes, **stats}
+        )
         logger.info("ratio %.2f: %s", ratio, stats)
     return rows
 
@@ -135,6 +143,9 @@ def main(argv=None):
             row["prediction_error"] = (predicted - row["peak_resident_bytes"]) / row[
                 "peak_resident_bytes"
             ]
+            row["plan_prediction_error"] = (
+                row["plan_predicted_bytes"] - row["peak_resident_bytes"]
+            ) / row["peak_resident_bytes"]
         report = {
             "benchmark": "offload",
             "config": {**vars(args), "out": str(args.out)},

@@ -44,8 +44,8 @@ def brute_force(s, capacity, model, budget):
     if r < min(1.0, layers * act_c / ((layers - 2) * act)) - 1e-4:
         return base, 0.0
     resident = (2 + (1 - r) * (layers - 2)) / layers
-    for ranks in range(2, base + 1):
-        if resident * act / ranks <= act_c * (1 + 1e-9):
+    for ranks in range(2, base + 1):  # a member holds up to ceil(s / ranks) tokens
+        if resident * math.ceil(s / ranks) <= capacity * (1 + 1e-12):
             return ranks, r
     return base, r
 
@@ -87,22 +87,59 @@ def test_edge_cases():
 
 
 def test_planner_gives_long_sequences_the_rule_s_ranks():
+    """With plenty of other work, the ring-time limit does not bind: exactly Eq. 3's ranks."""
     model = CostModel(shape(32), H100)
-    lengths = [3000, 5000, 70000, 300000, 1 << 20, 8192, 9000]
+    lengths = [300000, 500000, 70000, 9000] + [8192] * 9000
     ranks, ratios = offload_rule(lengths, 8192, model)
     plan = plan_step(
-        lengths, pool_size=256, capacity=8192, policy="balanced", cost_model=model, offload=True
+        lengths, pool_size=64, capacity=8192, policy="balanced", cost_model=model, offload=True
     )
-    plan.validate(pool_size=256)
+    plan.validate(pool_size=64)
     for mb in plan.micro_batches:
         if mb.cp_size > 1:
             (i,) = mb.seq_indices
             assert mb.cp_size == ranks[i] and mb.offload_ratio == pytest.approx(ratios[i])
         else:
             assert mb.offload_ratio == 0.0
-    plain = plan_step(lengths, pool_size=256, capacity=8192, policy="balanced", cost_model=model)
+    plain = plan_step(lengths, pool_size=64, capacity=8192, policy="balanced", cost_model=model)
     assert sum(mb.cp_size for mb in plan.micro_batches) < sum(
         mb.cp_size for mb in plain.micro_batches
     )
     with pytest.raises(ValueError, match="offloading is planned by the balanced policy"):
-        plan_step(lengths, pool_size=256, capacity=8192, policy="greedy", offload=True)
+        plan_step(lengths, pool_size=64, capacity=8192, policy="greedy", offload=True)
+
+
+@given(st.integers(min_value=20000, max_value=3_000_000), st.floats(min_value=0.5, max_value=500))
+@settings(max_examples=100, deadline=None)
+def test_ring_time_limit_adds_ranks_and_lowers_the_ratio(s, limit):
+    model, capacity = CostModel(shape(32), H100), 8192
+    (free_ranks,), (free_ratio,) = offload_rule([s], capacity, model)
+    (ranks,), (ratio,) = offload_rule([s], capacity, model, max_ring_time=limit)
+    base = math.ceil(s / capacity)
+    assert free_ranks <= ranks <= base and ratio <= free_ratio + 1e-12
+    # The fewest ranks (from Eq. 3's count up) that finish within the limit, or all of them.
+    want = next((d for d in range(free_ranks, base + 1) if model.time(s, d) <= limit), base)
+    assert ranks == max(free_ranks, want)
+    resident = (2 + (1 - ratio) * 30) / 32 * math.ceil(s / ranks)
+    assert resident <= capacity * (1 + 1e-9)  # the activations still fit
+    if ranks == base:
+        assert ratio == 0.0
+
+
+def test_predicted_activation_bytes_by_hand():
+    from megatron_hdp.scheduler.plan import MicroBatch, plan_from_rank_lists
+    from megatron_hdp.scheduler.stats import predicted_activation_bytes
+
+    plan = plan_from_rank_lists(
+        [10, 3, 40],
+        3,
+        16,
+        "manual",
+        [
+            MicroBatch(order=0, ring=(0,), seq_indices=(0, 1)),
+            MicroBatch(order=1, ring=(1, 2), seq_indices=(2,), offload_ratio=0.5),
+        ],
+        num_layers=10,
+    )
+    # 40 tokens on 2 ranks: 20 each, resident share (2 + 0.5 * 8) / 10 = 0.6.
+    assert predicted_activation_bytes(plan, 100.0) == [1300.0, 1200.0, 1200.0]
