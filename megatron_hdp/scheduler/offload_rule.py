@@ -8,7 +8,8 @@ cost model), and host link bandwidth `B`:
     r_host = H l / ((l - 2) (l Act(C) + H))          # offloaded bytes fit the host budget H
     r_min  = min(1, l * Act(C) / ((l - 2) * Act(s)))  # offloading must free one rank's budget
     r      = min(r_max, r_host) if that is >= r_min else 0
-    D(s)   = ceil((2 + (1 - r)(l - 2)) * Act(s) / (l * Act(C)))
+    D(s)   = ceil((2 + (1 - r)(l - 2)) * Act(s) / (l * Act(C)))   (+1 if a member's
+             ceil(s / D) tokens would not fit)
 
 Two layers always stay resident (the one computing and a staging buffer); the other
 `l - 2` keep a `1 - r` share. Splitting the sequence over `D` ranks divides both compute
@@ -63,11 +64,19 @@ def offload_rule(
     cost_model: CostModel,
     *,
     host_budget_bytes: float | None = None,
+    max_ring_time: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Ranks `D(s)` and offload ratios `r` for every sequence (see the module docstring).
 
     Returns `(ring_sizes, ratios)` as numpy arrays. `host_budget_bytes` is the host memory
     one rank may fill with offloaded activations (default: the device profile's).
+
+    `max_ring_time` (seconds per member) keeps offloading from making a sequence the
+    critical path: Eq. 3 alone minimises ranks (memory), so a very long sequence could end
+    up on so few ranks that its ring outlasts every other rank's work. With a limit, a ring
+    gets at least the fewest ranks that finish it within the limit (never more than
+    `ceil(s / C)`), and the ratio drops to the least that still fits the activations on
+    those ranks: `r = 1 - (l Act(C) D / Act(s) - 2) / (l - 2)`, clipped to `[0, r]`.
     """
     s = np.asarray(seqlens, dtype=np.float64)
     layers = cost_model.model.num_layers
@@ -90,6 +99,40 @@ def offload_rule(
     r = np.minimum(r_max, r_host)
     useful = (s > capacity) & (r >= r_min)
     ratios = np.where(useful, r, 0.0)
-    shrunk = np.ceil(resident_fraction(ratios, layers) * act / act_c - 1e-9).astype(np.int64)
+    fraction = resident_fraction(ratios, layers)
+    shrunk = np.ceil(fraction * act / act_c - 1e-9).astype(np.int64)
+    # A member holds up to ceil(s / D) tokens (zigzag), not s / D: add ranks until that fits.
+    for _ in range(4):
+        over = fraction * np.ceil(s / np.maximum(shrunk, 1)) > capacity * (1 + 1e-12)
+        if not over.any():
+            break
+        shrunk = shrunk + over
     ring_sizes = np.where(useful, np.clip(shrunk, 2, base), base)
+    if max_ring_time is not None:
+        for i in np.nonzero(useful)[0]:
+            ranks = int(ring_sizes[i])
+            while ranks < base[i] and cost_model.time(s[i], ranks) > max_ring_time:
+                ranks += 1
+            if ranks > ring_sizes[i]:
+                # A member holds up to ceil(s / D) tokens; +1e-9 rounds towards more
+                # offloading, so the activations surely fit.
+                tokens = np.ceil(s[i] / ranks)
+                needed = 1.0 - (layers * capacity / tokens - 2.0) / (layers - 2) + 1e-9
+                ring_sizes[i] = ranks
+                ratios[i] = 0.0 if ranks >= base[i] else float(np.clip(needed, 0.0, ratios[i]))
     return ring_sizes, ratios
+
+
+def planned_offload(
+    seqlens: Sequence[int], *, pool_size: int, capacity: int, cost_model: CostModel
+) -> tuple[np.ndarray, np.ndarray]:
+    """The planner's use of the rule: ring time limited to the average work per rank.
+
+    The limit is the makespan bound without offloading (total work / pool size), so no
+    ring made smaller by offloading outlasts what every rank has to do anyway.
+    """
+    s = np.asarray(seqlens, dtype=np.float64)
+    base = np.maximum(1, np.ceil(s / capacity))
+    _, local, ring = cost_model.cost_arrays(seqlens, capacity)
+    work = float(np.where(base > 1, ring * base, local).sum()) / pool_size
+    return offload_rule(seqlens, capacity, cost_model, max_ring_time=work)

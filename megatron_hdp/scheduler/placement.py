@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from megatron_hdp.scheduler.balance import best_fit_decreasing, plan_from_placements
-from megatron_hdp.scheduler.offload_rule import offload_rule
+from megatron_hdp.scheduler.offload_rule import planned_offload
 from megatron_hdp.scheduler.plan import MicroBatch, StepPlan, plan_from_rank_lists, validate_inputs
 
 POLICIES = ("greedy", "balanced", "static")
@@ -150,7 +150,9 @@ def plan_balanced(
     if offload:
         if cost_model is None:
             raise ValueError("offloading needs a cost model (bandwidths and activation sizes)")
-        ring_sizes, ratios = offload_rule(seqlens, capacity, cost_model)
+        ring_sizes, ratios = planned_offload(
+            seqlens, pool_size=pool_size, capacity=capacity, cost_model=cost_model
+        )
         ring_sizes, local, ring = cost_model.cost_arrays(seqlens, capacity, ring_sizes=ring_sizes)
     elif cost_model is not None:
         ring_sizes, local, ring = cost_model.cost_arrays(seqlens, capacity)

@@ -39,21 +39,15 @@ from megatron_hdp.megatron.model import GPTConfig, model_shape
 from megatron_hdp.megatron.step import StepRuntime, forward_backward, local_batches
 from megatron_hdp.megatron.trainer import device_profile
 from megatron_hdp.provenance import environment
-from megatron_hdp.scheduler.cost import H100, CostModel, ModelShape
+from megatron_hdp.scheduler.cost import H100, CostModel
 from megatron_hdp.scheduler.offload_rule import offload_rule, resident_fraction
 from megatron_hdp.scheduler.plan import MicroBatch, plan_from_rank_lists
 from megatron_hdp.scheduler.stats import predicted_activation_bytes
+from megatron_hdp.sim.models import MODELS
 
 logger = logging.getLogger("bench_offload")
 
-LLAMA7B = ModelShape(
-    num_layers=32,
-    hidden_size=4096,
-    num_attention_heads=32,
-    num_query_groups=8,
-    ffn_hidden_size=11008,
-    vocab_size=32000,
-)
+LLAMA7B = MODELS["llama-7b"].shape  # the paper's LLaMA-7B (Table 1)
 
 
 def parse_args(argv=None):

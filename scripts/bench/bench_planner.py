@@ -49,24 +49,17 @@ from megatron_hdp.scheduler.balance import balance_core as python_core  # noqa: 
 from megatron_hdp.scheduler.cost import (  # noqa: E402
     H100,
     CostModel,
-    ModelShape,
     lower_bound,
 )
 from megatron_hdp.scheduler.placement import plan_balanced  # noqa: E402
 from megatron_hdp.sim.distributions import GENERATORS, M, describe  # noqa: E402
+from megatron_hdp.sim.models import MODELS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 CAPACITY = 8192
 MICRO_BATCHES_PER_RANK = 8
 MAX_CONTEXT = 2 * M
-MODEL = ModelShape(
-    num_layers=32,
-    hidden_size=4096,
-    num_attention_heads=32,
-    num_query_groups=8,
-    ffn_hidden_size=11008,
-    vocab_size=32000,
-)
+MODEL = MODELS["llama-7b"].shape  # the paper's LLaMA-7B (Table 1)
 SYSTEMS = ("balanced", "greedy", "static", "mcore_0_16_1")
 #: Seconds per (sequence x rank) of the 0.16.1 scheduler, measured on this machine
 #: (GitHub-like mix, 2,048 ranks, 15K sequences: 13 s); used to skip runs over the limit.

@@ -11,21 +11,7 @@ from hypothesis import strategies as st
 from megatron_hdp.scheduler import StepPlan, plan_step
 from megatron_hdp.scheduler.balance import best_fit_decreasing
 from megatron_hdp.sharding import rank_token_counts
-
-
-def run_to_completion(plan: StepPlan) -> bool:
-    """Simulate blocking execution: a micro-batch runs once every ring member is at it."""
-    queues = [list(plan.for_rank(r)) for r in range(plan.pool_size)]
-    while any(queues):
-        progressed = False
-        for mb in plan.micro_batches:
-            if all(queues[r] and queues[r][0] is mb for r in mb.ring):
-                for r in mb.ring:
-                    queues[r].pop(0)
-                progressed = True
-        if not progressed:
-            return False
-    return True
+from tests.plan_checks import run_to_completion
 
 
 @st.composite

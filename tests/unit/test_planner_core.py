@@ -19,11 +19,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_hdp import _planner
-from megatron_hdp.scheduler import StepPlan, plan_step
+from megatron_hdp.scheduler import plan_step
 from megatron_hdp.scheduler.balance import Placement, plan_from_placements
 from megatron_hdp.scheduler.cost import CPU, H100, CostModel, ModelShape, lower_bound
 from megatron_hdp.scheduler.placement import plan_balanced, simple_cost
 from megatron_hdp.scheduler.planner import default_core, reference_core
+from tests.plan_checks import run_to_completion
 
 cpp_core = _planner.balance_core
 cpp_arrays = _planner.balance_core_arrays
@@ -67,21 +68,6 @@ def as_arrays(lengths, ring_sizes, local, ring):
         strided[::2],  # not contiguous
         np.asarray(ring, dtype=np.float64),
     )
-
-
-def run_to_completion(plan: StepPlan) -> bool:
-    """Simulate blocking execution: a micro-batch runs once every ring member is at it."""
-    queues = [list(plan.for_rank(r)) for r in range(plan.pool_size)]
-    while any(queues):
-        progressed = False
-        for mb in plan.micro_batches:
-            if all(queues[r] and queues[r][0] is mb for r in mb.ring):
-                for r in mb.ring:
-                    queues[r].pop(0)
-                progressed = True
-        if not progressed:
-            return False
-    return True
 
 
 @st.composite

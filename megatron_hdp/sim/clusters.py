@@ -1,0 +1,79 @@
+"""Cluster profiles for the simulator, expressed as the cost model's `DeviceProfile` (pure).
+
+A profile describes one HDP rank: a model replica of TP x PP GPUs. Per-GPU constants
+(H100 SXM class node, the paper withholds its hardware; bytescale-paper.md section 7.14):
+
+- 989 TFLOP/s dense bf16 per GPU (NVIDIA H100 SXM datasheet); GEMM efficiency 0.6 and
+  attention efficiency 0.4, the values of `cost.H100` (typical Megatron MFU and
+  FlashAttention-2 forward + backward).
+- 8 GPUs per node on NVLink 4 (900 GB/s per GPU, datasheet): TP stays inside the node.
+- 400 Gb/s InfiniBand NDR per GPU (one ConnectX-7 per GPU, the DGX H100 reference design)
+  = 50 GB/s per direction; ~10 us per message (`cost.H100`).
+- PCIe Gen5 x16 host link, ~50 GB/s effective per direction (`cost.H100`).
+- 80 GB HBM3 per GPU; 2 TB host memory per 8-GPU node (DGX H100: 2 TB), half of a GPU's
+  share (128 GB) for offloaded activations (`cost.H100`).
+
+Scaling to an HDP rank of TP x PP GPUs (stated assumptions):
+- FLOP/s x TP x PP x `tp_efficiency` x `pp_efficiency`. `tp_efficiency` = 0.9 for TP > 1
+  (TP all-reduces over NVLink partly exposed; our choice, not fitted), `pp_efficiency` =
+  0.9 for PP > 1 (1F1B bubble and stage imbalance; our choice, not fitted).
+- Ring link = InfiniBand per GPU x TP x PP: each GPU of the replica sends its own shard of
+  the ring's K/V (its TP slice of heads, its stage's layers) over its own NIC to the same
+  GPU of the neighbour replica, so the replica's links add up. Rings cross nodes (a ring
+  neighbour is another replica, in general on another node).
+- Host link = PCIe per GPU x TP x PP; device memory and host budget likewise scale.
+- The gradient sync is a ring all-reduce of the replica's gradients over the pool on the
+  same links: `2 (N - 1) / N x gradient bytes / ring bandwidth + 2 (N - 1) x latency`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from megatron_hdp.scheduler.cost import DeviceProfile
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Per-GPU constants of a cluster (see the module docstring for sources)."""
+
+    name: str
+    peak_flops: float = 989e12
+    linear_efficiency: float = 0.6
+    attention_efficiency: float = 0.4
+    gpus_per_node: int = 8
+    nvlink_bandwidth: float = 450e9  # per direction (900 GB/s bidirectional)
+    ib_bandwidth: float = 50e9  # 400 Gb/s per GPU, per direction
+    ib_latency: float = 10e-6
+    host_bandwidth: float = 50e9  # PCIe Gen5 x16 effective, per direction
+    gpu_memory: float = 80e9
+    host_memory_per_gpu: float = 128e9
+    tp_efficiency: float = 0.9
+    pp_efficiency: float = 0.9
+
+    def rank_profile(self, tp: int, pp: int = 1) -> DeviceProfile:
+        """The `DeviceProfile` of one HDP rank of `tp x pp` GPUs."""
+        if tp > self.gpus_per_node:
+            raise ValueError(f"TP {tp} exceeds the {self.gpus_per_node} GPUs of an NVLink node")
+        gpus = tp * pp
+        eff = (self.tp_efficiency if tp > 1 else 1.0) * (self.pp_efficiency if pp > 1 else 1.0)
+        flops = self.peak_flops * gpus * eff
+        return DeviceProfile(
+            name=f"{self.name}-tp{tp}pp{pp}",
+            linear_flops=self.linear_efficiency * flops,
+            attention_flops=self.attention_efficiency * flops,
+            p2p_bandwidth=self.ib_bandwidth * gpus,
+            p2p_latency=self.ib_latency,
+            host_bandwidth=self.host_bandwidth * gpus,
+            memory_bytes=self.gpu_memory * gpus,
+            host_memory_bytes=self.host_memory_per_gpu * gpus,
+            bytes_per_element=2,
+        )
+
+    def scaled(self, **changes) -> Cluster:
+        """A copy with some constants changed (e.g. `ib_bandwidth` for sensitivity runs)."""
+        return replace(self, **changes)
+
+
+H100_CLUSTER = Cluster(name="h100")
+CLUSTERS = {"h100": H100_CLUSTER}
