@@ -135,6 +135,7 @@ class _Window:
     losses: list[float] = field(default_factory=list)
     tokens: int = 0
     started: float = field(default_factory=time.perf_counter)
+    excluded: float = 0.0  # seconds of evaluation and checkpointing inside the window
     stats: list[dict] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
 
@@ -248,7 +249,7 @@ class Trainer:
         loss = statistics.fmean(window.losses)
         # Wall-clock since the last log line: sampling, planning and the steps themselves
         # (evaluation and checkpointing restart the window).
-        elapsed = time.perf_counter() - window.started
+        elapsed = time.perf_counter() - window.started - window.excluded
         throughput = window.tokens / elapsed if elapsed > 0 else 0.0
         merged = _merge_stats(window.stats)
         grad_norm = statistics.fmean(window.grad_norms) if window.grad_norms else float("nan")
@@ -324,20 +325,22 @@ class Trainer:
                     self._log(window)
                 window = _Window()
             if self.iteration % args.eval_interval == 0 or self.iteration == args.train_iters:
+                paused = time.perf_counter()
                 valid_loss = self.evaluate()
                 if valid_loss is not None and self.rank == 0:
                     logger.info("iter %d | validation loss %.4f", self.iteration, valid_loss)
                     if self._writer is not None:
                         self._writer.add_scalar("valid/loss", valid_loss, self.iteration)
-                window.started = time.perf_counter()
+                window.excluded += time.perf_counter() - paused
             exiting = bool(args.exit_interval) and self.iteration % args.exit_interval == 0
             if args.save and (
                 (args.save_interval and self.iteration % args.save_interval == 0)
                 or self.iteration == args.train_iters
                 or exiting
             ):
+                paused = time.perf_counter()
                 self.save()
-                window.started = time.perf_counter()
+                window.excluded += time.perf_counter() - paused
             if exiting and self.iteration < args.train_iters:
                 logger.info("iter %d: --exit-interval reached, stopping", self.iteration)
                 break
