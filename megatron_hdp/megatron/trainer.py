@@ -305,6 +305,11 @@ class Trainer:
                 "grad_norm": result.grad_norm,
                 "tokens": result.num_loss_tokens,
                 "seconds": elapsed,
+                "offloaded_bytes": (
+                    self.runtime.offload.engine.bytes_to_host
+                    if self.runtime.offload is not None
+                    else 0
+                ),
             }
             if metrics is not None:
                 metrics.write(json.dumps(record) + "\n")
