@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -114,6 +115,7 @@ class _OffloadRecord:
         "full_geometry",
         "device_bytes",
         "refs",
+        "version",
     )
 
     def __init__(
@@ -130,6 +132,7 @@ class _OffloadRecord:
         self.full_geometry = (tuple(base.shape), tuple(base.stride()), 0)
         self.device_bytes = 0 if keep is None else _nbytes(keep)
         self.refs = 0
+        self.version = base._version  # views share their base's version counter
 
     def materialize(self) -> torch.Tensor:
         """The whole storage's covering tensor on the device (fetched once, then cached)."""
@@ -184,16 +187,30 @@ class _Resident:
 
 
 class _Offloaded:
-    """Pack result of a saved tensor whose storage was (partly) offloaded."""
+    """Pack result of a saved tensor whose storage was (partly) offloaded.
 
-    __slots__ = ("record", "layer", "geometry")
+    Holds only a weak reference to the saved tensor (a strong one would keep the storage
+    on the device), enough to repeat autograd's in-place check while the tensor lives.
+    """
 
-    def __init__(self, record: _OffloadRecord, layer: int, geometry: tuple | None) -> None:
+    __slots__ = ("record", "layer", "geometry", "tensor_ref", "version")
+
+    def __init__(
+        self, record: _OffloadRecord, layer: int, geometry: tuple | None, tensor: torch.Tensor
+    ) -> None:
         self.record, self.layer, self.geometry = record, layer, geometry
+        self.tensor_ref, self.version = weakref.ref(tensor), tensor._version
         record.refs += 1
 
     def unpack(self) -> torch.Tensor:
         self.record.batch._start_backward_of(self.layer)
+        tensor = self.tensor_ref()
+        if tensor is not None and tensor._version != self.version:
+            raise RuntimeError(
+                "a tensor saved for backward was modified in place after it was saved "
+                f"(version {self.version}, now {tensor._version}) in layer {self.layer}; its "
+                "saved copy was offloaded"
+            )
         full = self.record.materialize()
         return full if self.geometry is None else full.as_strided(*self.geometry)
 
@@ -284,12 +301,19 @@ class MicroBatchOffload:
         key = StorageWeakRef(storage)
         record = self._offloaded.get(key)
         if record is not None and record.dtype == tensor.dtype:
-            return _Offloaded(record, layer, self._geometry(tensor, record))
+            if tensor._version != record.version:
+                # The storage changed since its copy was taken: the copy is stale.
+                raise RuntimeError(
+                    "a storage offloaded for backward was modified in place before it was "
+                    f"saved again (version {record.version}, now {tensor._version}) in layer "
+                    f"{layer}"
+                )
+            return _Offloaded(record, layer, self._geometry(tensor, record), tensor)
         resident = self._resident.get(key)
         if resident is None and record is None:
             record = self._try_offload(layer, tensor, key, storage.nbytes())
             if record is not None:
-                return _Offloaded(record, layer, self._geometry(tensor, record))
+                return _Offloaded(record, layer, self._geometry(tensor, record), tensor)
         if resident is None:
             resident = _ResidentRecord(self, key, storage.nbytes())
             self._resident[key] = resident

@@ -10,11 +10,14 @@ cost model), and host link bandwidth `B`:
     r      = min(r_max, r_host) if that is >= r_min else 0
     D(s)   = ceil((2 + (1 - r)(l - 2)) * Act(s) / (l * Act(C)))   (+1 if a member's
              ceil(s / D) tokens would not fit)
+    then r is lowered to the least ratio that still fits D (the same D, fewer bytes moved),
+    and to 0 where D = ceil(s / C) (no rank saved).
 
 Two layers always stay resident (the one computing and a staging buffer); the other
 `l - 2` keep a `1 - r` share. Splitting the sequence over `D` ranks divides both compute
 and bytes by `D`, so `r_max` does not depend on `D`, and since `D` falls as `r` grows the
-best ratio is `r_max` itself: no search.
+best `D` comes from the largest admissible ratio: no search. The ratio actually used is
+then the least one that reaches that `D`.
 
 Edge cases, decided here:
 - `s <= C`: packed with other short sequences on one rank, never offloaded (`r = 0`, `D = 1`).
@@ -108,19 +111,28 @@ def offload_rule(
             break
         shrunk = shrunk + over
     ring_sizes = np.where(useful, np.clip(shrunk, 2, base), base)
+    ratios = _least_ratio(s, ring_sizes, base, ratios, capacity, layers)
     if max_ring_time is not None:
         for i in np.nonzero(useful)[0]:
             ranks = int(ring_sizes[i])
             while ranks < base[i] and cost_model.time(s[i], ranks) > max_ring_time:
                 ranks += 1
-            if ranks > ring_sizes[i]:
-                # A member holds up to ceil(s / D) tokens; +1e-9 rounds towards more
-                # offloading, so the activations surely fit.
-                tokens = np.ceil(s[i] / ranks)
-                needed = 1.0 - (layers * capacity / tokens - 2.0) / (layers - 2) + 1e-9
-                ring_sizes[i] = ranks
-                ratios[i] = 0.0 if ranks >= base[i] else float(np.clip(needed, 0.0, ratios[i]))
+            ring_sizes[i] = ranks
+        ratios = _least_ratio(s, ring_sizes, base, ratios, capacity, layers)
     return ring_sizes, ratios
+
+
+def _least_ratio(s, ring_sizes, base, ratios, capacity: int, layers: int) -> np.ndarray:
+    """The smallest ratio that still fits each ring's activations; 0 where no rank is saved.
+
+    A member holds up to `ceil(s / D)` tokens, so `(2 + (1 - r)(l - 2)) / l * ceil(s / D)`
+    must not exceed `C`. Any ratio that reaches the same `D` is as good for memory, and the
+    least one moves the fewest bytes over the host link. (+1e-9 rounds towards more
+    offloading, so the activations surely fit.)
+    """
+    tokens = np.ceil(s / np.maximum(ring_sizes, 1))
+    needed = 1.0 - (layers * capacity / tokens - 2.0) / (layers - 2) + 1e-9
+    return np.where(ring_sizes < base, np.clip(needed, 0.0, ratios), 0.0)
 
 
 def planned_offload(

@@ -346,3 +346,34 @@ def test_offloaded_rows_rounding():
     assert offloaded_rows(0.25, 10) == 3 == math.ceil(2.5)
     assert offloaded_rows(0.0, 10) == 0 and offloaded_rows(1.0, 10) == 10
     assert offloaded_rows(1e-6, 10) == 1
+
+
+class _SaveThenModifyInPlace(nn.Module):
+    """Saves a tensor for backward, then modifies it in place (a bug autograd must catch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64, dtype=torch.float64)
+
+    def forward(self, x):
+        h = self.lin(x)
+        y = h * h  # saves h (offloaded when the ratio is > 0)
+        h.mul_(2.0)  # modifies the saved h in place
+        z = h * h  # saves h again: its offloaded copy is stale now
+        return y + z
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.5, 1.0])
+def test_in_place_change_of_a_saved_tensor_is_caught_with_offloading(ratio):
+    torch.manual_seed(0)
+    layers = nn.ModuleList([_SaveThenModifyInPlace() for _ in range(4)])
+    manager = OffloadManager(HostCopyEngine(1 << 30), num_layers=4, min_offload_bytes=0)
+    manager.install(list(layers))
+    x = torch.randn(64, 64, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        with manager.micro_batch(ratio):
+            out = x
+            for layer in layers[:2]:  # the offloadable layers (0 .. l-3)
+                out = layer(out)
+        out.sum().backward()
+    manager.uninstall()
