@@ -58,7 +58,30 @@ class CopyEngine(Protocol):
         ...
 
 
-class HostCopyEngine:
+class _Counters:
+    """The byte counters and host budget every copy engine keeps."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        if budget_bytes < 0:
+            raise ValueError(f"host budget must be >= 0 bytes, got {budget_bytes}")
+        self.budget_bytes = int(budget_bytes)
+        self.bytes_to_host = 0
+        self.bytes_to_device = 0
+        self.host_bytes_in_use = 0
+        self.peak_host_bytes = 0
+        self._next_handle = 0
+
+    def _new_handle(self, copied: int, held: int) -> int:
+        """Count one offload of `copied` bytes that holds `held` host bytes; a fresh handle."""
+        self.bytes_to_host += copied
+        self.host_bytes_in_use += held
+        self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes_in_use)
+        handle = self._next_handle
+        self._next_handle += 1
+        return handle
+
+
+class HostCopyEngine(_Counters):
     """Synchronous engine for CPU runs and tests: a store of cloned tensors.
 
     `offload` clones the tensor into a separate store (dict handle -> tensor), so the
@@ -73,16 +96,9 @@ class HostCopyEngine:
     """
 
     def __init__(self, budget_bytes: int) -> None:
-        if budget_bytes < 0:
-            raise ValueError(f"host budget must be >= 0 bytes, got {budget_bytes}")
-        self.budget_bytes = int(budget_bytes)
-        self.bytes_to_host = 0
-        self.bytes_to_device = 0
-        self.host_bytes_in_use = 0
-        self.peak_host_bytes = 0
+        super().__init__(budget_bytes)
         self.num_prefetches = 0
         self._store: dict[int, tuple[torch.Tensor, torch.device]] = {}
-        self._next_handle = 0
 
     def offload(self, tensor: torch.Tensor) -> int:
         """Clone `tensor` into the store; return its handle.
@@ -98,12 +114,8 @@ class HostCopyEngine:
                 f"({self.host_bytes_in_use} in use)"
             )
         host = tensor.detach().to("cpu", copy=True)
-        handle = self._next_handle
-        self._next_handle += 1
+        handle = self._new_handle(nbytes, nbytes)
         self._store[handle] = (host, tensor.device)
-        self.bytes_to_host += nbytes
-        self.host_bytes_in_use += nbytes
-        self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes_in_use)
         return handle
 
     def _entry(self, handle: int) -> tuple[torch.Tensor, torch.device]:
@@ -147,7 +159,7 @@ class _CudaEntry:
     device_tensor: torch.Tensor | None = None  # set by prefetch, handed out by fetch
 
 
-class CudaCopyEngine:
+class CudaCopyEngine(_Counters):
     """GPU engine: D2H and H2D copy streams and a reusable pinned host buffer pool.
 
     Stream ordering:
@@ -179,19 +191,12 @@ class CudaCopyEngine:
         )
         if self.device.type != "cuda":
             raise ValueError(f"CudaCopyEngine needs a CUDA device, got {self.device}")
-        if budget_bytes < 0:
-            raise ValueError(f"host budget must be >= 0 bytes, got {budget_bytes}")
-        self.budget_bytes = int(budget_bytes)
-        self.bytes_to_host = 0
-        self.bytes_to_device = 0
-        self.host_bytes_in_use = 0
-        self.peak_host_bytes = 0
+        super().__init__(budget_bytes)
         self.pinned_bytes = 0  # allocated by the pool: in use plus free
         self._d2h: torch.cuda.Stream | None = None
         self._h2d: torch.cuda.Stream | None = None
         self._free: dict[int, list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
         self._entries: dict[int, _CudaEntry] = {}
-        self._next_handle = 0
 
     def _streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
         if self._d2h is None or self._h2d is None:
@@ -234,12 +239,8 @@ class CudaCopyEngine:
         tensor.record_stream(d2h)
         done = torch.cuda.Event()
         done.record(d2h)
-        handle = self._next_handle
-        self._next_handle += 1
+        handle = self._new_handle(nbytes, buffer.numel())
         self._entries[handle] = _CudaEntry(buffer=buffer, host=host, d2h_done=done)
-        self.bytes_to_host += nbytes
-        self.host_bytes_in_use += buffer.numel()
-        self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes_in_use)
         return handle
 
     def prefetch(self, handle: int) -> None:

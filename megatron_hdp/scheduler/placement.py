@@ -41,21 +41,34 @@ def simple_cost(lengths: Sequence[int], cp_size: int, capacity: int) -> float:
 
 
 def plan_greedy(
-    seqlens: Sequence[int], *, pool_size: int, capacity: int, cost: CostFn = simple_cost
+    seqlens: Sequence[int],
+    *,
+    pool_size: int,
+    capacity: int,
+    cost: CostFn = simple_cost,
+    ring_sizes: Sequence[int] | None = None,
+    offload_ratios: Sequence[float] | None = None,
+    num_layers: int = 0,
+    policy: str = "greedy",
 ) -> StepPlan:
     """HDP placement: rings of `ceil(s / capacity)` ranks for long sequences, packs for short.
 
     Rings go first, longest first, each on the `k` least-loaded ranks (ties: lower rank);
     packs (best-fit decreasing) follow, heaviest first, each on the least-loaded rank.
+    `ring_sizes` overrides the rank count of every sequence (1 = packed), e.g. with the
+    offload rule's counts and `offload_ratios`; `num_layers` then goes into the plan for its
+    memory check. `policy` names the result.
     """
     validate_inputs(seqlens, pool_size, capacity)
+    if ring_sizes is None:
+        ring_sizes = [math.ceil(s / capacity) for s in seqlens]
     loads = [(0.0, r) for r in range(pool_size)]  # heap of (load, rank)
     micro_batches: list[MicroBatch] = []
     long_ids = sorted(
-        (i for i, s in enumerate(seqlens) if s > capacity), key=lambda i: (-seqlens[i], i)
+        (i for i in range(len(seqlens)) if ring_sizes[i] > 1), key=lambda i: (-seqlens[i], i)
     )
     for i in long_ids:
-        k = math.ceil(seqlens[i] / capacity)
+        k = int(ring_sizes[i])
         members = [heapq.heappop(loads) for _ in range(k)]
         c = cost([seqlens[i]], k, capacity)
         for load, r in members:
@@ -66,9 +79,10 @@ def plan_greedy(
                 ring=tuple(sorted(r for _, r in members)),
                 seq_indices=(i,),
                 predicted_cost=c,
+                offload_ratio=0.0 if offload_ratios is None else float(offload_ratios[i]),
             )
         )
-    short = [i for i, s in enumerate(seqlens) if s <= capacity]
+    short = [i for i in range(len(seqlens)) if ring_sizes[i] <= 1]
     packs = best_fit_decreasing(seqlens, short, capacity)
     costed = [(cost([seqlens[i] for i in p], 1, capacity), n, p) for n, p in enumerate(packs)]
     for c, _, pack in sorted(costed, key=lambda x: (-x[0], x[1])):
@@ -79,7 +93,9 @@ def plan_greedy(
                 order=len(micro_batches), ring=(rank,), seq_indices=tuple(pack), predicted_cost=c
             )
         )
-    return plan_from_rank_lists(seqlens, pool_size, capacity, "greedy", micro_batches)
+    return plan_from_rank_lists(
+        seqlens, pool_size, capacity, policy, micro_batches, num_layers=num_layers
+    )
 
 
 def static_cp_size(seqlens: Sequence[int], pool_size: int, capacity: int) -> int:

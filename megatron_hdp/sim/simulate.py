@@ -44,10 +44,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatron_hdp.scheduler.balance import best_fit_decreasing
 from megatron_hdp.scheduler.cost import CostModel
 from megatron_hdp.scheduler.offload_rule import planned_offload
-from megatron_hdp.scheduler.placement import plan_step
+from megatron_hdp.scheduler.placement import plan_greedy, plan_step
 from megatron_hdp.scheduler.plan import MicroBatch, StepPlan, plan_from_rank_lists
 from megatron_hdp.sim.timeline import timeline
 
@@ -188,40 +187,16 @@ def greedy_sized(
     then the other sequences packed best-fit decreasing into `capacity` and placed
     heaviest first on the least-loaded rank. Loads are the cost model's per-member times.
     """
-    loads = [(0.0, r) for r in range(pool_size)]
-    mbs: list[MicroBatch] = []
-    long_ids = sorted(
-        (i for i in range(len(seqlens)) if ring_sizes[i] > 1), key=lambda i: (-seqlens[i], i)
+    return plan_greedy(
+        seqlens,
+        pool_size=pool_size,
+        capacity=capacity,
+        cost=cost_model.planner_cost,
+        ring_sizes=ring_sizes,
+        offload_ratios=ratios,
+        num_layers=cost_model.model.num_layers if ratios is not None else 0,
+        policy=policy,
     )
-    for i in long_ids:
-        k = int(ring_sizes[i])
-        c = cost_model.micro_batch_time([seqlens[i]], k)
-        members = [heapq.heappop(loads) for _ in range(k)]
-        for load, r in members:
-            heapq.heappush(loads, (load + c, r))
-        ratio = float(ratios[i]) if ratios is not None else 0.0
-        mbs.append(
-            MicroBatch(
-                order=len(mbs),
-                ring=tuple(sorted(r for _, r in members)),
-                seq_indices=(i,),
-                offload_ratio=ratio,
-                predicted_cost=c,
-            )
-        )
-    short = [i for i in range(len(seqlens)) if ring_sizes[i] <= 1]
-    packs = best_fit_decreasing(seqlens, short, capacity)
-    costed = [
-        (cost_model.micro_batch_time([seqlens[i] for i in p], 1), n, p) for n, p in enumerate(packs)
-    ]
-    for c, _, pack in sorted(costed, key=lambda x: (-x[0], x[1])):
-        load, rank = heapq.heappop(loads)
-        heapq.heappush(loads, (load + c, rank))
-        mbs.append(
-            MicroBatch(order=len(mbs), ring=(rank,), seq_indices=tuple(pack), predicted_cost=c)
-        )
-    layers = cost_model.model.num_layers if ratios is not None else 0
-    return plan_from_rank_lists(seqlens, pool_size, capacity, policy, mbs, num_layers=layers)
 
 
 class _StubGroup:
