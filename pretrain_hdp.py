@@ -8,6 +8,11 @@ Launch with torchrun (gloo on CPU, NCCL on GPU, chosen by device):
 
 With no --data-path the job trains on the running interpreter's standard library
 (built once into --data-cache-path). `--help` lists every flag.
+
+Start-up order: flags, paths and the checkpoint to resume are validated before torch or
+Megatron-Core is imported (bad input: exit status 2 and one line, in well under a second);
+then the datasets are opened and checked against the checkpoint; only then does the process
+group start.
 """
 
 from __future__ import annotations
@@ -15,50 +20,135 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 
-import torch.distributed as dist
-from tqdm import tqdm
-
-from megatron_hdp.launch import init_distributed, megatron_device_context, setup_logging
-from megatron_hdp.megatron.arguments import build_parser, validate_args
-from megatron_hdp.megatron.engine import destroy_parallel_state, initialize_parallel_state
-from megatron_hdp.megatron.trainer import Trainer, data_config, runtime_for
-from megatron_hdp.megatron.training_data import build_training_data
+from megatron_hdp.launch import setup_logging
+from megatron_hdp.megatron.arguments import build_parser
+from megatron_hdp.megatron.validation import NothingToTrain, check_resume_matches, validate_args
 
 logger = logging.getLogger("pretrain_hdp")
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    """Parse, validate, set up and train; returns the per-step records of this rank."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    setup_logging(rank)
+def _say(parser, status: int, message: str) -> None:
+    """Exit with `status`; the message is printed once per node (torchrun's local rank 0)."""
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        parser.exit(status, f"{parser.prog}: {message}\n")
+    parser.exit(status)
+
+
+def _prepare(parser, args, world_size: int):
+    """Everything before the process group: validate, open the data, check the resume."""
     try:
-        validate_args(args, world_size)
-        data = build_training_data(data_config(args, world_size))
+        meta = validate_args(args, world_size)
+    except NothingToTrain as done:
+        _say(parser, done.exit_code, str(done))
     except ValueError as err:
-        parser.exit(2, f"{parser.prog}: error: {err}\n")
-    device = init_distributed()
+        _say(parser, 2, f"error: {err}")
+    import dataclasses
+
+    from megatron_hdp.megatron.trainer import data_config, model_config
+    from megatron_hdp.megatron.training_data import build_training_data
+
+    try:
+        data = build_training_data(data_config(args, world_size))
+        if meta is not None:
+            check_resume_matches(
+                meta,
+                load=args.load,
+                model=dataclasses.asdict(model_config(args, data.vocab_size)),
+                data_setup=data.train.setup(),
+                prefixes=data.prefixes,
+            )
+    except ValueError as err:
+        _say(parser, 2, f"error: {err}")
+    return data
+
+
+def _train(args, data) -> list[dict]:
+    """Collective over the world: build the model, resume, train; returns this rank's records."""
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    from megatron_hdp.distributed.stall_watchdog import StallWatchdog
+    from megatron_hdp.distributed.stop_signal import StopSignal
+    from megatron_hdp.launch import init_distributed, megatron_device_context
+    from megatron_hdp.megatron.engine import destroy_parallel_state, initialize_parallel_state
+    from megatron_hdp.megatron.trainer import Trainer, runtime_for
+
+    timeout_s = args.distributed_timeout_minutes * 60
+    device = init_distributed(timeout_s=timeout_s)
     with megatron_device_context():
         initialize_parallel_state()
         try:
             trainer = Trainer(args, data, runtime_for(args, dist.group.WORLD, device))
+            report_after_s = args.hdp_stall_report_seconds
+            if report_after_s is None:
+                report_after_s = timeout_s / 4
+            watchdog = None
+            if report_after_s > 0:
+                watchdog = StallWatchdog(
+                    dist.distributed_c10d._get_default_store(),
+                    rank=dist.get_rank(),
+                    world_size=dist.get_world_size(),
+                    report_after_s=report_after_s,
+                    timeout_s=timeout_s,
+                )
+                trainer.watchdog = watchdog
+                trainer.runtime.progress = watchdog.mark
+            if args.exit_signal_handler:
+                trainer.stop_signal = StopSignal()
             if args.load:
                 trainer.resume()
-            with tqdm(
-                total=args.train_iters,
-                initial=trainer.iteration,
-                desc="train",
-                disable=dist.get_rank() != 0 or args.no_progress_bar,
-                file=sys.stderr,
-            ) as progress:
+            with (
+                watchdog or _nothing(),
+                trainer.stop_signal or _nothing(),
+                tqdm(
+                    total=args.train_iters,
+                    initial=trainer.iteration,
+                    desc="train",
+                    disable=dist.get_rank() != 0 or args.no_progress_bar,
+                    file=sys.stderr,
+                ) as progress,
+            ):
                 return trainer.train(progress)
         finally:
             destroy_parallel_state()
 
 
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Parse, validate, set up and train; returns the per-step records of this rank.
+
+    Exit statuses: 2 with a one-line message for bad input (before any process group), 0
+    with a message when the checkpoint to resume has already reached `--train-iters`, 1
+    with a one-line message when training stops on a non-finite loss or gradient norm.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    setup_logging(rank, level=logging.WARNING if args.hdp_validate_only else logging.INFO)
+    # Megatron-Core warns at import that Transformer Engine and Apex are missing (CPU runs).
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex)", category=UserWarning)
+    data = _prepare(parser, args, world_size)
+    if args.hdp_validate_only:
+        return []
+    from megatron_hdp.errors import NonFiniteError
+
+    try:
+        return _train(args, data)
+    except NonFiniteError as err:
+        _say(parser, 1, f"error: {err}")
+
+
 if __name__ == "__main__":
     main()
-    dist.destroy_process_group()
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,4 +1,8 @@
-"""Process start-up shared by the entry points (torchrun, SLURM): distributed init and logging."""
+"""Process start-up shared by the entry points (torchrun, SLURM): distributed init and logging.
+
+Imports torch only inside `init_distributed`, so that logging can be set up and flags
+validated before the heavy imports.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,6 @@ import contextlib
 import logging
 import os
 from datetime import timedelta
-
-import torch
-import torch.distributed as dist
 
 
 def setup_logging(rank: int, *, level: int = logging.INFO) -> None:
@@ -20,12 +21,16 @@ def setup_logging(rank: int, *, level: int = logging.INFO) -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)
 
 
-def init_distributed(*, timeout_s: float = 600.0) -> torch.device:
+def init_distributed(*, timeout_s: float = 600.0):
     """Initialise torch.distributed from torchrun's environment; return this rank's device.
 
     NCCL on CUDA machines (one GPU per local rank), gloo on CPU. Each CPU rank uses one
     intra-op thread unless OMP_NUM_THREADS says otherwise, since ranks share the cores.
+    `timeout_s` bounds every collective (--distributed-timeout-minutes).
     """
+    import torch
+    import torch.distributed as dist
+
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)

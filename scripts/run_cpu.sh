@@ -6,14 +6,19 @@ cd "$(dirname "$0")/.."
 NPROC="${NPROC:-4}"
 OUT="${OUT:-runs/cpu-demo}"
 mkdir -p "$OUT"
-OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" exec .venv/bin/torchrun --standalone \
-  --nproc-per-node "$NPROC" pretrain_hdp.py \
-  --num-layers 2 --hidden-size 64 --num-attention-heads 4 \
-  --group-query-attention --num-query-groups 2 \
-  --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear \
-  --seq-length 4096 --hdp-capacity 1024 --hdp-global-batch-tokens 16384 \
-  --train-iters 30 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 3 \
-  --log-interval 5 --eval-interval 15 --eval-iters 2 \
-  --save "$OUT/checkpoints" --save-interval 15 \
-  --tensorboard-dir "$OUT/tensorboard" --hdp-metrics-file "$OUT/metrics.jsonl" \
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+ARGS=(
+  --num-layers 2 --hidden-size 64 --num-attention-heads 4
+  --group-query-attention --num-query-groups 2
+  --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
+  --seq-length 4096 --hdp-capacity 1024 --hdp-global-batch-tokens 16384
+  --train-iters 30 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 3
+  --log-interval 5 --eval-interval 15 --eval-iters 2
+  --save "$OUT/checkpoints" --save-interval 15
+  --tensorboard-dir "$OUT/tensorboard" --hdp-metrics-file "$OUT/metrics.jsonl"
   "$@"
+)
+# Validate once, before torchrun: bad input ends here with status 2 and one line (torchrun
+# would report every rank's exit and return 1).
+WORLD_SIZE="$NPROC" .venv/bin/python pretrain_hdp.py "${ARGS[@]}" --hdp-validate-only
+exec .venv/bin/torchrun --standalone --nproc-per-node "$NPROC" pretrain_hdp.py "${ARGS[@]}"

@@ -6,8 +6,9 @@ does not implement is refused by name (`UNSUPPORTED_MEGATRON_FLAGS`), never igno
 `add_hdp_args(parser)` adds the HDP group alone; Megatron-LM users pass it as
 `extra_args_provider` (see the README's drop-in section).
 
-`validate_args(args, world_size)` checks everything that can be checked before any
-process group exists, and raises ValueError naming the flag and value.
+`megatron_hdp.megatron.validation.validate_args` checks the parsed flags before any process
+group exists. This module imports neither torch nor Megatron-Core, so parsing and
+validation take well under a second.
 """
 
 from __future__ import annotations
@@ -15,11 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Sequence
-from pathlib import Path
 
-from megatron_hdp.checkpoint_files import TRACKER, read_meta
-from megatron_hdp.data.sampler import parse_split
-from megatron_hdp.scheduler.cost import PROFILES
 from megatron_hdp.scheduler.placement import POLICIES
 
 #: Megatron-LM flags that exist there but not here; refused with this message.
@@ -186,6 +183,41 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="CP of the static baseline mesh; also sets the default --hdp-capacity",
     )
+    g.add_argument(
+        "--check-for-nan-in-loss-and-grad",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="stop (or skip, --hdp-skip-nonfinite-steps) a step whose global loss or gradient "
+        "norm is not finite, before the update is applied; checked on every rank together",
+    )
+    g.add_argument(
+        "--override-opt_param-scheduler",
+        dest="override_opt_param_scheduler",
+        action="store_true",
+        help="on resume, take the learning-rate and weight-decay schedule from these flags "
+        "instead of the checkpoint's (the step count still comes from the checkpoint)",
+    )
+    g.add_argument(
+        "--use-checkpoint-opt_param-scheduler",
+        dest="use_checkpoint_opt_param_scheduler",
+        action="store_true",
+        help="on resume, keep the checkpoint's learning-rate and weight-decay schedule even if "
+        "these flags differ (without either flag a changed schedule is refused)",
+    )
+    g.add_argument(
+        "--distributed-timeout-minutes",
+        type=float,
+        default=10.0,
+        help="timeout of every collective and ring transfer; a rank that waits longer fails",
+    )
+    g.add_argument(
+        "--exit-signal-handler",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on SIGTERM or SIGINT, every rank stops at the next step boundary, saves a "
+        "checkpoint (with --save) and exits with status 0; a second identical signal stops at "
+        "once (on by default here; opt-in in Megatron-LM)",
+    )
 
 
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
@@ -307,6 +339,36 @@ def add_hdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="append one JSON line per step (iteration, loss, lr, grad norm, tokens, seconds)",
     )
     g.add_argument(
+        "--hdp-skip-nonfinite-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --check-for-nan-in-loss-and-grad: skip up to N non-finite steps in a row "
+        "(no update, the LR schedule does not advance, the batch is consumed) before stopping; "
+        "0 stops at the first",
+    )
+    g.add_argument(
+        "--hdp-overwrite-checkpoints",
+        action="store_true",
+        help="allow a run that does not resume from --save to start there although the folder "
+        "holds another run's checkpoints: they are deleted at this run's first save",
+    )
+    g.add_argument(
+        "--hdp-stall-report-seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help="log which rank holds up a step (and in which micro-batch) once the step has "
+        "waited S seconds (default: a quarter of --distributed-timeout-minutes; 0: off)",
+    )
+    g.add_argument(
+        "--hdp-validate-only",
+        action="store_true",
+        help="check every flag, path, data file and the checkpoint to resume for a job of "
+        "WORLD_SIZE ranks (environment, default 1), then exit: 0 if it would start, 2 with a "
+        "one-line message if not (the launch scripts run this before torchrun)",
+    )
+    g.add_argument(
         "--hdp-check-plans",
         action="store_true",
         help="all-gather plan hashes every step and stop if ranks disagree (debug)",
@@ -349,8 +411,9 @@ def parse_data_path(items: Sequence[str] | None) -> list[tuple[float | None, str
         return [(None, p) for p in items]
     if len(items) % 2:
         raise ValueError(f"--data-path {' '.join(items)}: a weight without a path")
-    if any(w <= 0 for w in weights):
-        raise ValueError(f"--data-path weights must be positive, got {weights}")
+    bad = [w for w in weights if not (math.isfinite(w) and w > 0)]
+    if bad:
+        raise ValueError(f"--data-path weights must be finite and positive, got {bad[0]}")
     return list(zip(weights, items[1::2], strict=True))
 
 
@@ -372,148 +435,3 @@ def capacity_of(args: argparse.Namespace) -> int:
 def uses_static_mesh(args: argparse.Namespace) -> bool:
     """True when the job runs the static DP x CP baseline instead of HDP."""
     return (not args.hdp) or args.hdp_static_baseline
-
-
-def _check_positive(args, names):
-    for name in names:
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
-
-
-def validate_args(args: argparse.Namespace, world_size: int) -> None:
-    """Check the arguments against each other and the pool; ValueError naming the flag."""
-    _check_positive(
-        args,
-        [
-            "num_layers",
-            "hidden_size",
-            "num_attention_heads",
-            "seq_length",
-            "train_iters",
-            "lr",
-            "global_batch_size",
-            "hdp_capacity",
-            "hdp_global_batch_tokens",
-            "log_interval",
-            "eval_interval",
-            "save_interval",
-            "exit_interval",
-            "context_parallel_size",
-        ],
-    )
-    if args.eval_iters < 0:
-        raise ValueError(f"--eval-iters must be >= 0, got {args.eval_iters}")
-    if args.tensor_model_parallel_size != 1:
-        raise ValueError(
-            f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: tensor "
-            "parallelism is not supported with HDP yet; use 1"
-        )
-    if args.micro_batch_size != 1:
-        raise ValueError(
-            f"--micro-batch-size {args.micro_batch_size}: HDP packs micro-batches itself; use 1"
-        )
-    if args.attention_dropout != 0:
-        raise ValueError(f"--attention-dropout {args.attention_dropout}: must be 0 with HDP")
-    if args.global_batch_size is not None and args.hdp_global_batch_tokens is not None:
-        raise ValueError("give --global-batch-size or --hdp-global-batch-tokens, not both")
-    if args.hdp_global_batch_tokens is not None and args.hdp_global_batch_tokens < args.seq_length:
-        raise ValueError(
-            f"--hdp-global-batch-tokens {args.hdp_global_batch_tokens} is smaller than one "
-            f"sequence (--seq-length {args.seq_length})"
-        )
-    max_pos = args.max_position_embeddings or args.seq_length
-    if args.position_embedding_type == "learned_absolute" and args.seq_length > max_pos:
-        raise ValueError(
-            f"--seq-length {args.seq_length} exceeds --max-position-embeddings {max_pos}"
-        )
-    if args.hidden_size % args.num_attention_heads:
-        raise ValueError(
-            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
-            f"{args.num_attention_heads}"
-        )
-    if args.group_query_attention and args.num_attention_heads % args.num_query_groups:
-        raise ValueError(
-            f"--num-attention-heads {args.num_attention_heads} is not divisible by "
-            f"--num-query-groups {args.num_query_groups}"
-        )
-    if world_size % args.context_parallel_size:
-        raise ValueError(
-            f"--context-parallel-size {args.context_parallel_size} does not divide the "
-            f"{world_size} ranks"
-        )
-    capacity = capacity_of(args)
-    if uses_static_mesh(args):
-        context = capacity * args.context_parallel_size
-        if context < args.seq_length:
-            raise ValueError(
-                f"static mesh: --context-parallel-size {args.context_parallel_size} x capacity "
-                f"{capacity} = {context} tokens cannot hold --seq-length {args.seq_length}"
-            )
-    elif capacity * world_size < args.seq_length:
-        raise ValueError(
-            f"capacity {capacity} x {world_size} ranks = {capacity * world_size} tokens is too "
-            f"small for --seq-length {args.seq_length}: raise --hdp-capacity"
-        )
-    parse_split(args.split)
-    parse_data_path(args.data_path)
-    if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
-        raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model")
-    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
-        raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
-    if args.tokenizer_type != "NullTokenizer" and args.vocab_size is not None:
-        raise ValueError(
-            f"--vocab-size {args.vocab_size} only applies to NullTokenizer; "
-            f"{args.tokenizer_type} defines its own vocabulary"
-        )
-    if args.data_path is None and args.tokenizer_type != "ByteLevel":
-        raise ValueError(
-            f"the embedded default corpus is byte-level; --tokenizer-type {args.tokenizer_type} "
-            "needs --data-path"
-        )
-    if args.min_lr > args.lr:
-        raise ValueError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
-    if args.lr_decay_iters is not None and args.lr_decay_iters <= args.lr_warmup_iters:
-        raise ValueError(
-            f"--lr-decay-iters {args.lr_decay_iters} must exceed --lr-warmup-iters "
-            f"{args.lr_warmup_iters}"
-        )
-    if args.data_path is not None and len(args.data_path) == 0:
-        raise ValueError("--data-path needs at least one dataset prefix (omit it for the default)")
-    if args.load is not None and args.hdp_load_if_exists is not None:
-        raise ValueError("give --load or --hdp-load-if-exists, not both")
-    if args.hdp_load_if_exists is not None and (Path(args.hdp_load_if_exists) / TRACKER).exists():
-        args.load = args.hdp_load_if_exists
-    if args.load is not None:
-        try:
-            meta = read_meta(args.load)
-        except ValueError as err:
-            raise ValueError(f"--load {args.load}: {err}") from None
-        if meta["distributed_optimizer"] and args.use_distributed_optimizer:
-            if meta["world_size"] != world_size:
-                raise ValueError(
-                    f"--load {args.load}: written by {meta['world_size']} ranks with the "
-                    f"distributed optimizer; resume it on {meta['world_size']} ranks, not "
-                    f"{world_size}"
-                )
-        if meta["distributed_optimizer"] != args.use_distributed_optimizer:
-            raise ValueError(
-                f"--load {args.load}: written with use_distributed_optimizer="
-                f"{meta['distributed_optimizer']}; resume with the same setting"
-            )
-    if args.hdp_offload and (uses_static_mesh(args) or args.hdp_placement != "balanced"):
-        raise ValueError(
-            "--hdp-offload needs the balanced HDP placement (--hdp-placement balanced)"
-        )
-    if args.hdp_host_memory_gb is not None and not args.hdp_host_memory_gb > 0:
-        raise ValueError(
-            f"--hdp-host-memory-gb {args.hdp_host_memory_gb}: no room for offloaded activations"
-        )
-    if args.hdp_device_profile is not None and args.hdp_device_profile not in PROFILES:
-        if not Path(args.hdp_device_profile).is_file():
-            raise ValueError(
-                f"--hdp-device-profile {args.hdp_device_profile}: neither a profile name "
-                f"({', '.join(sorted(PROFILES))}) nor a JSON file"
-            )
-    if args.save_interval is not None and args.save is None:
-        raise ValueError("--save-interval needs --save")

@@ -46,6 +46,7 @@ from megatron_hdp.checkpoint_files import (
     iteration_dir,
     latest_iteration,
 )
+from megatron_hdp.errors import NonFiniteError
 from megatron_hdp.megatron.engine import Engine
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,38 @@ def _all_ok(ok: bool, group: dist.ProcessGroup, device: torch.device) -> bool:
     return int(flag.item()) == 0
 
 
+def _parameters_finite(engine: Engine) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in engine.model.module.parameters())
+
+
+def _discard_checkpoints(root: Path) -> None:
+    """Delete the tracker first (so it never names a missing folder), then every iter_*."""
+    tracker = root / TRACKER
+    if tracker.exists():
+        os.remove(tracker)
+        fsync_path(root)
+    for folder in root.glob("iter_*"):
+        shutil.rmtree(folder)
+    logger.warning("deleted the earlier checkpoints in %s (--hdp-overwrite-checkpoints)", root)
+
+
+def _prepare_folder(root: Path, partial: Path, iteration: int, discard_existing: bool) -> None:
+    """Rank 0: make the folder, drop stale partial saves, refuse to move the tracker back."""
+    root.mkdir(parents=True, exist_ok=True)
+    if discard_existing:
+        _discard_checkpoints(root)
+    elif (root / TRACKER).exists():
+        latest = latest_iteration(root)
+        if latest > iteration:
+            raise ValueError(
+                f"{root} already holds iteration {latest}; saving iteration {iteration} there "
+                "would move its latest checkpoint backwards"
+            )
+    for stale in root.glob("iter_*.partial"):
+        shutil.rmtree(stale, ignore_errors=True)
+    partial.mkdir()
+
+
 def save_checkpoint(
     root: str | Path,
     engine: Engine,
@@ -124,28 +157,37 @@ def save_checkpoint(
     group: dist.ProcessGroup,
     device: torch.device | None = None,
     extra: dict | None = None,
+    meta_extra: dict | None = None,
+    discard_existing: bool = False,
 ) -> Path:
     """Collective over `group`: write the checkpoint of `state.iteration` atomically.
 
-    Returns the checkpoint folder. `extra` (e.g. the arguments) is stored in `common.pt`.
-    Raises on every rank if any rank failed to write its part.
+    Returns the checkpoint folder. `extra` (e.g. the arguments) is stored in `common.pt`,
+    `meta_extra` (small, JSON) in `meta.json`, where start-up checks read it without
+    loading the model. `discard_existing` deletes the folder's earlier checkpoints first;
+    otherwise a save that would move the tracker backwards is refused.
+
+    Raises (on every rank, nothing written): `NonFiniteError` if any rank's parameters are
+    not finite; the error of any rank that failed to prepare or write its part.
     """
     device = device or torch.device("cpu")
     root = Path(root)
     rank = dist.get_rank(group)
     final = iteration_dir(root, state.iteration)
     partial = final.with_name(final.name + ".partial")
+    if not _all_ok(_parameters_finite(engine), group, device):
+        raise NonFiniteError(
+            f"refusing to save iteration {state.iteration} to {root}: the parameters are not "
+            "finite (NaN or infinite); the latest checkpoint there is unchanged"
+        )
     error: BaseException | None = None
     if rank == 0:
         try:
-            root.mkdir(parents=True, exist_ok=True)
-            for stale in root.glob("iter_*.partial"):
-                shutil.rmtree(stale, ignore_errors=True)
-            partial.mkdir()
-        except OSError as err:
+            _prepare_folder(root, partial, state.iteration, discard_existing)
+        except (OSError, ValueError) as err:
             error = err
     if not _all_ok(error is None, group, device):
-        raise error or RuntimeError(f"rank 0 could not create {partial}")
+        raise error or RuntimeError(f"rank 0 could not prepare {partial}")
     try:
         if engine.optimizer_is_distributed:
             _write(partial / f"optim_rank{rank}.pt", _optimizer_shard_state(engine.optimizer))
@@ -164,9 +206,11 @@ def save_checkpoint(
                 },
             )
             meta = {
+                **(meta_extra or {}),
                 "iteration": state.iteration,
                 "world_size": dist.get_world_size(group),
                 "distributed_optimizer": engine.optimizer_is_distributed,
+                "schedule": engine.scheduler.state_dict(),
             }
             (partial / META).write_text(json.dumps(meta) + "\n")
             fsync_path(partial / META)

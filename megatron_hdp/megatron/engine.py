@@ -64,6 +64,11 @@ class OptimConfig:
     (warm-up included); None = constant learning rate."""
     lr_decay_style: str = "constant"
     """"constant", "linear", "cosine" or "inverse-square-root" (--lr-decay-style)."""
+    override_scheduler: bool = False
+    """On load, take this schedule, not the checkpoint's (--override-opt_param-scheduler)."""
+    use_checkpoint_scheduler: bool = False
+    """On load, keep the checkpoint's schedule (--use-checkpoint-opt_param-scheduler); with
+    neither flag, loading a checkpoint of another schedule fails."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -135,6 +140,8 @@ def build_engine(cfg: GPTConfig, optim: OptimConfig, *, seed: int = 1234) -> Eng
         end_wd=optim.weight_decay,
         wd_incr_steps=1,
         wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=optim.use_checkpoint_scheduler,
+        override_opt_param_scheduler=optim.override_scheduler,
     )
     return Engine(
         cfg=cfg,

@@ -9,7 +9,9 @@ whole global batch, whatever the placement and the micro-batch counts.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +42,10 @@ class StepRuntime:
         check_plans: All-gather plan digests every step and fail on disagreement (debug).
         offload: The activation offload manager installed on the model's layers; each
             micro-batch runs with its plan's offload ratio. None: no offloading.
+        check_nonfinite: Compute the gradient norm before the update and skip the update
+            (`StepResult.nonfinite`) if it or the global loss is not finite.
+        progress: Called with a short description of what this rank starts next (a
+            micro-batch, the gradient sync); the stall watchdog reports it.
     """
 
     group: dist.ProcessGroup
@@ -48,6 +54,13 @@ class StepRuntime:
     stats: CommStats = field(default_factory=CommStats)
     check_plans: bool = False
     offload: OffloadManager | None = None
+    check_nonfinite: bool = True
+    progress: Callable[[str], None] | None = None
+
+    def mark(self, what: str) -> None:
+        """Tell the progress listener (if any) what this rank starts now."""
+        if self.progress is not None:
+            self.progress(what)
 
 
 @dataclass(frozen=True)
@@ -61,6 +74,8 @@ class StepResult:
     num_micro_batches: int
     attention_bytes_sent: int
     compute_seconds: float
+    nonfinite: bool = False
+    """The global loss or the gradient norm was not finite; the update was not applied."""
 
 
 def packed_seq_params(
@@ -167,7 +182,8 @@ def forward_backward(
     Ring micro-batches are collective over their rings. Returns the local token-loss sum.
     """
     loss_sum = 0.0
-    for batch in batches:
+    for i, batch in enumerate(batches):
+        runtime.mark(f"micro-batch {i + 1} of {len(batches)} (ring {batch.ring})")
         offload = (
             runtime.offload.micro_batch(batch.offload_ratio)
             if runtime.offload is not None
@@ -187,7 +203,8 @@ def train_step(
 
     The plan is checked against the pool and the model before any communication. This
     rank reads only its own tokens from `source`. The LR schedule advances by one step
-    after a successful update.
+    after a successful update. With `runtime.check_nonfinite`, a step whose global loss or
+    gradient norm is not finite applies no update and returns `nonfinite=True` on every rank.
     """
     group = runtime.group
     check_plan_fits(plan, engine, group)
@@ -205,21 +222,37 @@ def train_step(
     with model.no_sync():
         loss_sum = forward_backward(engine, batches, runtime, loss_scale=1.0 / global_tokens)
     compute_seconds = time.perf_counter() - start
+    runtime.mark("gradient sync")
     model.finish_grad_sync()
-    update_successful, grad_norm, _ = engine.optimizer.step()
-    if update_successful:
-        engine.scheduler.step(increment=1)
-
-    loss = torch.tensor([loss_sum], dtype=torch.float64, device=runtime.device)
-    dist.all_reduce(loss, group=group)
+    checked_norm = None
+    if runtime.check_nonfinite:
+        # Megatron's step computes the norm, clips and updates in one call; the norm is
+        # needed before the update to refuse it. prepare_grads() is idempotent and
+        # get_grad_norm() is collective for the distributed optimizer, identical everywhere.
+        engine.optimizer.prepare_grads()
+        checked_norm = float(engine.optimizer.get_grad_norm())
+    bad_norm = checked_norm is not None and not math.isfinite(checked_norm)
+    totals = torch.tensor(
+        [loss_sum, 1.0 if bad_norm else 0.0], dtype=torch.float64, device=runtime.device
+    )
+    dist.all_reduce(totals, group=group)
+    loss = totals[0].item() / global_tokens
+    nonfinite = runtime.check_nonfinite and (not math.isfinite(loss) or totals[1].item() > 0)
+    update_successful, grad_norm = False, checked_norm
+    if not nonfinite:
+        runtime.mark("optimizer step")
+        update_successful, grad_norm, _ = engine.optimizer.step()
+        if update_successful:
+            engine.scheduler.step(increment=1)
     return StepResult(
-        loss=loss.item() / global_tokens,
+        loss=loss,
         num_loss_tokens=global_tokens,
         grad_norm=None if grad_norm is None else float(grad_norm),
         update_successful=bool(update_successful),
         num_micro_batches=len(batches),
         attention_bytes_sent=runtime.stats.bytes_sent - bytes_before,
         compute_seconds=compute_seconds,
+        nonfinite=nonfinite,
     )
 
 

@@ -14,13 +14,19 @@ import logging
 import math
 import statistics
 import time
+import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from megatron_hdp.batching import IndexedTokens
+from megatron_hdp.checkpoint_files import read_meta
 from megatron_hdp.data.sampler import parse_split
+from megatron_hdp.distributed.stall_watchdog import StallWatchdog
+from megatron_hdp.distributed.stop_signal import StopSignal
+from megatron_hdp.errors import NonFiniteError
 from megatron_hdp.megatron.arguments import (
     capacity_of,
     parse_data_path,
@@ -97,6 +103,8 @@ def optim_config(args: argparse.Namespace) -> OptimConfig:
         lr_warmup_iters=args.lr_warmup_iters,
         lr_decay_iters=args.lr_decay_iters or args.train_iters,
         lr_decay_style=args.lr_decay_style,
+        override_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_scheduler=args.use_checkpoint_opt_param_scheduler,
     )
 
 
@@ -169,6 +177,16 @@ class Trainer:
             )
         self.iteration = 0
         self.consumed_tokens = 0
+        self.run_id = uuid.uuid4().hex
+        self.last_saved: int | None = None
+        self.nonfinite_in_a_row = 0
+        self.stop_signal: StopSignal | None = None
+        self.watchdog: StallWatchdog | None = None
+        self._discard_on_save = bool(args.hdp_overwrite_checkpoints) and not (
+            args.load is not None
+            and args.save is not None
+            and Path(args.load).resolve() == Path(args.save).resolve()
+        )
         self._writer = None
         if args.tensorboard_dir and self.rank == 0:
             from torch.utils.tensorboard import SummaryWriter
@@ -198,6 +216,8 @@ class Trainer:
         self.iteration = state.iteration
         self.consumed_tokens = state.consumed_tokens
         self.data.train.load_state_dict(saved_data["sampler"])
+        self.run_id = read_meta(self.args.load).get("run_id") or self.run_id
+        self.last_saved = None
 
     def save(self) -> None:
         """Collective: write a checkpoint of the current iteration to `--save`."""
@@ -206,6 +226,7 @@ class Trainer:
             data_state={"sampler": self.data.train.state_dict(), "prefixes": self.data.prefixes},
             consumed_tokens=self.consumed_tokens,
         )
+        self._mark("saving checkpoint")
         save_checkpoint(
             self.args.save,
             self.engine,
@@ -213,10 +234,53 @@ class Trainer:
             group=self.runtime.group,
             device=self.runtime.device,
             extra={"args": vars(self.args)},
+            meta_extra={
+                "run_id": self.run_id,
+                "train_iters": self.args.train_iters,
+                "model": dataclasses.asdict(self.engine.cfg),
+                "data": {"prefixes": self.data.prefixes, "setup": self.data.train.setup()},
+            },
+            discard_existing=self._discard_on_save,
+        )
+        self._discard_on_save = False
+        self.last_saved = self.iteration
+
+    def _mark(self, what: str, *, iteration: int | None = None) -> None:
+        if self.watchdog is not None:
+            self.watchdog.mark(what, iteration=iteration)
+
+    def checkpoint_note(self) -> str:
+        """Where the newest checkpoint of this run is, for messages."""
+        if self.last_saved is not None:
+            return f"The latest checkpoint is iteration {self.last_saved} in {self.args.save}."
+        if self.args.load is not None:
+            return f"The latest checkpoint is the one this run resumed, in {self.args.load}."
+        return "No checkpoint was written."
+
+    def _check_finite(self, result: StepResult) -> None:
+        """Stop (NonFiniteError) or skip a step whose loss or gradient norm is not finite."""
+        if not result.nonfinite:
+            self.nonfinite_in_a_row = 0
+            return
+        self.nonfinite_in_a_row += 1
+        allowed = self.args.hdp_skip_nonfinite_steps
+        what = (
+            f"iteration {self.iteration}: the loss is {result.loss:.6g} and the gradient norm "
+            f"is {result.grad_norm:.6g}, not finite: the update was not applied"
+        )
+        if self.nonfinite_in_a_row > allowed:
+            limit = f" ({allowed} may be skipped in a row)" if allowed else ""
+            raise NonFiniteError(f"{what}; stopping{limit}. {self.checkpoint_note()}")
+        logger.warning(
+            "%s; step skipped (%d of --hdp-skip-nonfinite-steps %d in a row)",
+            what,
+            self.nonfinite_in_a_row,
+            allowed,
         )
 
     def step(self) -> tuple[StepResult, dict, float, list]:
         """Collective: one training step; returns result, plan statistics, seconds, units."""
+        self._mark("reading and planning the batch", iteration=self.iteration + 1)
         units = self.data.train.next_batch()
         plan = self._plan(units)
         source = IndexedTokens(self.data.datasets, units, vocab_size=self.data.vocab_size)
@@ -232,6 +296,7 @@ class Trainer:
         sampler = self.data.fresh_valid_sampler()
         if sampler is None or self.args.eval_iters == 0:
             return None
+        self._mark("evaluation")
         loss_sum, tokens = 0.0, 0
         for _ in range(self.args.eval_iters):
             units = sampler.next_batch()
@@ -243,6 +308,23 @@ class Trainer:
             )
             loss_sum, tokens = loss_sum + s, tokens + n
         return loss_sum / max(tokens, 1)
+
+    def _stop_requested(self) -> bool:
+        """Collective: True (after saving, with --save) if any rank received SIGTERM/SIGINT."""
+        self._mark("stop check")
+        name = self.stop_signal.agreed(self.runtime.group, self.runtime.device)
+        if name is None:
+            return False
+        if self.args.save and self.last_saved != self.iteration:
+            self.save()
+        if self.rank == 0:
+            logger.warning(
+                "iter %d: %s received; stopping cleanly. %s",
+                self.iteration,
+                name,
+                self.checkpoint_note(),
+            )
+        return True
 
     def _log(self, window: _Window) -> None:
         lr = self.engine.optimizer.param_groups[0]["lr"]
@@ -295,14 +377,17 @@ class Trainer:
         steps = []
         metrics = None
         if args.hdp_metrics_file and self.rank == 0:
+            Path(args.hdp_metrics_file).parent.mkdir(parents=True, exist_ok=True)
             metrics = open(args.hdp_metrics_file, "a")  # noqa: SIM115 - closed below
         while self.iteration < args.train_iters:
             result, stats, elapsed, units = self.step()
+            self._check_finite(result)
             record = {
                 "iteration": self.iteration,
                 "loss": result.loss,
                 "lr": self.engine.optimizer.param_groups[0]["lr"],
                 "grad_norm": result.grad_norm,
+                "skipped": result.nonfinite,
                 "tokens": result.num_loss_tokens,
                 "seconds": elapsed,
                 "offloaded_bytes": (
@@ -320,7 +405,7 @@ class Trainer:
             window.losses.append(result.loss)
             window.tokens += result.num_loss_tokens
             window.stats.append(stats)
-            if result.grad_norm is not None:
+            if result.grad_norm is not None and not result.nonfinite:
                 window.grad_norms.append(result.grad_norm)
             if progress is not None:
                 progress.update(1)
@@ -349,6 +434,8 @@ class Trainer:
             if exiting and self.iteration < args.train_iters:
                 logger.info("iter %d: --exit-interval reached, stopping", self.iteration)
                 break
+            if self.stop_signal is not None and self._stop_requested():
+                break
         if self._writer is not None:
             self._writer.close()
         if metrics is not None:
@@ -363,4 +450,5 @@ def runtime_for(args, group, device) -> StepRuntime:
         backend=args.hdp_attention_backend,
         device=device,
         check_plans=args.hdp_check_plans,
+        check_nonfinite=args.check_for_nan_in_loss_and_grad,
     )

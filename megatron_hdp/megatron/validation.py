@@ -1,0 +1,386 @@
+"""Everything `pretrain_hdp.py` checks before any process group exists (light imports only).
+
+`validate_args(args, world_size)` runs on every rank right after parsing, before torch or
+Megatron-Core is imported, and raises `ValueError` naming the flag and the bad value:
+
+- numbers: every float finite, counts and divisors positive, rates in their ranges;
+- the parallel layout and batch shape against the pool;
+- paths: folders to write (`--save`, `--tensorboard-dir`, `--data-cache-path`) are folders
+  that exist or can be created, files to read (`--tokenizer-model`, a device-profile JSON,
+  the `--data-path` files) are readable, `--hdp-metrics-file` can be appended to;
+- the resume (`megatron_hdp.megatron.resume_checks`): the checkpoint's optimizer layout,
+  learning-rate schedule and iteration, and that `--save` belongs to this run.
+
+`check_resume_matches(meta, ...)` makes the checks that need the opened datasets (data set-up
+and model shape against the checkpoint); it still runs before any process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+from pathlib import Path
+
+from megatron_hdp.checkpoint_files import TRACKER, read_meta
+from megatron_hdp.data.sampler import parse_split
+from megatron_hdp.megatron.arguments import (
+    build_parser,
+    capacity_of,
+    parse_data_path,
+    uses_static_mesh,
+)
+from megatron_hdp.megatron.resume_checks import (
+    NothingToTrain,
+    check_save_folder,
+    check_schedule,
+)
+from megatron_hdp.scheduler.cost import PROFILES, DeviceProfile
+
+__all__ = ["NothingToTrain", "check_resume_matches", "validate_args"]
+
+#: Flags whose value must be > 0 (counts, sizes, divisors, intervals).
+POSITIVE = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "seq_length",
+    "max_position_embeddings",
+    "rotary_base",
+    "init_method_std",
+    "make_vocab_size_divisible_by",
+    "train_iters",
+    "lr",
+    "lr_decay_iters",
+    "adam_eps",
+    "global_batch_size",
+    "context_parallel_size",
+    "hdp_capacity",
+    "hdp_global_batch_tokens",
+    "log_interval",
+    "eval_interval",
+    "save_interval",
+    "exit_interval",
+    "distributed_timeout_minutes",
+    "vocab_size",
+)
+
+#: Flags whose value must be >= 0.
+NON_NEGATIVE = (
+    "min_lr",
+    "weight_decay",
+    "clip_grad",
+    "lr_warmup_iters",
+    "eval_iters",
+    "seed",
+    "hdp_skip_nonfinite_steps",
+    "hdp_stall_report_seconds",
+)
+
+#: Flags whose value must lie in [0, 1).
+UNIT_INTERVAL = ("adam_beta1", "adam_beta2", "hidden_dropout")
+
+
+@functools.cache
+def _flag_names() -> dict[str, str]:
+    return {
+        action.dest: action.option_strings[0]
+        for action in build_parser()._actions
+        if action.option_strings
+    }
+
+
+def flag(dest: str) -> str:
+    """The command-line spelling of an argument (`lr_decay_iters` -> `--lr-decay-iters`)."""
+    return _flag_names().get(dest, "--" + dest.replace("_", "-"))
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    for dest, value in vars(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{flag(dest)} {value}: must be a finite number")
+    for dest in POSITIVE:
+        value = getattr(args, dest, None)
+        if value is not None and not value > 0:
+            raise ValueError(f"{flag(dest)} must be > 0, got {value}")
+    for dest in NON_NEGATIVE:
+        value = getattr(args, dest, None)
+        if value is not None and value < 0:
+            raise ValueError(f"{flag(dest)} must be >= 0, got {value}")
+    for dest in UNIT_INTERVAL:
+        value = getattr(args, dest)
+        if not 0 <= value < 1:
+            raise ValueError(f"{flag(dest)} must lie in [0, 1), got {value}")
+    if args.hdp_host_memory_gb is not None and not args.hdp_host_memory_gb > 0:
+        raise ValueError(
+            f"--hdp-host-memory-gb {args.hdp_host_memory_gb}: no room for offloaded activations"
+        )
+    timeout_s = args.distributed_timeout_minutes * 60
+    if args.hdp_stall_report_seconds is not None and args.hdp_stall_report_seconds >= timeout_s:
+        raise ValueError(
+            f"--hdp-stall-report-seconds {args.hdp_stall_report_seconds} must be below the "
+            f"collective timeout ({timeout_s:g} s from --distributed-timeout-minutes), or the "
+            "report comes after the job has failed"
+        )
+
+
+def _check_layout(args: argparse.Namespace, world_size: int) -> None:
+    if args.tensor_model_parallel_size != 1:
+        raise ValueError(
+            f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: tensor "
+            "parallelism is not supported with HDP yet; use 1"
+        )
+    if args.micro_batch_size != 1:
+        raise ValueError(
+            f"--micro-batch-size {args.micro_batch_size}: HDP packs micro-batches itself; use 1"
+        )
+    if args.attention_dropout != 0:
+        raise ValueError(f"--attention-dropout {args.attention_dropout}: must be 0 with HDP")
+    if args.global_batch_size is not None and args.hdp_global_batch_tokens is not None:
+        raise ValueError("give --global-batch-size or --hdp-global-batch-tokens, not both")
+    if args.hdp_global_batch_tokens is not None and args.hdp_global_batch_tokens < args.seq_length:
+        raise ValueError(
+            f"--hdp-global-batch-tokens {args.hdp_global_batch_tokens} is smaller than one "
+            f"sequence (--seq-length {args.seq_length})"
+        )
+    max_pos = args.max_position_embeddings or args.seq_length
+    if args.position_embedding_type == "learned_absolute" and args.seq_length > max_pos:
+        raise ValueError(
+            f"--seq-length {args.seq_length} exceeds --max-position-embeddings {max_pos}"
+        )
+    if args.hidden_size % args.num_attention_heads:
+        raise ValueError(
+            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+            f"{args.num_attention_heads}"
+        )
+    if args.group_query_attention and args.num_attention_heads % args.num_query_groups:
+        raise ValueError(
+            f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+            f"--num-query-groups {args.num_query_groups}"
+        )
+    if world_size % args.context_parallel_size:
+        raise ValueError(
+            f"--context-parallel-size {args.context_parallel_size} does not divide the "
+            f"{world_size} ranks"
+        )
+    capacity = capacity_of(args)
+    if uses_static_mesh(args):
+        context = capacity * args.context_parallel_size
+        if context < args.seq_length:
+            raise ValueError(
+                f"static mesh: --context-parallel-size {args.context_parallel_size} x capacity "
+                f"{capacity} = {context} tokens cannot hold --seq-length {args.seq_length}"
+            )
+    elif capacity * world_size < args.seq_length:
+        raise ValueError(
+            f"capacity {capacity} x {world_size} ranks = {capacity * world_size} tokens is too "
+            f"small for --seq-length {args.seq_length}: raise --hdp-capacity"
+        )
+    if args.hdp_offload and (uses_static_mesh(args) or args.hdp_placement != "balanced"):
+        raise ValueError(
+            "--hdp-offload needs the balanced HDP placement (--hdp-placement balanced)"
+        )
+
+
+def _check_training(args: argparse.Namespace) -> None:
+    parse_split(args.split)
+    parse_data_path(args.data_path)
+    if args.data_path is not None and len(args.data_path) == 0:
+        raise ValueError("--data-path needs at least one dataset prefix (omit it for the default)")
+    if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
+        raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model")
+    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
+        raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
+    if args.tokenizer_type != "NullTokenizer" and args.vocab_size is not None:
+        raise ValueError(
+            f"--vocab-size {args.vocab_size} only applies to NullTokenizer; "
+            f"{args.tokenizer_type} defines its own vocabulary"
+        )
+    if args.data_path is None and args.tokenizer_type != "ByteLevel":
+        raise ValueError(
+            f"the embedded default corpus is byte-level; --tokenizer-type {args.tokenizer_type} "
+            "needs --data-path"
+        )
+    if args.min_lr > args.lr:
+        raise ValueError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+    if args.lr_decay_iters is not None and args.lr_decay_iters <= args.lr_warmup_iters:
+        raise ValueError(
+            f"--lr-decay-iters {args.lr_decay_iters} must exceed --lr-warmup-iters "
+            f"{args.lr_warmup_iters}"
+        )
+    if args.lr_decay_iters is None and args.lr_warmup_iters >= args.train_iters:
+        raise ValueError(
+            f"--lr-warmup-iters {args.lr_warmup_iters} must be below --train-iters "
+            f"{args.train_iters} (the decay ends at --train-iters unless --lr-decay-iters)"
+        )
+    if args.save_interval is not None and args.save is None:
+        raise ValueError("--save-interval needs --save")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ValueError(
+            "give --override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler, not both"
+        )
+    if args.hdp_skip_nonfinite_steps and not args.check_for_nan_in_loss_and_grad:
+        raise ValueError(
+            "--hdp-skip-nonfinite-steps needs --check-for-nan-in-loss-and-grad (the default)"
+        )
+
+
+def _nearest_existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_writable_folder(name: str, value: str | None) -> None:
+    """ValueError unless `value` is a folder this process may write, or one it can create."""
+    if value is None:
+        return
+    path = Path(value)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{name} {value}: is a file, not a folder")
+    existing = _nearest_existing(path)
+    if not existing.is_dir():
+        raise ValueError(f"{name} {value}: {existing} is a file, so the folder cannot be made")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{name} {value}: {existing} is not writable")
+
+
+def check_readable_file(name: str, value: str | None) -> None:
+    """ValueError unless `value` names a regular file this process may read."""
+    if value is None:
+        return
+    path = Path(value)
+    if not path.exists():
+        raise ValueError(f"{name} {value}: no such file")
+    if not path.is_file():
+        raise ValueError(f"{name} {value}: not a regular file")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"{name} {value}: not readable")
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    check_writable_folder("--save", args.save)
+    check_writable_folder("--tensorboard-dir", args.tensorboard_dir)
+    if args.data_path is None:
+        check_writable_folder("--data-cache-path", args.data_cache_path or str(Path.home()))
+    if args.hdp_metrics_file is not None:
+        metrics = Path(args.hdp_metrics_file)
+        if metrics.exists():
+            if not metrics.is_file():
+                raise ValueError(f"--hdp-metrics-file {metrics}: not a regular file")
+            if not os.access(metrics, os.W_OK):
+                raise ValueError(f"--hdp-metrics-file {metrics}: not writable")
+        else:
+            check_writable_folder("--hdp-metrics-file's folder", str(metrics.parent))
+    if args.tokenizer_type == "HuggingFaceTokenizer":
+        check_readable_file("--tokenizer-model", args.tokenizer_model)
+    for _, prefix in parse_data_path(args.data_path):
+        for suffix in (".idx", ".bin"):
+            check_readable_file("--data-path", prefix + suffix)
+    profile = args.hdp_device_profile
+    if profile is not None and profile not in PROFILES:
+        if not Path(profile).is_file():
+            raise ValueError(
+                f"--hdp-device-profile {profile}: neither a profile name "
+                f"({', '.join(sorted(PROFILES))}) nor a JSON file"
+            )
+        try:
+            DeviceProfile.from_json(profile)
+        except (OSError, ValueError, TypeError) as err:
+            raise ValueError(
+                f"--hdp-device-profile {profile}: not a device profile JSON ({err})"
+            ) from None
+    for name, value in (("--load", args.load), ("--hdp-load-if-exists", args.hdp_load_if_exists)):
+        if value is not None and Path(value).exists() and not Path(value).is_dir():
+            raise ValueError(f"{name} {value}: is a file, not a checkpoint folder")
+
+
+def _check_resume(args: argparse.Namespace, world_size: int) -> dict | None:
+    """The `--load` checkpoint's meta (None for a fresh start), after checking it fits."""
+    if args.load is not None and args.hdp_load_if_exists is not None:
+        raise ValueError("give --load or --hdp-load-if-exists, not both")
+    if args.hdp_load_if_exists is not None and (Path(args.hdp_load_if_exists) / TRACKER).exists():
+        args.load = args.hdp_load_if_exists
+    meta = None
+    if args.load is not None:
+        try:
+            meta = read_meta(args.load)
+        except ValueError as err:
+            raise ValueError(f"--load {args.load}: {err}") from None
+        if meta["distributed_optimizer"] != args.use_distributed_optimizer:
+            raise ValueError(
+                f"--load {args.load}: written with use_distributed_optimizer="
+                f"{meta['distributed_optimizer']}; resume with the same setting"
+            )
+        if meta["distributed_optimizer"] and meta["world_size"] != world_size:
+            raise ValueError(
+                f"--load {args.load}: written by {meta['world_size']} ranks with the "
+                f"distributed optimizer; resume it on {meta['world_size']} ranks, not "
+                f"{world_size}"
+            )
+        check_schedule(args, meta, flag)
+        if "schedule" in meta and not args.use_checkpoint_opt_param_scheduler:
+            # Every difference that matters was refused above; what is left (the decay length
+            # of a constant schedule) has no effect, so Megatron may take these flags' values.
+            args.override_opt_param_scheduler = True
+    check_save_folder(args, meta)
+    return meta
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> dict | None:
+    """Check the arguments against each other, the pool, the file system and `--load`.
+
+    Reads only small files (the checkpoint's `meta.json`, a device profile). Sets
+    `args.load` when `--hdp-load-if-exists` finds a checkpoint, and lets the schedule of
+    the flags apply on a resume whose schedule check passed.
+
+    Returns:
+        The meta of the checkpoint to resume, or None for a fresh start.
+
+    Raises:
+        ValueError: Naming the flag and the value.
+        NothingToTrain: The checkpoint to resume is already at (or past) `--train-iters`.
+    """
+    _check_numbers(args)
+    _check_layout(args, world_size)
+    _check_training(args)
+    _check_paths(args)
+    return _check_resume(args, world_size)
+
+
+def check_resume_matches(
+    meta: dict, *, load: str, model: dict, data_setup: dict, prefixes: list[str]
+) -> None:
+    """ValueError naming what differs between this run and the checkpoint it resumes.
+
+    Args:
+        meta: The checkpoint's `meta.json`.
+        load: The checkpoint folder (for the message).
+        model: This run's model configuration (`dataclasses.asdict(GPTConfig)`).
+        data_setup: This run's training sampler set-up (`TokenBudgetSampler.setup()`).
+        prefixes: This run's dataset prefixes.
+    """
+    saved_model = meta.get("model")
+    if saved_model is not None:
+        changed = [key for key in model if saved_model.get(key) != model[key]]
+        if changed:
+            detail = ", ".join(f"{k}: {saved_model.get(k)!r} -> {model[k]!r}" for k in changed)
+            raise ValueError(f"--load {load}: the model differs from the checkpoint's ({detail})")
+    saved_data = meta.get("data")
+    if saved_data is not None:
+        if saved_data["prefixes"] != prefixes:
+            raise ValueError(
+                f"--load {load}: the checkpoint was trained on {saved_data['prefixes']}, this "
+                f"run reads {prefixes}"
+            )
+        for key, value in data_setup.items():
+            if saved_data["setup"].get(key) != value:
+                raise ValueError(
+                    f"--load {load}: the data set-up differs from the checkpoint's: {key} was "
+                    f"{saved_data['setup'].get(key)!r}, now {value!r} (changed --seed, "
+                    "--data-path, --split, --seq-length or the global batch size?)"
+                )

@@ -1,0 +1,134 @@
+"""Real torchrun jobs under SIGTERM (preemption) and SIGSTOP (a stalled rank)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from megatron_hdp.checkpoint_files import latest_iteration
+from tests.e2e.harness import SMALL_MODEL
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def start_job(cache, tmp_path, *, nproc, iters, extra=()):
+    """torchrun in the background; stderr goes to a file the test can read while it runs."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "pretrain_hdp.py",
+        *SMALL_MODEL,
+        "--seq-length",
+        "512",
+        "--hdp-capacity",
+        "256",
+        "--hdp-global-batch-tokens",
+        "1024",
+        "--train-iters",
+        str(iters),
+        "--lr",
+        "1e-3",
+        "--data-cache-path",
+        str(cache),
+        "--hdp-metrics-file",
+        str(tmp_path / "metrics.jsonl"),
+        *extra,
+    ]
+    log = open(tmp_path / "stderr.log", "w")  # noqa: SIM115 - closed by finish()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, cwd=REPO, env=env)
+    proc.log = log
+    return proc
+
+
+def finish(proc, timeout=120):
+    try:
+        return proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.log.close()
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def steps_done(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def worker_pids(proc):
+    """Global rank -> pid of torchrun's worker processes."""
+    children = []
+    for task in Path(f"/proc/{proc.pid}/task").iterdir():
+        children += (task / "children").read_text().split()
+    ranks = {}
+    for pid in children:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        for item in env:
+            if item.startswith(b"RANK="):
+                ranks[int(item[5:])] = int(pid)
+    return ranks
+
+
+def test_sigterm_to_one_rank_saves_at_the_next_step_and_exits_cleanly(corpus_cache, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = start_job(corpus_cache, tmp_path, nproc=2, iters=400, extra=["--save", str(ckpt)])
+    try:
+        wait_for(lambda: len(steps_done(tmp_path)) >= 3, 90, "three steps")
+        os.kill(worker_pids(proc)[1], signal.SIGTERM)  # rank 1 alone, as a node-local signal
+    finally:
+        status = finish(proc)
+    log = (tmp_path / "stderr.log").read_text()
+    assert status == 0, log[-3000:]
+    last = steps_done(tmp_path)[-1]["iteration"]
+    assert 3 <= last < 400
+    assert latest_iteration(ckpt) == last  # the step in flight finished, and was saved
+    assert f"iter {last}: SIGTERM received; stopping cleanly" in log
+    assert f"The latest checkpoint is iteration {last} in {ckpt}" in log
+
+
+def test_a_stopped_rank_is_reported_before_the_timeout(corpus_cache, tmp_path):
+    extra = ["--hdp-stall-report-seconds", "2", "--distributed-timeout-minutes", "1"]
+    proc = start_job(corpus_cache, tmp_path, nproc=2, iters=60, extra=extra)
+    log_path = tmp_path / "stderr.log"
+    try:
+        wait_for(lambda: len(steps_done(tmp_path)) >= 2, 90, "two steps")
+        stalled = worker_pids(proc)[1]
+        os.kill(stalled, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            report = wait_for(
+                lambda: "rank 1 is not responding" in log_path.read_text() and log_path.read_text(),
+                30,
+                "the stall report",
+            )
+            reported_after = time.monotonic() - stopped_at
+        finally:
+            os.kill(stalled, signal.SIGCONT)
+    finally:
+        status = finish(proc)
+    assert status == 0, log_path.read_text()[-3000:]  # the job survives a transient stall
+    assert reported_after < 60  # before the collective timeout
+    block = report[report.index("step stalled: rank 0 has waited") :]
+    assert "(the collective timeout is 60 s)" in block
+    assert "rank 1 is not responding, last heard" in block
+    assert "iteration" in block.splitlines()[1]
+    assert steps_done(tmp_path)[-1]["iteration"] == 60

@@ -1,0 +1,217 @@
+"""Resume and checkpoint-folder safety through pretrain_hdp.main: nothing silently changes."""
+
+import json
+import math
+import shutil
+
+import pytest
+import torch.distributed as dist
+
+from megatron_hdp.checkpoint_files import iteration_dir, latest_iteration
+from tests.e2e.harness import SMALL_MODEL, run_pretrain
+
+LR, MIN_LR = 3e-3, 3e-4
+
+
+def job_args(cache, *, iters, extra=()):
+    return [
+        *SMALL_MODEL,
+        "--seq-length",
+        "512",
+        "--hdp-capacity",
+        "256",
+        "--train-iters",
+        str(iters),
+        "--lr",
+        str(LR),
+        "--min-lr",
+        str(MIN_LR),
+        "--lr-decay-style",
+        "cosine",
+        "--hdp-global-batch-tokens",
+        "2048",
+        "--data-cache-path",
+        str(cache),
+        "--seed",
+        "5",
+        *extra,
+    ]
+
+
+def cosine_lr(step, decay_steps):
+    """Megatron's cosine decay without warm-up, written out."""
+    ratio = min(step, decay_steps) / decay_steps
+    return MIN_LR + 0.5 * (LR - MIN_LR) * (math.cos(math.pi * ratio) + 1)
+
+
+@pytest.fixture(scope="module")
+def four_steps(corpus_cache, tmp_path_factory):
+    """A checkpoint folder of a finished 4-step run."""
+    folder = tmp_path_factory.mktemp("run") / "ckpt"
+    run_pretrain(2, job_args(corpus_cache, iters=4, extra=["--save", str(folder)]))
+    return folder
+
+
+@pytest.fixture
+def checkpoint(four_steps, tmp_path):
+    """A private copy of the 4-step checkpoint folder."""
+    copy = tmp_path / "ckpt"
+    shutil.copytree(four_steps, copy)
+    return copy
+
+
+def exit_of(argv, monkeypatch, capsys):
+    """Exit status and stderr of pretrain_hdp.main on 2 ranks' worth of validation."""
+    import pretrain_hdp
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain_hdp.main(argv)
+    assert not dist.is_initialized()
+    return exit_info.value.code, capsys.readouterr().err
+
+
+def test_a_longer_run_with_the_old_schedule_is_refused_by_name(
+    corpus_cache, checkpoint, monkeypatch, capsys
+):
+    argv = job_args(corpus_cache, iters=8, extra=["--load", str(checkpoint)])
+    code, err = exit_of(argv, monkeypatch, capsys)
+    assert code == 2
+    assert "--lr-decay-iters (default: --train-iters) 8 (checkpoint: 4)" in err
+    assert "--override-opt_param-scheduler" in err and "--use-checkpoint-opt_param-scheduler" in err
+    argv = job_args(
+        corpus_cache, iters=8, extra=["--load", str(checkpoint), "--lr-decay-iters", "4"]
+    )
+    argv[argv.index("--lr") + 1] = "1e-3"
+    code, err = exit_of(argv, monkeypatch, capsys)
+    assert code == 2 and "--lr 0.001 (checkpoint: 0.003)" in err
+
+
+def test_override_takes_the_new_schedule(corpus_cache, checkpoint):
+    extra = ["--load", str(checkpoint), "--save", str(checkpoint), "--override-opt_param-scheduler"]
+    steps = run_pretrain(2, job_args(corpus_cache, iters=8, extra=extra))
+    assert [s["iteration"] for s in steps] == [5, 6, 7, 8]
+    assert [s["lr"] for s in steps] == pytest.approx([cosine_lr(n, 8) for n in range(5, 9)])
+
+
+def test_use_checkpoint_keeps_the_old_schedule(corpus_cache, checkpoint):
+    extra = ["--load", str(checkpoint), "--use-checkpoint-opt_param-scheduler"]
+    steps = run_pretrain(2, job_args(corpus_cache, iters=6, extra=extra))
+    assert [s["lr"] for s in steps] == pytest.approx([MIN_LR, MIN_LR])  # decayed at step 4
+
+
+@pytest.mark.parametrize(
+    "iters, status, message", [(4, 0, "training is complete"), (3, 2, "raise")]
+)
+def test_a_resume_at_or_past_the_end_says_so(
+    corpus_cache, checkpoint, monkeypatch, capsys, iters, status, message
+):
+    argv = job_args(corpus_cache, iters=iters, extra=["--load", str(checkpoint)])
+    code, err = exit_of(argv, monkeypatch, capsys)
+    assert code == status
+    assert f"the checkpoint is at iteration 4 and --train-iters is {iters}" in err
+    assert message in err
+
+
+def test_a_fresh_run_into_another_runs_folder_is_refused(
+    corpus_cache, checkpoint, monkeypatch, capsys
+):
+    before = sorted(p.name for p in checkpoint.iterdir())
+    code, err = exit_of(
+        job_args(corpus_cache, iters=2, extra=["--save", str(checkpoint)]), monkeypatch, capsys
+    )
+    assert code == 2
+    assert f"--save {checkpoint} already holds checkpoints of another run" in err
+    assert "latest iteration 4" in err and "--hdp-overwrite-checkpoints" in err
+    assert sorted(p.name for p in checkpoint.iterdir()) == before
+    assert latest_iteration(checkpoint) == 4
+
+
+def test_a_resume_into_another_runs_folder_is_refused(
+    corpus_cache, checkpoint, tmp_path, monkeypatch, capsys
+):
+    other = tmp_path / "other"
+    run_pretrain(2, job_args(corpus_cache, iters=1, extra=["--save", str(other)]))
+    argv = job_args(
+        corpus_cache,
+        iters=6,
+        extra=["--load", str(checkpoint), "--save", str(other), "--lr-decay-iters", "4"],
+    )
+    code, err = exit_of(argv, monkeypatch, capsys)
+    assert code == 2 and f"resumes --load {checkpoint}" in err
+    assert latest_iteration(other) == 1
+
+
+def test_overwrite_flag_replaces_the_old_run(corpus_cache, checkpoint):
+    old_run = json.loads((iteration_dir(checkpoint, 4) / "meta.json").read_text())["run_id"]
+    extra = ["--save", str(checkpoint), "--hdp-overwrite-checkpoints"]
+    run_pretrain(2, job_args(corpus_cache, iters=2, extra=extra))
+    assert sorted(p.name for p in checkpoint.iterdir()) == [
+        "iter_0000002",
+        "latest_checkpointed_iteration.txt",
+    ]
+    meta = json.loads((iteration_dir(checkpoint, 2) / "meta.json").read_text())
+    assert meta["run_id"] != old_run
+
+
+def test_a_resume_with_another_model_is_refused_before_start_up(
+    corpus_cache, checkpoint, monkeypatch, capsys
+):
+    argv = job_args(
+        corpus_cache, iters=6, extra=["--load", str(checkpoint), "--lr-decay-iters", "4"]
+    )
+    argv[argv.index("--hidden-size") + 1] = "64"
+    code, err = exit_of(argv, monkeypatch, capsys)
+    assert code == 2 and "hidden_size: 32 -> 64" in err
+
+
+def test_the_checked_schedule_is_the_one_the_engine_saves(corpus_cache, four_steps):
+    """schedule_of(flags), which the start-up check compares, equals the real scheduler's."""
+    from megatron_hdp.megatron.arguments import build_parser
+    from megatron_hdp.megatron.resume_checks import schedule_of
+
+    saved = json.loads((iteration_dir(four_steps, 4) / "meta.json").read_text())["schedule"]
+    args = build_parser().parse_args(job_args(corpus_cache, iters=4))
+    assert {k: v for k, v in saved.items() if k != "num_steps"} == schedule_of(args)
+    assert saved["num_steps"] == 4
+
+
+def _body_save_backwards(rank, world_size, folder):
+    from megatron_hdp.megatron import checkpoint
+    from megatron_hdp.megatron.cpu_shim import cpu_shims
+    from megatron_hdp.megatron.engine import (
+        OptimConfig,
+        build_engine,
+        destroy_parallel_state,
+        initialize_parallel_state,
+    )
+    from megatron_hdp.megatron.model import GPTConfig
+
+    cfg = GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32)
+    with cpu_shims():
+        initialize_parallel_state()
+        try:
+            engine = build_engine(cfg, OptimConfig())
+            group = dist.group.WORLD
+            for iteration in (3, 2):
+                state = checkpoint.TrainingState(iteration=iteration, data_state={})
+                try:
+                    checkpoint.save_checkpoint(folder, engine, state, group=group)
+                except (ValueError, RuntimeError) as err:  # rank 0's reason, or "rank 0 could not"
+                    return str(err)
+            return None
+        finally:
+            destroy_parallel_state()
+
+
+def test_the_tracker_never_moves_backwards(tmp_path):
+    from tests.dist import run_ranks
+
+    results = run_ranks(_body_save_backwards, 2, str(tmp_path), timeout_s=60)
+    assert "would move its latest checkpoint backwards" in results[0]
+    assert "rank 0 could not prepare" in results[1]  # and rank 1 did not wait for it
+    assert latest_iteration(tmp_path) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "iter_0000003",
+        "latest_checkpointed_iteration.txt",
+    ]

@@ -1,0 +1,149 @@
+"""Every bad flag is caught before any process group, fast, with one line and status 2."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from tests.e2e.harness import SMALL_MODEL
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def job_args(cache, extra=()):
+    return [
+        *SMALL_MODEL,
+        "--seq-length",
+        "512",
+        "--hdp-capacity",
+        "256",
+        "--train-iters",
+        "3",
+        "--lr",
+        "1e-3",
+        "--data-cache-path",
+        str(cache),
+        *extra,
+    ]
+
+
+def _file(tmp: Path, name="a-file", text="x") -> str:
+    path = tmp / name
+    path.write_text(text)
+    return str(path)
+
+
+BAD = [
+    (["--lr", "nan"], "--lr nan: must be a finite number"),
+    (["--min-lr", "inf"], "--min-lr inf: must be a finite number"),
+    (["--clip-grad", "-1"], "--clip-grad must be >= 0, got -1.0"),
+    (["--adam-beta2", "1"], "--adam-beta2 must lie in [0, 1), got 1.0"),
+    (["--hidden-dropout", "nan"], "--hidden-dropout nan: must be a finite number"),
+    (["--make-vocab-size-divisible-by", "0"], "--make-vocab-size-divisible-by must be > 0, got 0"),
+    (["--num-query-groups", "0"], "--num-query-groups must be > 0, got 0"),
+    (["--init-method-std", "0"], "--init-method-std must be > 0, got 0.0"),
+    (["--hdp-host-memory-gb", "nan"], "--hdp-host-memory-gb nan: must be a finite number"),
+    (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes must be > 0"),
+    (["--hdp-stall-report-seconds", "900"], "--hdp-stall-report-seconds 900.0 must be below"),
+    (["--lr-warmup-iters", "3"], "--lr-warmup-iters 3 must be below --train-iters 3"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--data-path", "nan", "/data/a", "1", "/data/b"], "weights must be finite and positive"),
+    (["--data-path", "/nowhere/data"], "--data-path /nowhere/data.idx: no such file"),
+    (
+        ["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
+        "not both",
+    ),
+    (
+        ["--no-check-for-nan-in-loss-and-grad", "--hdp-skip-nonfinite-steps", "2"],
+        "--hdp-skip-nonfinite-steps needs --check-for-nan-in-loss-and-grad",
+    ),
+    (lambda t: ["--save", _file(t)], "is a file, not a folder"),
+    (lambda t: ["--tensorboard-dir", _file(t)], "is a file, not a folder"),
+    (
+        lambda t: ["--hdp-metrics-file", str(Path(_file(t)) / "sub" / "m.jsonl")],
+        "is a file, so the folder cannot be made",
+    ),
+    (lambda t: ["--hdp-metrics-file", str(t)], "--hdp-metrics-file {t}: not a regular file"),
+    (
+        lambda t: ["--hdp-device-profile", _file(t, "p.json", '{"name": 1}')],
+        "not a device profile JSON",
+    ),
+    (lambda t: ["--load", _file(t)], "is a file, not a checkpoint folder"),
+    (
+        lambda t: (
+            ["--data-path", str(t / "x"), "--tokenizer-type", "HuggingFaceTokenizer"]
+            + ["--tokenizer-model", str(t / "tok.json")]
+        ),
+        "tok.json: no such file",
+    ),
+]
+
+
+@pytest.mark.parametrize("extra, message", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_flags_exit_2_with_one_line_before_start_up(
+    tmp_path, monkeypatch, capsys, extra, message
+):
+    import pretrain_hdp
+
+    if callable(extra):
+        extra = extra(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain_hdp.main(job_args(tmp_path / "cache", extra))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message.replace("{t}", str(tmp_path)) in err
+    assert err.count("\n") == 1 and err.startswith("pretrain_hdp.py: error: ")
+    assert not dist.is_initialized()
+
+
+def test_validation_fails_before_torch_or_megatron_is_imported(tmp_path):
+    code = (
+        "import sys, pretrain_hdp\n"
+        "try:\n"
+        f"    pretrain_hdp.main({job_args(tmp_path, ['--lr', 'nan'])!r})\n"
+        "except SystemExit as e:\n"
+        "    print(e.code, 'torch' in sys.modules, 'megatron.core' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
+    assert done.stdout.split() == ["2", "False", "False"], done.stderr
+
+
+def test_the_cpu_launcher_exits_2_with_one_line(tmp_path):
+    env = {**os.environ, "NPROC": "2", "OUT": str(tmp_path / "run")}
+    done = subprocess.run(
+        ["bash", "scripts/run_cpu.sh", "--make-vocab-size-divisible-by", "0"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stderr == (
+        "pretrain_hdp.py: error: --make-vocab-size-divisible-by must be > 0, got 0\n"
+    )
+
+
+def test_under_torchrun_the_message_comes_first_and_once(tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "pretrain_hdp.py",
+        *job_args(tmp_path, ["--lr", "nan"]),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert lines[0] == "pretrain_hdp.py: error: --lr nan: must be a finite number"
+    assert done.stderr.count("must be a finite number") == 1
