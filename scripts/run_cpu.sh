@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Launch pretrain_hdp.py on this machine's CPU with torchrun (gloo). No set-up step.
-#   NPROC=4 bash scripts/run_cpu.sh [pretrain_hdp.py flags...]   (later flags win)
+#   NPROC=4 OUT=runs/x bash scripts/run_cpu.sh [pretrain_hdp.py flags...]   (later flags win)
+# Flags are validated once (--hdp-validate-only) before torchrun starts the ranks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NPROC="${NPROC:-4}"
-OUT="${OUT:-runs/cpu-demo}"
-mkdir -p "$OUT"
+OUT="${OUT:-runs/cpu-$(date +%Y%m%d-%H%M%S)}"  # a new folder per run
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 ARGS=(
   --num-layers 2 --hidden-size 64 --num-attention-heads 4
@@ -21,4 +21,5 @@ ARGS=(
 # Validate once, before torchrun: bad input ends here with status 2 and one line (torchrun
 # would report every rank's exit and return 1).
 WORLD_SIZE="$NPROC" .venv/bin/python pretrain_hdp.py "${ARGS[@]}" --hdp-validate-only
+mkdir -p "$OUT"
 exec .venv/bin/torchrun --standalone --nproc-per-node "$NPROC" pretrain_hdp.py "${ARGS[@]}"
