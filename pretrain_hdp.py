@@ -78,7 +78,7 @@ def _train(args, data) -> list[dict]:
     timeout_s = args.distributed_timeout_minutes * 60
     device = init_distributed(timeout_s=timeout_s)
     with megatron_device_context():
-        initialize_parallel_state()
+        initialize_parallel_state(timeout_minutes=args.distributed_timeout_minutes)
         try:
             trainer = Trainer(args, data, runtime_for(args, dist.group.WORLD, device))
             report_after_s = args.hdp_stall_report_seconds

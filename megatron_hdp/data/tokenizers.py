@@ -144,7 +144,8 @@ def train_bpe(texts: Iterable[str], *, vocab_size: int, path: str | Path) -> HFT
 
     ByteLevel pre-tokenizer and decoder (every byte is in the initial alphabet, so any text
     round-trips), special token `<|endoftext|>`. The file is written atomically: to a
-    temporary file in the same folder, then renamed over `path`.
+    temporary file in the same folder, synced, then renamed over `path`; on any failure the
+    temporary is removed and an existing `path` is left as it was.
 
     Args:
         texts: Training text, one string per document.
@@ -157,6 +158,8 @@ def train_bpe(texts: Iterable[str], *, vocab_size: int, path: str | Path) -> HFT
 
     Raises:
         ValueError: If `vocab_size < 258` or `texts` holds no (non-empty) text.
+        OSError: If the file cannot be written (full disk, unwritable folder); its
+            `filename` is `path`, not the temporary.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -196,8 +199,14 @@ def train_bpe(texts: Iterable[str], *, vocab_size: int, path: str | Path) -> HFT
         )
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        tokenizer.save(str(tmp))
+        with open(tmp, "w", encoding="utf-8") as stream:  # not save(): its errors are no OSError
+            stream.write(tokenizer.to_str(pretty=True))
+            stream.flush()
+            os.fsync(stream.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

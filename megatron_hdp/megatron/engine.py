@@ -18,18 +18,23 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_hdp.megatron.model import GPTConfig, build_gpt, transformer_config
 
 
-def initialize_parallel_state(*, tensor_model_parallel_size: int = 1) -> None:
+def initialize_parallel_state(
+    *, tensor_model_parallel_size: int = 1, timeout_minutes: float = 10.0
+) -> None:
     """Collective over the world: set up Megatron's groups (HDP pool = data-parallel group).
 
     `torch.distributed` must already be initialised. Context and pipeline parallel sizes
-    stay 1; HDP replaces static context parallelism.
+    stay 1; HDP replaces static context parallelism. `timeout_minutes` bounds every
+    collective of Megatron's groups (the gradient sync), as --distributed-timeout-minutes.
     """
     if tensor_model_parallel_size != 1:
         raise ValueError(
             f"tensor_model_parallel_size {tensor_model_parallel_size} is not supported yet; use 1"
         )
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=1, distributed_timeout_minutes=timeout_minutes
+        )
 
 
 def destroy_parallel_state() -> None:

@@ -5,9 +5,14 @@ Host layer: the formats are Megatron-Core's own (`IndexedDatasetBuilder`,
 way round. What this module adds:
 
 - `write_indexed_dataset`: both files appear together or not at all (built under temporary
-  names in the target folder, then renamed); a failure leaves an existing dataset intact.
+  names in the target folder, synced, then renamed; if the second rename fails the first is
+  undone). Any failure (bad input, full disk, unwritable folder, interrupt) removes the
+  temporaries and leaves an existing dataset byte-identical; write errors are `OSError`s
+  naming the target file, not the temporary.
 - `open_indexed_dataset`: a missing, truncated or garbage file is a `ValueError` naming the
   path, checked before Megatron maps it, instead of an `AssertionError` or a crash later.
+  The `.bin` must be exactly as long as the index says (sum of lengths times the index's
+  token size), so a `.bin` of another token dtype or another dataset is refused too.
 - `ensure_stdlib_corpus`: the demo corpus (the interpreter's standard library, byte-level
   tokens) built once into a cache folder, safely when several ranks ask at once.
 """
@@ -46,6 +51,7 @@ logger = logging.getLogger(__name__)
 _INDEX_HEADER = b"MMIDIDX\x00\x00"  # Megatron's .idx magic (9 bytes), then version 1
 _INDEX_PREAMBLE = 9 + 8 + 1 + 8 + 8  # header, version, dtype code, sequence and doc counts
 _UINT16_VOCAB_LIMIT = 65500  # Megatron's DType.optimal_dtype threshold
+_TOKEN_TYPE_BY_SIZE = {1: "uint8", 2: "uint16", 4: "int32", 8: "int64"}  # for the hints
 
 
 def _dtype_for(vocab_size: int) -> type[np.number]:
@@ -58,24 +64,90 @@ def _paths(prefix: str | os.PathLike[str]) -> tuple[str, str]:
     return prefix + ".bin", prefix + ".idx"
 
 
+@contextlib.contextmanager
+def _naming(path: str) -> Iterator[None]:
+    """Re-raise an `OSError` of the block as one whose `filename` is `path`.
+
+    Write errors happen on temporary files; the user should see the file they asked for.
+    """
+    try:
+        yield
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror or str(exc), path) from exc
+
+
+def _install(moves: Sequence[tuple[str, str]]) -> None:
+    """Rename finished temporary files over their targets: all of them, or none.
+
+    Each existing target is first hard-linked (where the file system has no hard links:
+    renamed) to a backup next to its temporary. If any step fails, the targets already
+    replaced are restored from their backups, or removed if they are new, so a new `.bin`
+    never stands next to an old `.idx`.
+
+    Args:
+        moves: `(temporary, target)` pairs, in the same folder each.
+
+    Raises:
+        OSError: Naming the target that could not be backed up or replaced.
+    """
+    backups: dict[str, str] = {}
+    replaced: list[str] = []
+    try:
+        for tmp, target in moves:
+            if os.path.islink(target) or os.path.isfile(target):
+                backup = tmp + ".old"
+                with _naming(target):
+                    try:
+                        os.link(target, backup, follow_symlinks=False)
+                    except OSError:  # no hard links here (some FUSE/network mounts)
+                        os.replace(target, backup)
+                backups[target] = backup
+        for tmp, target in moves:
+            with _naming(target):
+                os.replace(tmp, target)
+            replaced.append(target)
+    except BaseException:
+        for _, target in reversed(moves):
+            backup = backups.pop(target, None)
+            try:
+                if backup is not None:
+                    os.replace(backup, target)
+                    with contextlib.suppress(FileNotFoundError):  # same file: rename no-op
+                        os.remove(backup)
+                elif target in replaced:
+                    os.remove(target)
+            except OSError as exc:
+                logger.error("cannot restore %s (previous version in %s): %s", target, backup, exc)
+        raise
+    finally:
+        for backup in backups.values():
+            with contextlib.suppress(OSError):
+                os.remove(backup)
+
+
 def write_indexed_dataset(
     prefix: str | os.PathLike[str],
     token_documents: Iterable[Sequence[int]],
     *,
     vocab_size: int,
+    extra_files: Sequence[tuple[str, str]] = (),
 ) -> int:
     """Write token documents as a Megatron indexed dataset `prefix.bin` / `prefix.idx`.
 
     Each non-empty document becomes one sequence and one document of the dataset. Files are
-    built under temporary names in the prefix's folder and renamed over the targets only
-    once complete; on any exception the temporaries are removed and existing files are left
-    untouched.
+    built under hidden temporary names in the prefix's folder, synced to disk, and renamed
+    over the targets only once complete (see `_install`: all or none). On any exception,
+    `KeyboardInterrupt` included, the temporaries are removed and existing files are left
+    byte-identical.
 
     Args:
         prefix: Output path without extension; its folder must exist.
         token_documents: Token ids per document (lists, tuples or 1-D integer arrays).
         vocab_size: Tokenizer vocabulary size; picks the storage type (numpy.uint16 below
             65500, numpy.int32 otherwise) and bounds the ids.
+        extra_files: `(finished temporary file, target path)` pairs renamed into place in
+            the same all-or-none step as the two dataset files, e.g. the tokenizer trained
+            for this dataset. The caller removes its temporaries if this raises.
 
     Returns:
         The number of documents written.
@@ -83,6 +155,9 @@ def write_indexed_dataset(
     Raises:
         ValueError: If the folder is missing, a token id is outside `[0, vocab_size)`, a
             document is not a flat integer sequence, or there is no non-empty document.
+        OSError: If a file cannot be written or renamed (full disk, unwritable folder);
+            `filename` is the target (`prefix.bin`, `prefix.idx` or an `extra_files`
+            target), never a temporary. Errors of `token_documents` pass through as raised.
     """
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
@@ -96,7 +171,8 @@ def write_indexed_dataset(
     tmp_idx = os.path.join(folder, f".{base}.{tag}.tmp.idx")
     builder: IndexedDatasetBuilder | None = None
     try:
-        builder = IndexedDatasetBuilder(tmp_bin, dtype=dtype)
+        with _naming(bin_path):
+            builder = IndexedDatasetBuilder(tmp_bin, dtype=dtype)
         count = 0
         for position, doc in enumerate(token_documents):
             tokens = np.asarray(doc)
@@ -113,30 +189,64 @@ def write_indexed_dataset(
                 raise ValueError(
                     f"document {position}: token id {bad} is outside [0, {vocab_size})"
                 )
-            builder.add_item(torch.from_numpy(np.ascontiguousarray(tokens, dtype=dtype)))
+            with _naming(bin_path):
+                builder.add_item(torch.from_numpy(np.ascontiguousarray(tokens, dtype=dtype)))
             builder.end_document()
             count += 1
         if count == 0:
             raise ValueError(f"no non-empty document to write to {os.fspath(prefix)!r}")
-        builder.finalize(tmp_idx)
-        os.replace(tmp_bin, bin_path)
-        os.replace(tmp_idx, idx_path)
+        with _naming(bin_path):  # a full disk may only show when the buffers reach it
+            builder.data_file.flush()
+            os.fsync(builder.data_file.fileno())
+            builder.data_file.close()
+        with _naming(idx_path):
+            builder.finalize(tmp_idx)
+            with open(tmp_idx, "rb") as written:
+                os.fsync(written.fileno())
+        _install([(tmp_bin, bin_path), (tmp_idx, idx_path), *extra_files])
     except BaseException:
         if builder is not None:
-            builder.data_file.close()
+            with contextlib.suppress(OSError):  # flushing may fail again on a full disk
+                builder.data_file.close()
         for tmp in (tmp_bin, tmp_idx):
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):
                 os.remove(tmp)
         raise
     logger.debug("wrote %d documents (%s) to %s.{bin,idx}", count, dtype.__name__, prefix)
     return count
 
 
+def _size_mismatch(
+    idx_path: str, bin_path: str, code: int, documents: int, tokens: int, have: int
+) -> str:
+    """The message for a `.bin` of `have` bytes next to an index of `tokens` tokens."""
+    dtype = DType.dtype_from_code(code)
+    needed = tokens * DType.size(code)
+    width = have // tokens if tokens and have % tokens == 0 else 0
+    if width in _TOKEN_TYPE_BY_SIZE and width != DType.size(code):
+        cause = (
+            f"it looks written with {width}-byte ({_TOKEN_TYPE_BY_SIZE[width]}) tokens: another "
+            "token dtype (tokenizer vocabulary size)"
+        )
+    elif have < needed:
+        cause = "it is truncated or holds fewer documents than the index"
+    else:
+        cause = "it holds more data than the index: another dataset or document count"
+    return (
+        f"data file {bin_path!r} has {have} bytes but its index {idx_path!r} declares "
+        f"{documents} documents of {tokens} {dtype.__name__} tokens ({needed} bytes): {cause}; "
+        "the two files are not a pair (write both again)"
+    )
+
+
 def _check_files(idx_path: str, bin_path: str) -> None:
     """Validate a `.idx` file and its `.bin` size before Megatron maps them.
 
     Megatron trusts the index: a truncated or garbage `.idx` surfaces as an `AssertionError`,
-    a numpy error or a half-built object, and a short `.bin` only when a sequence is read.
+    a numpy error or a half-built object, and a `.bin` of the wrong size (another token
+    dtype, another dataset) only when a sequence is read, or never: it trains on garbage.
+    A Megatron `.bin` is exactly the concatenation of the sequences, so its size must equal
+    the sum of the lengths times the index's token size.
     """
     size = os.path.getsize(idx_path)
     with open(idx_path, "rb") as stream:
@@ -178,12 +288,11 @@ def _check_files(idx_path: str, bin_path: str) -> None:
     finally:
         del raw
     have = os.path.getsize(bin_path)
-    if needed > have:
-        raise ValueError(
-            f"data file {bin_path!r} is truncated: {have} bytes, the index needs {needed}"
-        )
     if have == 0:
         raise ValueError(f"data file {bin_path!r} is empty")
+    if have != needed:
+        tokens = needed // itemsize
+        raise ValueError(_size_mismatch(idx_path, bin_path, code, documents - 1, tokens, have))
 
 
 def open_indexed_dataset(prefix: str | os.PathLike[str]) -> IndexedDataset:
@@ -197,7 +306,8 @@ def open_indexed_dataset(prefix: str | os.PathLike[str]) -> IndexedDataset:
 
     Raises:
         ValueError: Naming the path, if a file is missing or empty, the index is corrupt or
-            truncated, or the `.bin` file is smaller than the index says.
+            truncated, or the `.bin` size is not exactly what the index says (naming both
+            files, their sizes, the index's token dtype and the likely cause).
     """
     bin_path, idx_path = _paths(prefix)
     for path in (idx_path, bin_path):

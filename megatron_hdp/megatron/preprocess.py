@@ -7,15 +7,20 @@ Usage::
         --train-bpe-vocab-size 8192 --tokenizer-model out/tokenizer.json   (one command)
 
 Every document ends with the tokenizer's end-of-document token unless `--no-append-eod`.
-Bad input exits non-zero with a one-line message and leaves no partial output files.
+Any failure (bad input, a full disk, an unwritable folder, Ctrl-C or SIGTERM) exits non-zero
+with a one-line message naming the file and leaves no partial or temporary file: the outputs
+(PREFIX.bin, PREFIX.idx and a trained tokenizer.json) are replaced together or not at all.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -196,6 +201,19 @@ def _token_documents(
             yield ids
 
 
+def _os_error_message(exc: OSError, outputs: set[str]) -> str:
+    """One line for an `OSError`: which file could not be written (or read), and why."""
+    if exc.filename is None:
+        return str(exc)
+    verb = "cannot write" if os.fspath(exc.filename) in outputs else "cannot read"
+    return f"{verb} {os.fspath(exc.filename)!r}: {exc.strerror or exc}"
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    """SIGTERM handler: unwind like Ctrl-C, so the temporary files are removed."""
+    raise KeyboardInterrupt(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the tool.
 
@@ -206,8 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         0 on success.
 
     Raises:
-        SystemExit: With status 2 for bad flags (usage plus one line), status 1 with a
-            one-line message for bad input data; no partial output is left behind.
+        SystemExit: With status 2 for bad flags (usage plus one line); status 1 with a
+            one-line message for bad input data or a file that cannot be written (full
+            disk, unwritable folder); 128 + the signal number when interrupted. In every
+            case no partial or temporary file is left and existing outputs are unchanged.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -216,12 +236,23 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
+    outputs = {f"{args.output_prefix}.bin", f"{args.output_prefix}.idx"}
+    trained: str | None = None  # the trained tokenizer's temporary file, until installed
     try:
+        extra_files: list[tuple[str, str]] = []
         if args.train_bpe_vocab_size is not None:
+            target = Path(args.tokenizer_model)
+            outputs.add(str(target))
+            tag = f"{os.getpid()}.{uuid.uuid4().hex[:8]}"
+            trained = str(target.with_name(f".{target.name}.{tag}.tmp"))
             texts = (text.decode("utf-8", errors="replace") for _, text in _documents(args))
-            tokenizer = train_bpe(
-                texts, vocab_size=args.train_bpe_vocab_size, path=args.tokenizer_model
-            )
+            try:
+                tokenizer = train_bpe(texts, vocab_size=args.train_bpe_vocab_size, path=trained)
+            except OSError as exc:
+                if exc.filename != trained:
+                    raise
+                raise OSError(exc.errno, exc.strerror, str(target)) from exc
+            extra_files.append((trained, str(target)))  # installed with the dataset
         else:
             try:
                 tokenizer = build_tokenizer(
@@ -235,9 +266,22 @@ def main(argv: list[str] | None = None) -> int:
             args.output_prefix,
             _token_documents(args, tokenizer, stats),
             vocab_size=tokenizer.vocab_size,
+            extra_files=extra_files,
         )
     except ValueError as exc:
         raise SystemExit(f"{parser.prog}: error: {exc}") from exc
+    except OSError as exc:
+        raise SystemExit(f"{parser.prog}: error: {_os_error_message(exc, outputs)}") from exc
+    except KeyboardInterrupt as exc:
+        signum = exc.args[0] if exc.args and isinstance(exc.args[0], int) else signal.SIGINT
+        parser.exit(
+            128 + signum,
+            f"{parser.prog}: interrupted by {signal.Signals(signum).name}; "
+            f"{', '.join(sorted(outputs))} left as they were\n",
+        )
+    finally:
+        if trained is not None:
+            Path(trained).unlink(missing_ok=True)
     logger.info(
         "wrote %d documents, %d tokens (%s, vocabulary %d) to %s.{bin,idx} in %.1f s",
         stats["documents"],
@@ -251,4 +295,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     sys.exit(main())

@@ -1,5 +1,6 @@
 """Run pretrain_hdp.main on forked gloo ranks (the real entry point, minus torchrun)."""
 
+import contextlib
 import os
 
 from tests.dist import run_ranks
@@ -45,3 +46,46 @@ def run_pretrain(world_size: int, argv: list[str], timeout_s: float = 300) -> li
         # repr: NaN losses of a skipped step must agree too
         assert [repr(s["loss"]) for s in steps] == [repr(s["loss"]) for s in per_rank[0]], rank
     return per_rank[0]
+
+
+def corpus_args(cache, *, iters, lr="1e-3", tokens=2048, extra=()):
+    """A small job on the embedded corpus: 512-token context, capacity 256 (2+ ranks)."""
+    return [
+        *SMALL_MODEL,
+        "--seq-length",
+        "512",
+        "--hdp-capacity",
+        "256",
+        "--train-iters",
+        str(iters),
+        "--lr",
+        str(lr),
+        "--hdp-global-batch-tokens",
+        str(tokens),
+        "--data-cache-path",
+        str(cache),
+        "--seed",
+        "5",
+        *extra,
+    ]
+
+
+@contextlib.contextmanager
+def tiny_engine():
+    """A one-layer model, its optimizer and Megatron's parallel state, on a forked rank."""
+    from megatron_hdp.megatron.cpu_shim import cpu_shims
+    from megatron_hdp.megatron.engine import (
+        OptimConfig,
+        build_engine,
+        destroy_parallel_state,
+        initialize_parallel_state,
+    )
+    from megatron_hdp.megatron.model import GPTConfig
+
+    cfg = GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32)
+    with cpu_shims():
+        initialize_parallel_state()
+        try:
+            yield build_engine(cfg, OptimConfig())
+        finally:
+            destroy_parallel_state()

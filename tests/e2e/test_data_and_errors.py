@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from megatron_hdp.megatron import preprocess
 from megatron_hdp.megatron.indexed import open_indexed_dataset
-from tests.e2e.harness import SMALL_MODEL, run_pretrain
+from tests.e2e.harness import SMALL_MODEL, run_pretrain, tiny_engine
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -261,48 +261,34 @@ def test_torchrun_launch(corpus_cache, tmp_path):
 
 def _body_crash_while_saving(rank, world_size, folder, failing_rank):
     from megatron_hdp.megatron import checkpoint
-    from megatron_hdp.megatron.cpu_shim import cpu_shims
-    from megatron_hdp.megatron.engine import (
-        OptimConfig,
-        build_engine,
-        destroy_parallel_state,
-        initialize_parallel_state,
-    )
-    from megatron_hdp.megatron.model import GPTConfig
 
-    cfg = GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32)
-    with cpu_shims():
-        initialize_parallel_state()
+    with tiny_engine() as engine:
+        group = dist.group.WORLD
+        first = checkpoint.TrainingState(iteration=1, data_state={"at": 1})
+        checkpoint.save_checkpoint(folder, engine, first, group=group)
+        real_write = checkpoint._write
+
+        def failing_write(path, obj):
+            if rank == failing_rank:
+                raise OSError("disk full")
+            return real_write(path, obj)
+
+        checkpoint._write = failing_write
+        raised = None
         try:
-            engine = build_engine(cfg, OptimConfig())
-            group = dist.group.WORLD
-            first = checkpoint.TrainingState(iteration=1, data_state={"at": 1})
-            checkpoint.save_checkpoint(folder, engine, first, group=group)
-            real_write = checkpoint._write
-
-            def failing_write(path, obj):
-                if rank == failing_rank:
-                    raise OSError("disk full")
-                return real_write(path, obj)
-
-            checkpoint._write = failing_write
-            raised = None
-            try:
-                checkpoint.save_checkpoint(
-                    folder,
-                    engine,
-                    checkpoint.TrainingState(iteration=2, data_state={}),
-                    group=group,
-                )
-            except (OSError, RuntimeError) as err:
-                raised = str(err)
-            finally:
-                checkpoint._write = real_write
-            state, _ = checkpoint.load_checkpoint(folder, engine, group=group)
-            names = sorted(p.name for p in Path(folder).iterdir())
-            return raised, state.iteration, state.data_state, names
+            checkpoint.save_checkpoint(
+                folder,
+                engine,
+                checkpoint.TrainingState(iteration=2, data_state={}),
+                group=group,
+            )
+        except (OSError, RuntimeError) as err:
+            raised = str(err)
         finally:
-            destroy_parallel_state()
+            checkpoint._write = real_write
+        state, _ = checkpoint.load_checkpoint(folder, engine, group=group)
+        names = sorted(p.name for p in Path(folder).iterdir())
+        return raised, state.iteration, state.data_state, names
 
 
 @pytest.mark.parametrize("world_size, failing_rank", [(1, 0), (2, 0), (2, 1)])

@@ -6,32 +6,12 @@ import pytest
 import torch
 
 from megatron_hdp.checkpoint_files import latest_iteration
-from tests.e2e.harness import SMALL_MODEL, run_pretrain
+from tests.e2e.harness import corpus_args, run_pretrain
 
 
 def job_args(cache, *, lr="1e6", iters=6, extra=()):
-    return [
-        *SMALL_MODEL,
-        "--seq-length",
-        "512",
-        "--hdp-capacity",
-        "256",
-        "--train-iters",
-        str(iters),
-        "--lr",
-        lr,
-        "--lr-decay-style",
-        "constant",
-        "--clip-grad",
-        "0",
-        "--hdp-global-batch-tokens",
-        "2048",
-        "--data-cache-path",
-        str(cache),
-        "--seed",
-        "5",
-        *extra,
-    ]
+    fixed = ["--lr-decay-style", "constant", "--clip-grad", "0"]
+    return corpus_args(cache, iters=iters, lr=lr, extra=[*fixed, *extra])
 
 
 def saved_parameters(folder):

@@ -132,3 +132,24 @@ def test_a_stopped_rank_is_reported_before_the_timeout(corpus_cache, tmp_path):
     assert "rank 1 is not responding, last heard" in block
     assert "iteration" in block.splitlines()[1]
     assert steps_done(tmp_path)[-1]["iteration"] == 60
+
+
+def test_the_collective_timeout_is_the_flags(corpus_cache, tmp_path):
+    """--distributed-timeout-minutes 0.1: a rank stopped for good fails the job in ~6 s."""
+    extra = ["--hdp-stall-report-seconds", "2", "--distributed-timeout-minutes", "0.1"]
+    proc = start_job(corpus_cache, tmp_path, nproc=2, iters=400, extra=extra)
+    log_path = tmp_path / "stderr.log"
+    try:
+        wait_for(lambda: len(steps_done(tmp_path)) >= 2, 90, "two steps")
+        stalled = worker_pids(proc)[1]
+        os.kill(stalled, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        wait_for(lambda: "rank 1 is not responding" in log_path.read_text(), 30, "the report")
+        reported_after = time.monotonic() - stopped_at
+        wait_for(lambda: "Traceback" in log_path.read_text(), 60, "rank 0's timeout")
+        failed_after = time.monotonic() - stopped_at
+        os.kill(stalled, signal.SIGKILL)
+    finally:
+        status = finish(proc)
+    assert status != 0
+    assert reported_after < 6 <= failed_after + 0.5 < 30  # reported first, then the timeout

@@ -8,34 +8,14 @@ import pytest
 import torch.distributed as dist
 
 from megatron_hdp.checkpoint_files import iteration_dir, latest_iteration
-from tests.e2e.harness import SMALL_MODEL, run_pretrain
+from tests.e2e.harness import corpus_args, run_pretrain, tiny_engine
 
 LR, MIN_LR = 3e-3, 3e-4
 
 
 def job_args(cache, *, iters, extra=()):
-    return [
-        *SMALL_MODEL,
-        "--seq-length",
-        "512",
-        "--hdp-capacity",
-        "256",
-        "--train-iters",
-        str(iters),
-        "--lr",
-        str(LR),
-        "--min-lr",
-        str(MIN_LR),
-        "--lr-decay-style",
-        "cosine",
-        "--hdp-global-batch-tokens",
-        "2048",
-        "--data-cache-path",
-        str(cache),
-        "--seed",
-        "5",
-        *extra,
-    ]
+    schedule = ["--min-lr", str(MIN_LR), "--lr-decay-style", "cosine"]
+    return corpus_args(cache, iters=iters, lr=LR, extra=[*schedule, *extra])
 
 
 def cosine_lr(step, decay_steps):
@@ -178,30 +158,15 @@ def test_the_checked_schedule_is_the_one_the_engine_saves(corpus_cache, four_ste
 
 def _body_save_backwards(rank, world_size, folder):
     from megatron_hdp.megatron import checkpoint
-    from megatron_hdp.megatron.cpu_shim import cpu_shims
-    from megatron_hdp.megatron.engine import (
-        OptimConfig,
-        build_engine,
-        destroy_parallel_state,
-        initialize_parallel_state,
-    )
-    from megatron_hdp.megatron.model import GPTConfig
 
-    cfg = GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32)
-    with cpu_shims():
-        initialize_parallel_state()
-        try:
-            engine = build_engine(cfg, OptimConfig())
-            group = dist.group.WORLD
-            for iteration in (3, 2):
-                state = checkpoint.TrainingState(iteration=iteration, data_state={})
-                try:
-                    checkpoint.save_checkpoint(folder, engine, state, group=group)
-                except (ValueError, RuntimeError) as err:  # rank 0's reason, or "rank 0 could not"
-                    return str(err)
-            return None
-        finally:
-            destroy_parallel_state()
+    with tiny_engine() as engine:
+        for iteration in (3, 2):
+            state = checkpoint.TrainingState(iteration=iteration, data_state={})
+            try:
+                checkpoint.save_checkpoint(folder, engine, state, group=dist.group.WORLD)
+            except (ValueError, RuntimeError) as err:  # rank 0's reason, or "rank 0 could not"
+                return str(err)
+        return None
 
 
 def test_the_tracker_never_moves_backwards(tmp_path):

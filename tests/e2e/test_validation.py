@@ -8,26 +8,13 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from tests.e2e.harness import SMALL_MODEL
+from tests.e2e.harness import corpus_args
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def job_args(cache, extra=()):
-    return [
-        *SMALL_MODEL,
-        "--seq-length",
-        "512",
-        "--hdp-capacity",
-        "256",
-        "--train-iters",
-        "3",
-        "--lr",
-        "1e-3",
-        "--data-cache-path",
-        str(cache),
-        *extra,
-    ]
+    return corpus_args(cache, iters=3, extra=extra)
 
 
 def _file(tmp: Path, name="a-file", text="x") -> str:

@@ -1,5 +1,7 @@
 """Megatron indexed datasets: round trips, corruption, atomic writes, the stdlib cache."""
 
+import errno
+import io
 import os
 import threading
 import time
@@ -239,3 +241,171 @@ def test_corrupt_cache_is_rebuilt(tmp_path, fake_stdlib):
     assert ensure_stdlib_corpus(tmp_path) == prefix
     assert len(fake_stdlib) == 2
     assert read_all(prefix)[0] == [[97, 98, 99, 256], [255, 0, 256]]
+
+
+# ------------------------------------------------- .idx / .bin consistency, failed writes
+
+
+def mixed_pair(tmp_path, idx_docs, idx_vocab, bin_docs, bin_vocab):
+    """`mixed.idx` from one dataset next to `mixed.bin` from another."""
+    write_indexed_dataset(tmp_path / "idx_src", idx_docs, vocab_size=idx_vocab)
+    write_indexed_dataset(tmp_path / "bin_src", bin_docs, vocab_size=bin_vocab)
+    os.replace(tmp_path / "idx_src.idx", tmp_path / "mixed.idx")
+    os.replace(tmp_path / "bin_src.bin", tmp_path / "mixed.bin")
+    return tmp_path / "mixed"
+
+
+@pytest.mark.parametrize(
+    ("idx_vocab", "bin_vocab", "declared", "looks_like"),
+    [
+        (257, 100_000, "uint16", "4-byte (int32)"),  # would read two garbage ids per token
+        (100_000, 257, "int32", "2-byte (uint16)"),
+    ],
+)
+def test_bin_of_another_token_dtype_is_refused(
+    tmp_path, idx_vocab, bin_vocab, declared, looks_like
+):
+    prefix = mixed_pair(tmp_path, DOCS, idx_vocab, DOCS, bin_vocab)
+    tokens = sum(map(len, DOCS))
+    have = os.path.getsize(f"{prefix}.bin")
+    with pytest.raises(ValueError) as info:
+        open_indexed_dataset(prefix)
+    msg = str(info.value)
+    for needle in (
+        f"{prefix}.bin",
+        f"{prefix}.idx",
+        f"has {have} bytes",
+        f"{len(DOCS)} documents of {tokens} {declared} tokens",
+        looks_like,
+        "another token dtype",
+        "not a pair",
+    ):
+        assert needle in msg
+
+
+def test_bin_with_an_extra_document_is_refused(tmp_path):
+    prefix = mixed_pair(tmp_path, DOCS, 257, [*DOCS, [5, 6, 7]], 257)
+    with pytest.raises(ValueError) as info:
+        open_indexed_dataset(prefix)
+    msg = str(info.value)
+    tokens = sum(map(len, DOCS))
+    assert f"{prefix}.bin' has {2 * tokens + 6} bytes" in msg
+    assert f"{prefix}.idx' declares {len(DOCS)} documents of {tokens} uint16 tokens" in msg
+    assert f"({2 * tokens} bytes)" in msg and "another dataset or document count" in msg
+
+
+def test_bin_with_a_missing_document_is_refused(tmp_path):
+    prefix = mixed_pair(tmp_path, DOCS, 257, DOCS[:-1], 257)
+    with pytest.raises(ValueError, match=r"mixed\.bin.*fewer documents than the index"):
+        open_indexed_dataset(prefix)
+
+
+def snapshot(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.fixture(params=["previous", "fresh"])
+def target(request, tmp_path):
+    """A prefix with an older dataset in place, or none."""
+    prefix = tmp_path / "data"
+    if request.param == "previous":
+        write_indexed_dataset(prefix, DOCS, vocab_size=257)
+    return prefix
+
+
+def no_hard_links(*args, **kwargs):
+    raise OSError(errno.EPERM, "Operation not permitted")  # e.g. some FUSE mounts
+
+
+def fail_renames_onto(monkeypatch, suffix):
+    """`os.replace` of a new file onto `*suffix` fails (an I/O error); restoring still works."""
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if str(dst).endswith(suffix) and not str(src).endswith(".old"):
+            raise OSError(errno.EIO, "Input/output error")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+
+
+@pytest.mark.parametrize("hard_links", [True, False], ids=["links", "no-links"])
+def test_failed_idx_rename_restores_the_previous_pair(target, monkeypatch, hard_links):
+    """The new .bin is already in place when the .idx rename fails: it is undone."""
+    before = snapshot(target.parent)
+    fail_renames_onto(monkeypatch, ".idx")
+    if not hard_links:
+        monkeypatch.setattr(os, "link", no_hard_links)
+    with pytest.raises(OSError) as info:
+        write_indexed_dataset(target, [[4, 4]], vocab_size=257)
+    assert snapshot(target.parent) == before  # old pair byte-identical, no temporaries
+    assert info.value.filename == f"{target}.idx"
+    monkeypatch.undo()
+    write_indexed_dataset(target, [[4, 4]], vocab_size=257)
+    assert read_all(target)[0] == [[4, 4]]
+    assert listing(target.parent) == ["data.bin", "data.idx"]
+
+
+@pytest.mark.parametrize("hard_links", [True, False], ids=["links", "no-links"])
+def test_extra_files_are_installed_with_the_pair(target, monkeypatch, hard_links):
+    """A tokenizer installed with its dataset: if its rename fails, the dataset is undone too."""
+    folder = target.parent
+    tokenizer = folder / "tok.json"
+    if (folder / "data.bin").exists():
+        tokenizer.write_text("old tokenizer")
+    before = snapshot(folder)
+    new_tokenizer = folder / ".tok.json.new"
+    new_tokenizer.write_text("new tokenizer")
+    extra_files = [(str(new_tokenizer), str(tokenizer))]
+    fail_renames_onto(monkeypatch, ".json")
+    if not hard_links:
+        monkeypatch.setattr(os, "link", no_hard_links)
+    with pytest.raises(OSError) as info:
+        write_indexed_dataset(target, [[4, 4]], vocab_size=257, extra_files=extra_files)
+    assert info.value.filename == str(tokenizer)
+    assert new_tokenizer.read_text() == "new tokenizer"  # the caller's temporary: not touched
+    new_tokenizer.unlink()
+    assert snapshot(folder) == before
+    monkeypatch.undo()
+    new_tokenizer.write_text("new tokenizer")
+    write_indexed_dataset(target, [[4, 4]], vocab_size=257, extra_files=extra_files)
+    assert read_all(target)[0] == [[4, 4]] and tokenizer.read_text() == "new tokenizer"
+    assert listing(folder) == ["data.bin", "data.idx", "tok.json"]
+
+
+def test_rewrite_without_hard_links(written, monkeypatch):
+    monkeypatch.setattr(os, "link", no_hard_links)
+    write_indexed_dataset(written, [[4, 4]], vocab_size=257)
+    assert read_all(written)[0] == [[4, 4]]
+    assert listing(written.parent) == ["data.bin", "data.idx"]
+
+
+class FullDiskFile(io.FileIO):
+    """A file on a disk that fills up after `room` bytes (writes then fail with ENOSPC)."""
+
+    room = 3000
+
+    def write(self, data):
+        if self.tell() + len(data) > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return super().write(data)
+
+
+@pytest.mark.parametrize("fails", ["bin", "idx"])
+def test_full_disk_names_the_target_and_leaves_nothing(target, monkeypatch, fails):
+    """Buffered writes fail again on close; the temporaries still go, the error names the file."""
+    from megatron.core.datasets import indexed_dataset
+
+    def full_disk_open(path, mode="r", *args, **kwargs):
+        if "w" in mode and os.path.basename(path).startswith(".data.") and path.endswith(fails):
+            return io.BufferedWriter(FullDiskFile(path, "w"), buffer_size=1024)
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(indexed_dataset, "open", full_disk_open, raising=False)
+    before = snapshot(target.parent)
+    docs = [list(range(256))] * 20 if fails == "bin" else [[1]] * 300
+    with pytest.raises(OSError) as info:
+        write_indexed_dataset(target, docs, vocab_size=257)
+    assert snapshot(target.parent) == before
+    assert info.value.errno == errno.ENOSPC
+    assert info.value.filename == f"{target}.{fails}"

@@ -1,11 +1,16 @@
 """The preprocessing CLI: JSONL and directory inputs, ByteLevel and a trained BPE, errors."""
 
+import ctypes
+import errno
 import json
 import logging
 import os
 import random
+import resource
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -315,3 +320,184 @@ def test_module_entry_point_one_line_error(tmp_path):
         f"{prog}: error: {bad}:1: expected a JSON object, got list"
     ]
     assert listing(tmp_path) == ["bad.jsonl"]
+
+
+# ------------------------------------------- failures through the real CLI leave nothing
+
+PROG = "python -m megatron_hdp.megatron.preprocess"
+REPO = Path(__file__).resolve().parents[2]
+CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, PR_CAPBSET_DROP = 1, 2, 24
+
+
+def cli(argv, **kwargs):
+    """`python -m megatron_hdp.megatron.preprocess ARGV` in a fresh process, no progress logs."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    command = [sys.executable, "-m", "megatron_hdp.megatron.preprocess", *map(str, argv)]
+    command += ["--log-interval", "1000000"]
+    return subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
+        **kwargs,
+    )
+
+
+def run_cli(argv, **kwargs):
+    proc = cli(argv, **kwargs)
+    _, err = proc.communicate(timeout=180)
+    return proc.returncode, err
+
+
+def snapshot(folder: Path):
+    """Every file below `folder` (hidden ones included) with its bytes."""
+    return {
+        str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
+
+
+@pytest.fixture
+def previous(tmp_path):
+    """An older dataset (and tokenizer) at the output paths, which a failed run must keep."""
+    out = tmp_path / "out"
+    out.mkdir()
+    src = write_jsonl(tmp_path / "old.jsonl", generated_texts(7, 40))
+    argv = ["--input", str(src), "--output-prefix", str(out / "ds")]
+    argv += ["--train-bpe-vocab-size", "280", "--tokenizer-model", str(out / "tok.json")]
+    assert main(argv) == 0
+    assert listing(out) == ["ds.bin", "ds.idx", "tok.json"]
+    return out
+
+
+def limit_file_size(limit):
+    """preexec_fn: files cannot grow past `limit` bytes, and writing past it fails (EFBIG)
+    instead of killing the process: what a full disk looks like to the writer."""
+
+    def preexec():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    return preexec
+
+
+@pytest.mark.parametrize("fails", ["ds.bin", "ds.idx", "tok.json"])
+def test_full_disk_exits_with_one_line_and_leaves_nothing(tmp_path, previous, fails):
+    limit = 64 * 1024
+    if fails == "ds.bin":  # 200 documents of 1000 bytes: 400 kB of uint16 tokens
+        texts = ["x" * 1000] * 200
+    elif fails == "ds.idx":  # 6000 one-token documents: 12 kB of tokens, a 120 kB index
+        texts = [""] * 6000
+    else:  # a BPE tokenizer.json is about 8 kB
+        texts, limit = generated_texts(1, 300), 2048
+    src = write_jsonl(tmp_path / "in.jsonl", texts)
+    argv = ["--input", src, "--output-prefix", previous / "ds"]
+    if fails == "tok.json":
+        argv += ["--train-bpe-vocab-size", "300", "--tokenizer-model", previous / "tok.json"]
+    before = snapshot(previous)
+    code, err = run_cli(argv, preexec_fn=limit_file_size(limit))
+    assert code == 1, err
+    assert err.strip().splitlines() == [
+        f"{PROG}: error: cannot write {str(previous / fails)!r}: File too large"
+    ]
+    assert snapshot(previous) == before  # old files byte-identical, no temporary left
+
+
+def drop_root_file_access():
+    """preexec_fn: root loses the capabilities that let it write into a 0o555 folder."""
+    if os.geteuid() != 0:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH):
+        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """A folder holding an older file, that the CLI's process cannot write into."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    (folder / "keep.txt").write_text("older file")
+    folder.chmod(0o555)
+    probe = [sys.executable, "-c", f"open({str(folder / 'probe')!r}, 'x')"]
+    try:
+        writable = subprocess.run(probe, preexec_fn=drop_root_file_access).returncode == 0
+    except OSError as exc:  # no CAP_SETPCAP to drop capabilities with
+        pytest.skip(f"cannot make a folder unwritable here: {exc}")
+    if writable:
+        pytest.skip("cannot make a folder unwritable here")
+    yield folder
+    folder.chmod(0o755)
+
+
+@pytest.mark.parametrize("unwritable", ["dataset", "tokenizer"])
+def test_unwritable_folder_exits_with_one_line_and_leaves_nothing(
+    tmp_path, jsonl_inputs, read_only, unwritable
+):
+    out = tmp_path / "out"
+    out.mkdir()
+    if unwritable == "dataset":
+        argv = ["--input", jsonl_inputs[0], "--output-prefix", read_only / "ds"]
+        target = read_only / "ds.bin"
+    else:
+        src = write_jsonl(tmp_path / "train.jsonl", generated_texts(2, 60))
+        argv = ["--input", src, "--output-prefix", out / "ds", "--train-bpe-vocab-size", "300"]
+        argv += ["--tokenizer-model", read_only / "tok.json"]
+        target = read_only / "tok.json"
+    code, err = run_cli(argv, preexec_fn=drop_root_file_access)
+    assert code == 1, err
+    assert err.strip().splitlines() == [
+        f"{PROG}: error: cannot write {str(target)!r}: Permission denied"
+    ]
+    assert listing(read_only) == ["keep.txt"] and listing(out) == []
+
+
+def test_bad_line_mid_way_exits_with_one_line_and_leaves_nothing(tmp_path, previous):
+    src = write_jsonl(tmp_path / "in.jsonl", generated_texts(3, 3000))
+    with src.open("a") as stream:
+        stream.write('{"text": "cut off\n{"text": "after"}\n')
+    before = snapshot(previous)
+    code, err = run_cli(["--input", src, "--output-prefix", previous / "ds"])
+    assert code == 1
+    assert err.strip().splitlines() == [
+        f"{PROG}: error: {src}:3001: not valid JSON (Invalid control character at)"
+    ]
+    assert snapshot(previous) == before
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupt_exits_with_one_line_and_leaves_nothing(tmp_path, previous, signum):
+    """Interrupted while the temporary .bin is half written: the input is a pipe that stalls."""
+    fifo = tmp_path / "in.jsonl"
+    os.mkfifo(fifo)
+    before = snapshot(previous)
+    # a shell without job control starts background jobs with SIGINT ignored: undo that
+    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    proc = cli(["--input", fifo, "--output-prefix", previous / "ds"], preexec_fn=default_sigint)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # wait until the CLI opens the pipe: its temporary .bin exists by then
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            try:
+                writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError as exc:
+                assert exc.errno == errno.ENXIO  # no reader yet
+                time.sleep(0.05)
+        os.write(writer, b'{"text": "first document"}\n' * 100)
+        assert [p.name for p in previous.glob(".ds.*.tmp.bin")]  # mid-write
+        time.sleep(0.5)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+        os.close(writer)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signum
+    outputs = ", ".join(str(previous / f"ds.{ext}") for ext in ("bin", "idx"))
+    name = signal.Signals(signum).name
+    assert err.strip().splitlines() == [
+        f"{PROG}: interrupted by {name}; {outputs} left as they were"
+    ]
+    assert snapshot(previous) == before
