@@ -46,7 +46,7 @@ def _prepare(parser, args, world_size: int):
         _say(parser, 2, f"error: {err}")
     import dataclasses
 
-    from megatron_hdp.megatron.trainer import data_config, model_config
+    from megatron_hdp.megatron.config import data_config, model_config
     from megatron_hdp.megatron.training_data import build_training_data
 
     try:

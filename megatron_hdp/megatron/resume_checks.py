@@ -50,7 +50,7 @@ SCHEDULE_FLAGS = {
 def schedule_of(args: argparse.Namespace) -> dict:
     """The scheduler settings these flags give (`OptimizerParamScheduler.state_dict` keys).
 
-    Must agree with `engine.build_engine` for `trainer.optim_config(args)`; a test holds the
+    Must agree with `engine.build_engine` for `config.optim_config(args)`; a test holds the
     two together.
     """
     return {

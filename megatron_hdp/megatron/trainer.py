@@ -11,120 +11,34 @@ import argparse
 import dataclasses
 import json
 import logging
-import math
 import statistics
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from megatron_hdp.batching import IndexedTokens
 from megatron_hdp.checkpoint_files import read_meta
-from megatron_hdp.data.sampler import parse_split
 from megatron_hdp.distributed.stall_watchdog import StallWatchdog
 from megatron_hdp.distributed.stop_signal import StopSignal
 from megatron_hdp.errors import NonFiniteError
 from megatron_hdp.megatron.arguments import (
     capacity_of,
-    parse_data_path,
     uses_static_mesh,
 )
 from megatron_hdp.megatron.checkpoint import TrainingState, load_checkpoint, save_checkpoint
-from megatron_hdp.megatron.engine import Engine, OptimConfig, build_engine, offload_manager
-from megatron_hdp.megatron.model import GPTConfig, model_shape
+from megatron_hdp.megatron.config import device_profile, model_config, optim_config
+from megatron_hdp.megatron.engine import Engine, build_engine, offload_manager
+from megatron_hdp.megatron.model import model_shape
 from megatron_hdp.megatron.step import StepResult, StepRuntime, evaluate, train_step
-from megatron_hdp.megatron.training_data import DataConfig, TrainingData
+from megatron_hdp.megatron.training_data import TrainingData
 from megatron_hdp.scheduler import plan_step
-from megatron_hdp.scheduler.cost import PROFILES, CostModel, DeviceProfile
+from megatron_hdp.scheduler.cost import CostModel
 from megatron_hdp.scheduler.stats import plan_statistics
 
 logger = logging.getLogger(__name__)
-
-
-def device_profile(spec: str | None) -> DeviceProfile:
-    """A named profile, a calibrated profile JSON, or the default for this machine."""
-    if spec is None:
-        spec = "h100" if torch.cuda.is_available() else "cpu"
-    if spec in PROFILES:
-        return PROFILES[spec]
-    return DeviceProfile.from_json(spec)
-
-
-def padded_vocab_size(vocab_size: int, multiple: int) -> int:
-    """Megatron's vocabulary padding to a multiple of `--make-vocab-size-divisible-by`."""
-    return int(math.ceil(vocab_size / multiple) * multiple)
-
-
-def megatron_ffn_hidden_size(args: argparse.Namespace) -> int:
-    """Megatron-LM's default MLP size: 4 h, or int(8 h / 3 / 64) * 64 with SwiGLU."""
-    if args.ffn_hidden_size is not None:
-        return args.ffn_hidden_size
-    if args.swiglu:
-        return int((4 * args.hidden_size * 2 / 3) / 64) * 64 or 4 * args.hidden_size
-    return 4 * args.hidden_size
-
-
-def model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
-    """The model shape from Megatron-named arguments."""
-    return GPTConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups if args.group_query_attention else None,
-        ffn_hidden_size=megatron_ffn_hidden_size(args),
-        vocab_size=padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by),
-        max_position_embeddings=args.max_position_embeddings or args.seq_length,
-        position_embedding_type=args.position_embedding_type,
-        rotary_base=args.rotary_base,
-        normalization=args.normalization,
-        swiglu=args.swiglu,
-        add_bias_linear=not args.disable_bias_linear,
-        init_method_std=args.init_method_std,
-        tie_embeddings=not args.untie_embeddings_and_output_weights,
-        hidden_dropout=args.hidden_dropout,
-        params_dtype="bfloat16" if args.bf16 else "float32",
-    )
-
-
-def optim_config(args: argparse.Namespace) -> OptimConfig:
-    """Optimizer and LR schedule from Megatron-named arguments."""
-    return OptimConfig(
-        lr=args.lr,
-        min_lr=args.min_lr,
-        weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        lr_warmup_iters=args.lr_warmup_iters,
-        lr_decay_iters=args.lr_decay_iters or args.train_iters,
-        lr_decay_style=args.lr_decay_style,
-        override_scheduler=args.override_opt_param_scheduler,
-        use_checkpoint_scheduler=args.use_checkpoint_opt_param_scheduler,
-    )
-
-
-def data_config(args: argparse.Namespace, world_size: int) -> DataConfig:
-    """Data set-up from Megatron-named arguments; the default batch is one context per DP rank."""
-    tokens, units = args.hdp_global_batch_tokens, args.global_batch_size
-    if tokens is None and units is None:
-        tokens = (world_size // args.context_parallel_size) * args.seq_length
-    return DataConfig(
-        blend=parse_data_path(args.data_path),
-        split=parse_split(args.split),
-        seq_length=args.seq_length,
-        seed=args.seed,
-        tokens_per_batch=tokens,
-        units_per_batch=units,
-        tokenizer_type=args.tokenizer_type,
-        tokenizer_model=args.tokenizer_model,
-        vocab_size=args.vocab_size,
-        cache_dir=args.data_cache_path,
-    )
 
 
 def _merge_stats(stats: list[dict]) -> dict:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from megatron_hdp.batching import InMemoryTokens
 from megatron_hdp.launch import init_distributed, megatron_device_context, setup_logging
+from megatron_hdp.megatron.config import device_profile
 from megatron_hdp.megatron.engine import (
     OptimConfig,
     build_engine,
@@ -37,7 +38,6 @@ from megatron_hdp.megatron.engine import (
 )
 from megatron_hdp.megatron.model import GPTConfig, model_shape
 from megatron_hdp.megatron.step import StepRuntime, forward_backward, local_batches
-from megatron_hdp.megatron.trainer import device_profile
 from megatron_hdp.provenance import environment
 from megatron_hdp.scheduler.cost import H100, CostModel
 from megatron_hdp.scheduler.offload_rule import offload_rule, resident_fraction

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from megatron_hdp.batching import InMemoryTokens
 from megatron_hdp.launch import init_distributed, megatron_device_context, setup_logging
+from megatron_hdp.megatron.config import device_profile
 from megatron_hdp.megatron.engine import (
     OptimConfig,
     build_engine,
@@ -35,7 +36,6 @@ from megatron_hdp.megatron.engine import (
 )
 from megatron_hdp.megatron.model import GPTConfig, model_shape
 from megatron_hdp.megatron.step import StepRuntime, train_step
-from megatron_hdp.megatron.trainer import device_profile
 from megatron_hdp.provenance import environment
 from megatron_hdp.scheduler import plan_step
 from megatron_hdp.scheduler.cost import CostModel
