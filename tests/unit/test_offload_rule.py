@@ -1,7 +1,14 @@
-"""Selective offloading's capacity rule against an independent brute-force reading of Eq. 3."""
+"""Selective offloading's capacity rule against an independent, exact search over ring sizes.
+
+The rule (`offload_rule`) is a closed form; here Eq. 3 is read as a search over `D` in
+`2..ceil(s / C)`, each member holding its real (zigzag) `ceil(s / D)` tokens, with every bound
+checked directly, and the returned ratio checked in exact rational arithmetic. The property
+tests run derandomized in the suite; `scripts/property_tests.sh` runs them long and random.
+"""
 
 import dataclasses
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -11,6 +18,9 @@ from hypothesis import strategies as st
 from megatron_hdp.scheduler import plan_step
 from megatron_hdp.scheduler.cost import H100, CostModel, ModelShape
 from megatron_hdp.scheduler.offload_rule import offload_rule
+from tests.property import examples
+
+SLACK = 1e-12  # bounds tied within this (relative) may go either way: floats decide them
 
 
 def shape(layers):
@@ -24,57 +34,192 @@ def shape(layers):
     )
 
 
-def brute_force(s, capacity, model, budget):
-    """Eq. 3 by search: the ratio from its three bounds, then the fewest ranks that fit."""
-    layers, d = model.model.num_layers, model.device
-    base = max(1, math.ceil(s / capacity))
-    if s <= capacity or layers <= 2:
-        return base, 0.0
-    per_token = 34 * model.model.hidden_size * d.bytes_per_element / 2  # bytes / token / layer
-    act, act_c = per_token * s, per_token * capacity
+def per_token_bytes(model):
+    """Saved activation bytes per token per layer: 34 h at 16 bits."""
+    return Fraction(34 * model.model.hidden_size * model.device.bytes_per_element, 2)
+
+
+def copy_bound(s, model):
+    """r_max: the share of a layer's activations whose D2H copy hides under its forward."""
+    d, layers = model.device, model.model.num_layers
     # One layer's forward: its share of the GEMMs plus its causal attention (2 s^2 h FLOPs).
     linear = 6 * model.model.params_per_token * s / d.linear_flops / 3 / layers
     forward = linear + 2 * s * s * model.model.hidden_size / d.attention_flops
-    r = min(1.0, forward * d.host_bandwidth / act)
-    for trial in np.linspace(1.0, 0.0, 100001):  # largest ratio whose bytes fit the budget
-        ranks = (2 + (1 - trial) * (layers - 2)) * act / (layers * act_c)
-        if trial * (layers - 2) * act / ranks <= budget * (1 + 1e-9):
-            r = min(r, trial)
-            break
-    if r < min(1.0, layers * act_c / ((layers - 2) * act)) - 1e-4:
-        return base, 0.0
-    resident = (2 + (1 - r) * (layers - 2)) / layers
-    ranks = next(  # a member holds up to ceil(s / ranks) tokens
-        (d for d in range(2, base + 1) if resident * math.ceil(s / d) <= capacity * (1 + 1e-12)),
-        base,
-    )
-    if ranks == base:
-        return base, 0.0  # no rank saved: nothing to offload
-    # The least ratio that still fits `ranks` (searched, not solved).
-    for trial in np.linspace(0.0, r, 20001):
-        if (2 + (1 - trial) * (layers - 2)) / layers * math.ceil(s / ranks) <= capacity:
-            return ranks, float(trial)
-    return ranks, r
+    return forward * d.host_bandwidth / (float(per_token_bytes(model)) * s)
 
 
-@given(
-    st.integers(min_value=1, max_value=4_000_000),
+def brute_force(s, capacity, model, budget, slack=0.0):
+    """Eq. 3 by search: the fewest ranks whose members fit, and the least ratio that does it.
+
+    A ring of `D` ranks gives a member `t = ceil(s / D)` tokens; the least ratio that keeps
+    its resident activations within `C` solves `(2 + (1 - r)(l - 2)) t <= l C`, and `D` is
+    admissible when that ratio also hides the copy (`<= r_max`) and the member's offloaded
+    bytes fit the host budget. Offloading is used only where the largest admissible ratio
+    (its host-budget cap found by bisection) reaches `r_min`. `slack` loosens (> 0) or
+    tightens (< 0) every bound by that relative amount. Returns `(ranks, exact ratio)`.
+    """
+    layers = model.model.num_layers
+    base = max(1, math.ceil(s / capacity))
+    if s <= capacity or layers <= 2:
+        return base, Fraction(0)
+    per_token = float(per_token_bytes(model))
+    r_max = min(1.0, copy_bound(s, model) * (1 + slack))
+    budget = budget * (1 + slack)
+
+    def offloaded_when_full(r):  # a member's offloaded bytes when its resident share is C
+        return r * (layers - 2) * per_token * layers * capacity / (2 + (1 - r) * (layers - 2))
+
+    low, high = 0.0, 1.0  # the largest ratio a full member can offload within the budget
+    if offloaded_when_full(1.0) <= budget:
+        low = 1.0
+    while high - low > 1e-15:
+        mid = (low + high) / 2
+        low, high = (mid, high) if offloaded_when_full(mid) <= budget else (low, mid)
+    r_min = min(1.0, layers * capacity / ((layers - 2) * s))
+    if min(r_max, low) < r_min * (1 - slack):
+        return base, Fraction(0)
+    ranks = np.arange(2, base)
+    tokens = -(-s // ranks)
+    least = layers * (tokens - capacity) / ((layers - 2) * tokens)
+    offloaded = least * (layers - 2) * per_token * tokens
+    fits = (least <= r_max) & (offloaded <= budget)
+    if not fits.any():
+        return base, Fraction(0)  # no rank saved: nothing to offload
+    d = int(ranks[np.argmax(fits)])
+    return d, least_fitting(s, d, capacity, layers)
+
+
+def least_fitting(s, ranks, capacity, layers):
+    """The exact least ratio whose resident share fits a member's ceil(s / ranks) tokens."""
+    t = -(-s // ranks)
+    return max(Fraction(0), Fraction(layers * (t - capacity), (layers - 2) * t))
+
+
+def assert_invariants(s, capacity, model, budget, ranks, ratio):
+    """What the rule promises every ring member, in exact arithmetic on the returned floats."""
+    layers = model.model.num_layers
+    base = max(1, math.ceil(s / capacity))
+    r = Fraction(float(ratio))
+    assert 1 <= ranks <= base and 0 <= r <= 1
+    if s <= capacity:
+        assert (ranks, r) == (1, 0)  # packs never offload
+        return
+    assert ranks >= 2  # a ring stays a ring
+    if ranks == base or layers <= 2:
+        assert r == 0  # no rank saved, or nothing to offload: no offloading
+    tokens = -(-s // ranks)  # a member's real (zigzag) share, not s / ranks
+    assert (2 + (1 - r) * (layers - 2)) * tokens <= layers * capacity  # resident <= C
+    assert r * (layers - 2) * per_token_bytes(model) * tokens <= Fraction(budget)  # host
+    assert r <= Fraction(copy_bound(s, model)) * (1 + Fraction(SLACK))  # the copy hides
+
+
+def check_against_brute_force(s, capacity, layers, bandwidth, budget):
+    model = CostModel(shape(layers), dataclasses.replace(H100, host_bandwidth=bandwidth))
+    (ranks,), (ratio,) = offload_rule([s], capacity, model, host_budget_bytes=budget)
+    ranks = int(ranks)
+    assert_invariants(s, capacity, model, budget, ranks, ratio)
+    loose = brute_force(s, capacity, model, budget, slack=SLACK)
+    tight = brute_force(s, capacity, model, budget, slack=-SLACK)
+    assert loose[0] <= ranks <= tight[0]  # equal unless a bound is tied within SLACK
+    if ranks < max(1, math.ceil(s / capacity)):
+        # The least ratio for the member's tokens, rounded up by at most an ulp or two.
+        least = least_fitting(s, ranks, capacity, layers)
+        assert 0 <= Fraction(float(ratio)) - least <= Fraction(1, 10**15)
+    else:
+        assert ratio == 0.0
+    return ranks, ratio
+
+
+configs = (
     st.sampled_from([1024, 8192, 32768]),
     st.sampled_from([2, 3, 8, 32, 80]),
     st.sampled_from([5e9, 25e9, 50e9, 400e9]),
     st.sampled_from([1e9, 64e9, 1e12]),
 )
-@settings(max_examples=300, deadline=None)
+
+
+@pytest.mark.property
+@given(st.integers(min_value=1, max_value=4_000_000), *configs)
+@settings(max_examples=examples(300), deadline=None)
 def test_rule_matches_brute_force(s, capacity, layers, bandwidth, budget):
+    check_against_brute_force(s, capacity, layers, bandwidth, budget)
+
+
+def most_tokens(s, capacity, model, budget):
+    """The most tokens one member may hold at `s`'s bounds (searched over token counts)."""
+    layers, per_token = model.model.num_layers, float(per_token_bytes(model))
+    tokens = np.arange(capacity + 1, layers * capacity // 2 + 2)
+    least = layers * (tokens - capacity) / ((layers - 2) * tokens)
+    fits = (least <= min(1.0, copy_bound(s, model))) & (
+        least * (layers - 2) * per_token * tokens <= budget
+    )
+    return int(tokens[fits][-1]) if fits.any() else capacity
+
+
+@pytest.mark.property
+@given(
+    st.integers(min_value=1, max_value=4_000_000),
+    *configs[:1],
+    st.sampled_from([3, 8, 32, 80]),
+    *configs[2:],
+    st.integers(min_value=-1, max_value=1),
+    st.integers(min_value=-1, max_value=1),
+)
+@settings(max_examples=examples(200), deadline=None)
+def test_rule_at_ring_size_steps(s, capacity, layers, bandwidth, budget, step, offset):
+    """Where the ranks change: `s` a token off a multiple of the most tokens a member holds."""
     model = CostModel(shape(layers), dataclasses.replace(H100, host_bandwidth=bandwidth))
-    (ranks,), (ratio,) = offload_rule([s], capacity, model, host_budget_bytes=budget)
-    want_ranks, want_ratio = brute_force(s, capacity, model, budget)
-    assert ranks == want_ranks
-    assert ratio == pytest.approx(want_ratio, abs=2e-4)
-    assert ranks <= max(1, math.ceil(s / capacity))
-    if s > capacity:
-        assert ranks >= 2
-        assert ratio * (layers - 2) * 34 * 4096 * s / ranks <= budget * (1 + 1e-9)
+    most = most_tokens(s, capacity, model, budget)
+    ranks = max(2, math.ceil(s / most) + step)
+    edge = ranks * most + offset
+    if capacity < edge <= 4_000_000:
+        check_against_brute_force(edge, capacity, layers, bandwidth, budget)
+
+
+def test_issue_example_gets_130_ranks():
+    """Found by the property test: s = 1,999,921, C = 1,024, 32 layers, 5 GB/s, 64 GB.
+
+    The old brute force searched the ratio on a 1e-5 grid, floored the host cap
+    r_host = 0.99567209 to 0.99567 and wanted 131 ranks; exactly, 130 fit. A member then
+    holds ceil(s / 130) = 15,385 tokens, the least ratio is 32 (15385 - 1024) / (30 * 15385)
+    = 0.99567111 <= r_host, and it offloads its activations beyond C's worth:
+    32 layers * 34 h bytes * 14,361 tokens = 63.999 GB <= 64 GB. On 129 ranks (15,504
+    tokens) it would offload 64.53 GB.
+    """
+    s, capacity, budget = 1_999_921, 1024, 64e9
+    ranks, ratio = check_against_brute_force(s, capacity, 32, 5e9, budget)
+    assert ranks == 130
+    assert Fraction(float(ratio)) >= Fraction(32 * (15385 - 1024), 30 * 15385)
+    assert ratio == pytest.approx(0.9956711082222944, abs=1e-15)
+    per_member = 32 * 34 * 4096  # bytes a member offloads per token over C at the least ratio
+    assert per_member * (15385 - 1024) <= budget < per_member * (15504 - 1024)
+
+
+@pytest.mark.parametrize(
+    "s, capacity, layers, bandwidth, budget, want",
+    [
+        # r_max >= 1: offloading everything but the two resident layers is allowed exactly,
+        # a member holds l C / 2 = 12,288 tokens.
+        (2_690_958, 8192, 3, 25e9, 1e12, (219, 1.0)),
+        # r_max is exactly 4/51, the least ratio on 68 ranks: no float is both >= the least
+        # ratio and <= r_max, so the rule takes one rank more (the old rule's ratio was
+        # 2^-50 tokens short of fitting).
+        (73_984, 1024, 8, 5e9, 1e9, (69, None)),
+        # r_max is exactly 604/645, the least ratio on 357 ranks: the rule's ratio, rounded
+        # up, passes the float r_max, so again one rank more (the old rule's ratio was one
+        # ulp above the exact r_max).
+        (1_228_032, 1024, 8, 5e9, 64e9, (358, None)),
+        # A member's ceil(s / D) tokens, not s / D: 15,385 tokens per member fit 130 ranks,
+        # one token more does not.
+        (130 * 15385, 1024, 32, 5e9, 64e9, (130, None)),
+        (130 * 15385 + 1, 1024, 32, 5e9, 64e9, (131, None)),
+    ],
+)
+def test_edges_found_by_search(s, capacity, layers, bandwidth, budget, want):
+    ranks, ratio = check_against_brute_force(s, capacity, layers, bandwidth, budget)
+    assert ranks == want[0]
+    if want[1] is not None:
+        assert ratio == want[1]
 
 
 def test_edge_cases():
@@ -115,8 +260,9 @@ def test_planner_gives_long_sequences_the_rule_s_ranks():
         plan_step(lengths, pool_size=64, capacity=8192, policy="greedy", offload=True)
 
 
+@pytest.mark.property
 @given(st.integers(min_value=20000, max_value=3_000_000), st.floats(min_value=0.5, max_value=500))
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 def test_ring_time_limit_adds_ranks_and_lowers_the_ratio(s, limit):
     model, capacity = CostModel(shape(32), H100), 8192
     (free_ranks,), (free_ratio,) = offload_rule([s], capacity, model)
@@ -126,8 +272,7 @@ def test_ring_time_limit_adds_ranks_and_lowers_the_ratio(s, limit):
     # The fewest ranks (from Eq. 3's count up) that finish within the limit, or all of them.
     want = next((d for d in range(free_ranks, base + 1) if model.time(s, d) <= limit), base)
     assert ranks == max(free_ranks, want)
-    resident = (2 + (1 - ratio) * 30) / 32 * math.ceil(s / ranks)
-    assert resident <= capacity * (1 + 1e-9)  # the activations still fit
+    assert_invariants(s, capacity, model, H100.host_memory_bytes, ranks, ratio)  # still fit
     if ranks == base:
         assert ratio == 0.0
 

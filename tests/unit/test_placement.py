@@ -12,6 +12,7 @@ from megatron_hdp.scheduler import StepPlan, plan_step
 from megatron_hdp.scheduler.balance import best_fit_decreasing
 from megatron_hdp.sharding import rank_token_counts
 from tests.plan_checks import run_to_completion
+from tests.property import examples
 
 
 @st.composite
@@ -24,8 +25,9 @@ def batches(draw):
     return lengths, pool_size, capacity
 
 
+@pytest.mark.property
 @given(batches())
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 def test_greedy_plan_invariants(batch):
     lengths, pool_size, capacity = batch
     plan = plan_step(lengths, pool_size=pool_size, capacity=capacity)
@@ -45,8 +47,9 @@ def test_greedy_plan_invariants(batch):
     assert plan == plan_step(lengths, pool_size=pool_size, capacity=capacity)
 
 
+@pytest.mark.property
 @given(batches())
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 def test_static_plan_uses_fixed_contiguous_groups(batch):
     lengths, pool_size, capacity = batch
     cp_options = [
@@ -92,8 +95,9 @@ def _optimal_bins(sizes, bin_size):
     raise AssertionError
 
 
+@pytest.mark.property
 @given(st.lists(st.integers(min_value=1, max_value=10), min_size=1, max_size=7))
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 def test_best_fit_is_within_its_bound_of_optimal(sizes):
     bins = best_fit_decreasing(sizes, range(len(sizes)), 10)
     assert sorted(i for b in bins for i in b) == list(range(len(sizes)))

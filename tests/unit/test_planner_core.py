@@ -25,6 +25,7 @@ from megatron_hdp.scheduler.cost import CPU, H100, CostModel, ModelShape, lower_
 from megatron_hdp.scheduler.placement import plan_balanced, simple_cost
 from megatron_hdp.scheduler.planner import default_core, reference_core
 from tests.plan_checks import run_to_completion
+from tests.property import examples
 
 cpp_core = _planner.balance_core
 cpp_arrays = _planner.balance_core_arrays
@@ -191,8 +192,9 @@ def check_invariants(placements, problem):
     assert run_to_completion(plan)  # deadlock freedom under blocking execution
 
 
+@pytest.mark.property
 @given(problems())
-@settings(max_examples=250, deadline=None)
+@settings(max_examples=examples(250), deadline=None)
 def test_cpp_core_equals_reference_and_keeps_the_invariants(problem):
     ref, got = plan_both(problem)
     assert got == ref

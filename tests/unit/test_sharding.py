@@ -2,17 +2,20 @@
 
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_hdp.sharding import chunk_sizes, rank_token_counts, shard
+from tests.property import examples
 
 lengths_st = st.lists(st.integers(min_value=1, max_value=200), min_size=1, max_size=8)
 cp_st = st.integers(min_value=1, max_value=9)
 
 
+@pytest.mark.property
 @given(lengths_st, cp_st)
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 def test_shards_partition_every_document(lengths, cp_size):
     shards = shard(lengths, cp_size)
     for d, length in enumerate(lengths):
@@ -24,8 +27,9 @@ def test_shards_partition_every_document(lengths, cp_size):
         assert sorted(got) == list(range(length))
 
 
+@pytest.mark.property
 @given(lengths_st, cp_st)
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 def test_rank_p_holds_chunks_p_and_mirror(lengths, cp_size):
     sizes = chunk_sizes(lengths, cp_size)
     for d, doc_sizes in enumerate(sizes):
@@ -38,8 +42,9 @@ def test_rank_p_holds_chunks_p_and_mirror(lengths, cp_size):
             assert (s.second_start[d], s.second_len[d]) == (starts[mirror], doc_sizes[mirror])
 
 
+@pytest.mark.property
 @given(lengths_st, cp_st)
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 def test_ranks_are_balanced_to_one_token(lengths, cp_size):
     counts = rank_token_counts(lengths, cp_size)
     assert sum(counts) == sum(lengths)
