@@ -69,7 +69,7 @@ def _train(args, data) -> list[dict]:
     import torch.distributed as dist
     from tqdm import tqdm
 
-    from megatron_hdp.distributed.stall_watchdog import StallWatchdog
+    from megatron_hdp.distributed.stall_watchdog import StallWatchdog, watchdog_store
     from megatron_hdp.distributed.stop_signal import StopSignal
     from megatron_hdp.launch import init_distributed, megatron_device_context
     from megatron_hdp.megatron.engine import destroy_parallel_state, initialize_parallel_state
@@ -87,7 +87,7 @@ def _train(args, data) -> list[dict]:
             watchdog = None
             if report_after_s > 0:
                 watchdog = StallWatchdog(
-                    dist.distributed_c10d._get_default_store(),
+                    watchdog_store(dist.distributed_c10d._get_default_store()),
                     rank=dist.get_rank(),
                     world_size=dist.get_world_size(),
                     report_after_s=report_after_s,

@@ -9,7 +9,9 @@ every rank's heartbeat and the lowest such waiting rank logs one warning naming 
 that are not responding (no heartbeat: the process is stopped or dead) or are behind (an
 earlier phase of the step), with what each was doing. Comm layer: it touches only the store.
 
-Store traffic: one small write per rank per heartbeat (every `min(5 s, report_after_s / 4)`),
+The store should be a client of its own (`watchdog_store`), so that heartbeats never wait
+behind a blocking `get` of the main thread (NCCL sets up communicators through the store).
+Store traffic: one small write per rank per heartbeat (every `report_after_s / 4`, 0.25-5 s),
 and when a step stalls, one read per waiting rank plus one `multi_get` of all heartbeats by
 the reporting rank.
 """
@@ -36,6 +38,9 @@ PHASES = (
 )
 
 
+#: Shortest heartbeat interval, however small the report threshold (keeps the store calm).
+MIN_INTERVAL_S = 0.25
+
 #: Ranks named one by one in a stall report; the rest are counted.
 MAX_LISTED = 16
 
@@ -49,6 +54,30 @@ def phase_index(what: str) -> int:
     return next((i for i, name in enumerate(PHASES) if what.startswith(name)), 0)
 
 
+def watchdog_store(default_store, *, timeout_s: float = 60.0):
+    """A store client for the watchdog alone, beside the process group's `default_store`.
+
+    Under torchrun (MASTER_ADDR/MASTER_PORT set) a second TCPStore client to the same server,
+    under the prefix `hdp_watchdog`; otherwise (e.g. a file store in tests) `default_store`.
+    """
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        return default_store
+    client = dist.TCPStore(
+        host,
+        int(port),
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+    return dist.PrefixStore("hdp_watchdog", client)
+
+
 class StallWatchdog:
     """Heartbeats this rank's progress into `store` and reports a step that stops moving.
 
@@ -59,7 +88,7 @@ class StallWatchdog:
         report_after_s: Seconds in one phase after which the stall is reported.
         timeout_s: The collective timeout (quoted in the report).
         interval_s: Seconds between heartbeats (default: a quarter of `report_after_s`,
-            at most 5).
+            within [0.25, 5]).
     """
 
     def __init__(
@@ -77,7 +106,7 @@ class StallWatchdog:
         self.world_size = world_size
         self.report_after_s = report_after_s
         self.timeout_s = timeout_s
-        self.interval_s = interval_s or min(5.0, report_after_s / 4)
+        self.interval_s = interval_s or min(5.0, max(MIN_INTERVAL_S, report_after_s / 4))
         self._lock = threading.Lock()
         self._iteration = 0
         self._seq = 0

@@ -4,7 +4,9 @@ A scheduler's preemption (SLURM, Kubernetes) sends SIGTERM, Ctrl-C sends SIGINT,
 necessarily to every rank at the same moment. The handler only records the signal; at each
 step boundary `StopSignal.agreed()` all-reduces the flags over the pool, so every rank stops
 after the same step (and can save one consistent checkpoint) even if one rank alone was
-signalled. A second signal of the same kind while waiting stops at once, as usual.
+signalled. A second SIGINT (Ctrl-C twice) stops at once, as usual; a repeated SIGTERM is
+ignored, because SLURM and torchrun each send one (SLURM to every process of the step,
+torchrun again to its workers) and the launcher's SIGKILL is the hard stop.
 """
 
 from __future__ import annotations
@@ -33,14 +35,15 @@ class StopSignal:
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum: int, frame) -> None:
-        if self.received == signum:  # the same signal again: stop now
-            self.uninstall()
-            signal.raise_signal(signum)
+        if self.received is not None:
+            if signum == signal.SIGINT and self.received == signal.SIGINT:
+                self.uninstall()
+                signal.raise_signal(signum)  # Ctrl-C twice: stop now
             return
         self.received = signum
+        again = " (Ctrl-C again stops at once)" if signum == signal.SIGINT else ""
         logger.warning(
-            "received %s: stopping after this step (send it again to stop at once)",
-            signal.Signals(signum).name,
+            "received %s: stopping after this step%s", signal.Signals(signum).name, again
         )
 
     def install(self) -> StopSignal:

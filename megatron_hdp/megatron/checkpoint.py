@@ -45,6 +45,7 @@ from megatron_hdp.checkpoint_files import (
     fsync_path,
     iteration_dir,
     latest_iteration,
+    read_meta,
 )
 from megatron_hdp.errors import NonFiniteError
 from megatron_hdp.megatron.engine import Engine
@@ -132,8 +133,10 @@ def _discard_checkpoints(root: Path) -> None:
     logger.warning("deleted the earlier checkpoints in %s (--hdp-overwrite-checkpoints)", root)
 
 
-def _prepare_folder(root: Path, partial: Path, iteration: int, discard_existing: bool) -> None:
-    """Rank 0: make the folder, drop stale partial saves, refuse to move the tracker back."""
+def _prepare_folder(
+    root: Path, partial: Path, iteration: int, discard_existing: bool, run_id: str | None
+) -> None:
+    """Rank 0: make the folder, drop stale partial saves, refuse another run's or an older one."""
     root.mkdir(parents=True, exist_ok=True)
     if discard_existing:
         _discard_checkpoints(root)
@@ -143,6 +146,12 @@ def _prepare_folder(root: Path, partial: Path, iteration: int, discard_existing:
             raise ValueError(
                 f"{root} already holds iteration {latest}; saving iteration {iteration} there "
                 "would move its latest checkpoint backwards"
+            )
+        owner = read_meta(root).get("run_id")
+        if run_id is not None and owner is not None and owner != run_id:
+            raise ValueError(
+                f"{root} now holds the checkpoints of another run (run id {owner}, iteration "
+                f"{latest}); refusing to overwrite them"
             )
     for stale in root.glob("iter_*.partial"):
         shutil.rmtree(stale, ignore_errors=True)
@@ -165,7 +174,8 @@ def save_checkpoint(
     Returns the checkpoint folder. `extra` (e.g. the arguments) is stored in `common.pt`,
     `meta_extra` (small, JSON) in `meta.json`, where start-up checks read it without
     loading the model. `discard_existing` deletes the folder's earlier checkpoints first;
-    otherwise a save that would move the tracker backwards is refused.
+    otherwise a save that would move the tracker backwards, or (with a `run_id` in
+    `meta_extra`) overwrite the checkpoints of another run, is refused.
 
     Raises (on every rank, nothing written): `NonFiniteError` if any rank's parameters are
     not finite; the error of any rank that failed to prepare or write its part.
@@ -183,7 +193,8 @@ def save_checkpoint(
     error: BaseException | None = None
     if rank == 0:
         try:
-            _prepare_folder(root, partial, state.iteration, discard_existing)
+            run_id = (meta_extra or {}).get("run_id")
+            _prepare_folder(root, partial, state.iteration, discard_existing, run_id)
         except (OSError, ValueError) as err:
             error = err
     if not _all_ok(error is None, group, device):

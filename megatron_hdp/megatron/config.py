@@ -66,7 +66,7 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
     )
 
 
-def optim_config(args: argparse.Namespace) -> OptimConfig:
+def optim_config(args: argparse.Namespace, *, override_scheduler: bool = False) -> OptimConfig:
     """Optimizer and LR schedule from Megatron-named arguments."""
     return OptimConfig(
         lr=args.lr,
@@ -80,7 +80,7 @@ def optim_config(args: argparse.Namespace) -> OptimConfig:
         lr_warmup_iters=args.lr_warmup_iters,
         lr_decay_iters=args.lr_decay_iters or args.train_iters,
         lr_decay_style=args.lr_decay_style,
-        override_scheduler=args.override_opt_param_scheduler,
+        override_scheduler=override_scheduler or args.override_opt_param_scheduler,
         use_checkpoint_scheduler=args.use_checkpoint_opt_param_scheduler,
     )
 

@@ -82,7 +82,8 @@ def check_schedule(args: argparse.Namespace, meta: dict, flag: Callable[[str], s
             + (
                 "training is complete, nothing to do"
                 if done
-                else "nothing to train; raise --train-iters to continue"
+                else "nothing to train; raise --train-iters to continue (with "
+                "--override-opt_param-scheduler if the schedule should follow it)"
             ),
             exit_code=0 if done else 2,
         )
@@ -105,6 +106,20 @@ def check_schedule(args: argparse.Namespace, meta: dict, flag: Callable[[str], s
     )
 
 
+def scheduler_override(args: argparse.Namespace, meta: dict | None) -> bool:
+    """Whether the resumed scheduler takes these flags' values (Megatron's override).
+
+    True with `--override-opt_param-scheduler`, and also after `check_schedule` passed
+    without either flag: every difference that matters was refused there, and what is left
+    (the decay length of a constant schedule) has no effect, but Megatron's own check at
+    load time would still reject it.
+    """
+    if args.override_opt_param_scheduler:
+        return True
+    checked = meta is not None and "schedule" in meta
+    return checked and not args.use_checkpoint_opt_param_scheduler
+
+
 def holds_checkpoints(root: str | Path) -> bool:
     """True if `root` holds a tracker file or any complete `iter_*` folder."""
     root = Path(root)
@@ -115,6 +130,18 @@ def holds_checkpoints(root: str | Path) -> bool:
     return any(p.is_dir() and not p.name.endswith(".partial") for p in root.glob("iter_*"))
 
 
+def check_overwrite(args: argparse.Namespace) -> None:
+    """ValueError if `--hdp-overwrite-checkpoints` would delete what this run resumes from."""
+    if not args.hdp_overwrite_checkpoints or args.save is None:
+        return
+    for name, value in (("--load", args.load), ("--hdp-load-if-exists", args.hdp_load_if_exists)):
+        if value is not None and Path(value).resolve() == Path(args.save).resolve():
+            raise ValueError(
+                f"--hdp-overwrite-checkpoints would delete the checkpoints of --save {args.save}, "
+                f"which {name} resumes from; drop one of the two"
+            )
+
+
 def check_save_folder(args: argparse.Namespace, loaded_meta: dict | None) -> None:
     """ValueError if this run would write into another run's checkpoint folder.
 
@@ -123,9 +150,12 @@ def check_save_folder(args: argparse.Namespace, loaded_meta: dict | None) -> Non
         loaded_meta: The meta of the checkpoint this run resumes, None for a fresh start.
     """
     save = args.save
-    if save is None or args.hdp_overwrite_checkpoints or not holds_checkpoints(save):
+    if save is None:
         return
-    if args.load is not None and Path(args.load).resolve() == Path(save).resolve():
+    resumes_here = [p for p in (args.load, args.hdp_load_if_exists) if p is not None]
+    if any(Path(p).resolve() == Path(save).resolve() for p in resumes_here):
+        return  # this job's own folder (a requeued job may find it without a tracker yet)
+    if args.hdp_overwrite_checkpoints or not holds_checkpoints(save):
         return
     try:
         saved_meta = read_meta(save)

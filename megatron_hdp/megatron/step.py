@@ -241,7 +241,9 @@ def train_step(
     update_successful, grad_norm = False, checked_norm
     if not nonfinite:
         runtime.mark("optimizer step")
-        update_successful, grad_norm, _ = engine.optimizer.step()
+        update_successful, step_norm, _ = engine.optimizer.step()
+        # Megatron reports no norm (or 0.0) without clipping; the guard's is the same norm.
+        grad_norm = checked_norm if checked_norm is not None else step_norm
         if update_successful:
             engine.scheduler.step(increment=1)
     return StepResult(

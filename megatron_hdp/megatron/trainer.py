@@ -32,6 +32,7 @@ from megatron_hdp.megatron.checkpoint import TrainingState, load_checkpoint, sav
 from megatron_hdp.megatron.config import device_profile, model_config, optim_config
 from megatron_hdp.megatron.engine import Engine, build_engine, offload_manager
 from megatron_hdp.megatron.model import model_shape
+from megatron_hdp.megatron.resume_checks import scheduler_override
 from megatron_hdp.megatron.step import StepResult, StepRuntime, evaluate, train_step
 from megatron_hdp.megatron.training_data import TrainingData
 from megatron_hdp.scheduler import plan_step
@@ -80,7 +81,9 @@ class Trainer:
         self.capacity = capacity_of(args)
         self.policy = "static" if uses_static_mesh(args) else args.hdp_placement
         cfg = model_config(args, data.vocab_size)
-        self.engine: Engine = build_engine(cfg, optim_config(args), seed=args.seed)
+        resume_meta = read_meta(args.load) if args.load else None
+        optim = optim_config(args, override_scheduler=scheduler_override(args, resume_meta))
+        self.engine: Engine = build_engine(cfg, optim, seed=args.seed)
         profile = device_profile(args.hdp_device_profile)
         if args.hdp_host_memory_gb is not None:
             profile = dataclasses.replace(profile, host_memory_bytes=args.hdp_host_memory_gb * 1e9)

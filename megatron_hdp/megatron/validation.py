@@ -33,6 +33,7 @@ from megatron_hdp.megatron.arguments import (
 )
 from megatron_hdp.megatron.resume_checks import (
     NothingToTrain,
+    check_overwrite,
     check_save_folder,
     check_schedule,
 )
@@ -303,6 +304,7 @@ def _check_resume(args: argparse.Namespace, world_size: int) -> dict | None:
     """The `--load` checkpoint's meta (None for a fresh start), after checking it fits."""
     if args.load is not None and args.hdp_load_if_exists is not None:
         raise ValueError("give --load or --hdp-load-if-exists, not both")
+    check_overwrite(args)
     if args.hdp_load_if_exists is not None and (Path(args.hdp_load_if_exists) / TRACKER).exists():
         args.load = args.hdp_load_if_exists
     meta = None
@@ -323,10 +325,6 @@ def _check_resume(args: argparse.Namespace, world_size: int) -> dict | None:
                 f"{world_size}"
             )
         check_schedule(args, meta, flag)
-        if "schedule" in meta and not args.use_checkpoint_opt_param_scheduler:
-            # Every difference that matters was refused above; what is left (the decay length
-            # of a constant schedule) has no effect, so Megatron may take these flags' values.
-            args.override_opt_param_scheduler = True
     check_save_folder(args, meta)
     return meta
 
@@ -335,8 +333,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> dict | None:
     """Check the arguments against each other, the pool, the file system and `--load`.
 
     Reads only small files (the checkpoint's `meta.json`, a device profile). Sets
-    `args.load` when `--hdp-load-if-exists` finds a checkpoint, and lets the schedule of
-    the flags apply on a resume whose schedule check passed.
+    `args.load` when `--hdp-load-if-exists` finds a checkpoint.
 
     Returns:
         The meta of the checkpoint to resume, or None for a fresh start.

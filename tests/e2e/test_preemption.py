@@ -105,6 +105,25 @@ def test_sigterm_to_one_rank_saves_at_the_next_step_and_exits_cleanly(corpus_cac
     assert f"The latest checkpoint is iteration {last} in {ckpt}" in log
 
 
+def test_sigterm_to_torchrun_and_every_rank_as_slurm_sends_it_saves(corpus_cache, tmp_path):
+    """scancel: SIGTERM to every process of the step, so each rank gets it twice (directly,
+    then forwarded by torchrun). The repeat must not abort the save."""
+    ckpt = tmp_path / "ckpt"
+    proc = start_job(corpus_cache, tmp_path, nproc=2, iters=400, extra=["--save", str(ckpt)])
+    try:
+        wait_for(lambda: len(steps_done(tmp_path)) >= 3, 90, "three steps")
+        for pid in worker_pids(proc).values():
+            os.kill(pid, signal.SIGTERM)
+        os.kill(proc.pid, signal.SIGTERM)
+    finally:
+        finish(proc)  # torchrun itself exits 1 when signalled (its SignalException)
+    log = (tmp_path / "stderr.log").read_text()
+    last = steps_done(tmp_path)[-1]["iteration"]
+    assert latest_iteration(ckpt) == last, log[-3000:]
+    assert f"iter {last}: SIGTERM received; stopping cleanly" in log
+    assert "Traceback" not in log.split("SIGTERM received")[0]  # no rank died before saving
+
+
 def test_a_stopped_rank_is_reported_before_the_timeout(corpus_cache, tmp_path):
     extra = ["--hdp-stall-report-seconds", "2", "--distributed-timeout-minutes", "1"]
     proc = start_job(corpus_cache, tmp_path, nproc=2, iters=60, extra=extra)

@@ -180,3 +180,52 @@ def test_the_tracker_never_moves_backwards(tmp_path):
         "iter_0000003",
         "latest_checkpointed_iteration.txt",
     ]
+
+
+def test_a_requeued_job_resumes_its_own_folder_and_ends_once_complete(
+    corpus_cache, tmp_path, monkeypatch, capsys
+):
+    """The SLURM script's pattern: --save DIR --hdp-load-if-exists DIR, started again and again."""
+    folder = str(tmp_path / "ckpt")
+    requeue = ["--save", folder, "--hdp-load-if-exists", folder, "--lr-decay-iters", "4"]
+    first = run_pretrain(
+        2, job_args(corpus_cache, iters=4, extra=[*requeue, "--exit-interval", "2"])
+    )
+    second = run_pretrain(2, job_args(corpus_cache, iters=4, extra=requeue))
+    assert [s["iteration"] for s in first + second] == [1, 2, 3, 4]
+    code, err = exit_of(job_args(corpus_cache, iters=4, extra=requeue), monkeypatch, capsys)
+    assert code == 0 and "training is complete" in err
+    code, err = exit_of(
+        job_args(corpus_cache, iters=4, extra=[*requeue, "--hdp-overwrite-checkpoints"]),
+        monkeypatch,
+        capsys,
+    )
+    assert code == 2 and "--hdp-overwrite-checkpoints would delete the checkpoints" in err
+
+
+def _body_two_runs_one_folder(rank, world_size, folder):
+    from megatron_hdp.megatron import checkpoint
+
+    with tiny_engine() as engine:
+        outcomes = []
+        for run_id, iteration in (("first", 1), ("second", 1), ("first", 2)):
+            state = checkpoint.TrainingState(iteration=iteration, data_state={"run": run_id})
+            try:
+                checkpoint.save_checkpoint(
+                    folder, engine, state, group=dist.group.WORLD, meta_extra={"run_id": run_id}
+                )
+                outcomes.append("saved")
+            except (ValueError, RuntimeError) as err:
+                outcomes.append(str(err))
+        return outcomes
+
+
+def test_a_second_run_saving_into_the_same_folder_is_refused_at_save(tmp_path):
+    """Two jobs started into one empty folder (a double submit): the later saver is refused."""
+    from tests.dist import run_ranks
+
+    (outcomes, _) = run_ranks(_body_two_runs_one_folder, 2, str(tmp_path), timeout_s=60)
+    assert outcomes[0] == outcomes[2] == "saved"
+    assert "holds the checkpoints of another run (run id first" in outcomes[1]
+    meta = json.loads((iteration_dir(tmp_path, 2) / "meta.json").read_text())
+    assert latest_iteration(tmp_path) == 2 and meta["run_id"] == "first"
