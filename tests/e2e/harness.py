@@ -2,8 +2,12 @@
 
 import contextlib
 import os
+import sys
+from pathlib import Path
 
 from tests.dist import run_ranks
+
+REPO = Path(__file__).resolve().parents[2]
 
 SMALL_MODEL = [
     "--num-layers",
@@ -89,3 +93,17 @@ def tiny_engine():
             yield build_engine(cfg, OptimConfig())
         finally:
             destroy_parallel_state()
+
+
+def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
+    """The real launcher: `torchrun --standalone` running pretrain_hdp.py on `nproc` ranks."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        str(REPO / "pretrain_hdp.py"),
+        *argv,
+    ]

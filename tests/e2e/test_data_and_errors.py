@@ -4,7 +4,6 @@ import json
 import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ import torch.distributed as dist
 
 from megatron_hdp.megatron import preprocess
 from megatron_hdp.megatron.indexed import open_indexed_dataset
-from tests.e2e.harness import SMALL_MODEL, run_pretrain, tiny_engine
+from tests.e2e.harness import SMALL_MODEL, run_pretrain, tiny_engine, torchrun_command
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -226,30 +225,26 @@ def test_corrupt_index_exits_with_a_clear_message(datasets, tmp_path, monkeypatc
 def test_torchrun_launch(corpus_cache, tmp_path):
     """The real launcher: torchrun with 2 gloo ranks, a metrics file and TensorBoard events."""
     metrics, board = tmp_path / "metrics.jsonl", tmp_path / "tb"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(REPO / "pretrain_hdp.py"),
-        *SMALL_MODEL,
-        "--seq-length",
-        "512",
-        "--hdp-capacity",
-        "256",
-        "--train-iters",
-        "2",
-        "--lr",
-        "1e-3",
-        "--data-cache-path",
-        str(corpus_cache),
-        "--hdp-metrics-file",
-        str(metrics),
-        "--tensorboard-dir",
-        str(board),
-    ]
+    cmd = torchrun_command(
+        2,
+        [
+            *SMALL_MODEL,
+            "--seq-length",
+            "512",
+            "--hdp-capacity",
+            "256",
+            "--train-iters",
+            "2",
+            "--lr",
+            "1e-3",
+            "--data-cache-path",
+            str(corpus_cache),
+            "--hdp-metrics-file",
+            str(metrics),
+            "--tensorboard-dir",
+            str(board),
+        ],
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]

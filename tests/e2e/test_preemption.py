@@ -4,26 +4,18 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from megatron_hdp.checkpoint_files import latest_iteration
-from tests.e2e.harness import SMALL_MODEL
+from tests.e2e.harness import SMALL_MODEL, torchrun_command
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def start_job(cache, tmp_path, *, nproc, iters, extra=()):
     """torchrun in the background; stderr goes to a file the test can read while it runs."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        "pretrain_hdp.py",
+    argv = [
         *SMALL_MODEL,
         "--seq-length",
         "512",
@@ -41,6 +33,7 @@ def start_job(cache, tmp_path, *, nproc, iters, extra=()):
         str(tmp_path / "metrics.jsonl"),
         *extra,
     ]
+    cmd = torchrun_command(nproc, argv)
     log = open(tmp_path / "stderr.log", "w")  # noqa: SIM115 - closed by finish()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, cwd=REPO, env=env)
@@ -88,6 +81,14 @@ def worker_pids(proc):
     return ranks
 
 
+def stop_rank_1_after_two_steps(proc, tmp_path):
+    """SIGSTOP rank 1 once two steps are done; its pid and the time it was stopped."""
+    wait_for(lambda: len(steps_done(tmp_path)) >= 2, 90, "two steps")
+    stalled = worker_pids(proc)[1]
+    os.kill(stalled, signal.SIGSTOP)
+    return stalled, time.monotonic()
+
+
 def test_sigterm_to_one_rank_saves_at_the_next_step_and_exits_cleanly(corpus_cache, tmp_path):
     ckpt = tmp_path / "ckpt"
     proc = start_job(corpus_cache, tmp_path, nproc=2, iters=400, extra=["--save", str(ckpt)])
@@ -129,10 +130,7 @@ def test_a_stopped_rank_is_reported_before_the_timeout(corpus_cache, tmp_path):
     proc = start_job(corpus_cache, tmp_path, nproc=2, iters=60, extra=extra)
     log_path = tmp_path / "stderr.log"
     try:
-        wait_for(lambda: len(steps_done(tmp_path)) >= 2, 90, "two steps")
-        stalled = worker_pids(proc)[1]
-        os.kill(stalled, signal.SIGSTOP)
-        stopped_at = time.monotonic()
+        stalled, stopped_at = stop_rank_1_after_two_steps(proc, tmp_path)
         try:
             report = wait_for(
                 lambda: "rank 1 is not responding" in log_path.read_text() and log_path.read_text(),
@@ -159,10 +157,7 @@ def test_the_collective_timeout_is_the_flags(corpus_cache, tmp_path):
     proc = start_job(corpus_cache, tmp_path, nproc=2, iters=400, extra=extra)
     log_path = tmp_path / "stderr.log"
     try:
-        wait_for(lambda: len(steps_done(tmp_path)) >= 2, 90, "two steps")
-        stalled = worker_pids(proc)[1]
-        os.kill(stalled, signal.SIGSTOP)
-        stopped_at = time.monotonic()
+        stalled, stopped_at = stop_rank_1_after_two_steps(proc, tmp_path)
         wait_for(lambda: "rank 1 is not responding" in log_path.read_text(), 30, "the report")
         reported_after = time.monotonic() - stopped_at
         wait_for(lambda: "Traceback" in log_path.read_text(), 60, "rank 0's timeout")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from tests.e2e.harness import corpus_args
+from tests.e2e.harness import corpus_args, torchrun_command
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -118,16 +118,7 @@ def test_the_cpu_launcher_exits_2_with_one_line(tmp_path):
 
 
 def test_under_torchrun_the_message_comes_first_and_once(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "pretrain_hdp.py",
-        *job_args(tmp_path, ["--lr", "nan"]),
-    ]
+    cmd = torchrun_command(2, job_args(tmp_path, ["--lr", "nan"]))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
     assert done.returncode != 0
