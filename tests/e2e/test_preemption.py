@@ -7,6 +7,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from megatron_hdp.checkpoint_files import latest_iteration
 from tests.e2e.harness import SMALL_MODEL, torchrun_command
 
@@ -89,12 +91,15 @@ def stop_rank_1_after_two_steps(proc, tmp_path):
     return stalled, time.monotonic()
 
 
-def test_sigterm_to_one_rank_saves_at_the_next_step_and_exits_cleanly(corpus_cache, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_one_rank_saves_at_the_next_step_and_exits_cleanly(
+    corpus_cache, tmp_path, signum
+):
     ckpt = tmp_path / "ckpt"
     proc = start_job(corpus_cache, tmp_path, nproc=2, iters=400, extra=["--save", str(ckpt)])
     try:
         wait_for(lambda: len(steps_done(tmp_path)) >= 3, 90, "three steps")
-        os.kill(worker_pids(proc)[1], signal.SIGTERM)  # rank 1 alone, as a node-local signal
+        os.kill(worker_pids(proc)[1], signum)  # rank 1 alone, as a node-local signal
     finally:
         status = finish(proc)
     log = (tmp_path / "stderr.log").read_text()
@@ -102,7 +107,7 @@ def test_sigterm_to_one_rank_saves_at_the_next_step_and_exits_cleanly(corpus_cac
     last = steps_done(tmp_path)[-1]["iteration"]
     assert 3 <= last < 400
     assert latest_iteration(ckpt) == last  # the step in flight finished, and was saved
-    assert f"iter {last}: SIGTERM received; stopping cleanly" in log
+    assert f"iter {last}: {signum.name} received; stopping cleanly" in log
     assert f"The latest checkpoint is iteration {last} in {ckpt}" in log
 
 
