@@ -72,7 +72,11 @@ def _train(args, data) -> list[dict]:
     from megatron_hdp.distributed.stall_watchdog import StallWatchdog, watchdog_store
     from megatron_hdp.distributed.stop_signal import StopSignal
     from megatron_hdp.launch import init_distributed, megatron_device_context
-    from megatron_hdp.megatron.engine import destroy_parallel_state, initialize_parallel_state
+    from megatron_hdp.megatron.engine import (
+        destroy_parallel_state,
+        initialize_parallel_state,
+        pool_group,
+    )
     from megatron_hdp.megatron.trainer import Trainer, runtime_for
 
     timeout_s = args.distributed_timeout_minutes * 60
@@ -80,7 +84,7 @@ def _train(args, data) -> list[dict]:
     with megatron_device_context():
         initialize_parallel_state(timeout_minutes=args.distributed_timeout_minutes)
         try:
-            trainer = Trainer(args, data, runtime_for(args, dist.group.WORLD, device))
+            trainer = Trainer(args, data, runtime_for(args, pool_group(), device))
             report_after_s = args.hdp_stall_report_seconds
             if report_after_s is None:
                 report_after_s = timeout_s / 4

@@ -175,7 +175,11 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         help="shard optimizer state over the pool (ZeRO-1), reduce-scatter gradients",
     )
     g.add_argument(
-        "--tensor-model-parallel-size", type=int, default=1, help="must be 1 (TP not supported)"
+        "--tensor-model-parallel-size",
+        type=int,
+        default=1,
+        help="must be 1 in the training job for now (TP inside HDP replicas runs in the "
+        "library; TP-sharded checkpoints are missing)",
     )
     g.add_argument(
         "--context-parallel-size",

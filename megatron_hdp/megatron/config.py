@@ -30,8 +30,9 @@ def device_profile(spec: str | None) -> DeviceProfile:
     return DeviceProfile.from_json(spec)
 
 
-def padded_vocab_size(vocab_size: int, multiple: int) -> int:
-    """Megatron's vocabulary padding to a multiple of `--make-vocab-size-divisible-by`."""
+def padded_vocab_size(vocab_size: int, multiple: int, tensor_parallel: int = 1) -> int:
+    """Megatron's vocabulary padding: a multiple of `--make-vocab-size-divisible-by` x TP."""
+    multiple *= tensor_parallel
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
@@ -52,7 +53,9 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
         ffn_hidden_size=megatron_ffn_hidden_size(args),
-        vocab_size=padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by),
+        vocab_size=padded_vocab_size(
+            vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
+        ),
         max_position_embeddings=args.max_position_embeddings or args.seq_length,
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
@@ -63,6 +66,7 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
         tie_embeddings=not args.untie_embeddings_and_output_weights,
         hidden_dropout=args.hidden_dropout,
         params_dtype="bfloat16" if args.bf16 else "float32",
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
     )
 
 

@@ -21,20 +21,29 @@ from megatron_hdp.megatron.model import GPTConfig, build_gpt, transformer_config
 def initialize_parallel_state(
     *, tensor_model_parallel_size: int = 1, timeout_minutes: float = 10.0
 ) -> None:
-    """Collective over the world: set up Megatron's groups (HDP pool = data-parallel group).
+    """Collective over the world: set up Megatron's groups for HDP replicas of TP ranks.
 
-    `torch.distributed` must already be initialised. Context and pipeline parallel sizes
-    stay 1; HDP replaces static context parallelism. `timeout_minutes` bounds every
-    collective of Megatron's groups (the gradient sync), as --distributed-timeout-minutes.
+    `torch.distributed` must already be initialised. Each HDP replica is a group of
+    `tensor_model_parallel_size` consecutive ranks; the HDP pool of a TP rank is Megatron's
+    data-parallel group (the same TP rank of every replica, group rank = pool rank), which
+    `pool_group()` returns. Context and pipeline parallel sizes stay 1: HDP replaces static
+    context parallelism. `timeout_minutes` bounds every collective of Megatron's groups (the
+    gradient sync, TP all-reduces), as --distributed-timeout-minutes.
     """
-    if tensor_model_parallel_size != 1:
-        raise ValueError(
-            f"tensor_model_parallel_size {tensor_model_parallel_size} is not supported yet; use 1"
-        )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=1, distributed_timeout_minutes=timeout_minutes
+            tensor_model_parallel_size=tensor_model_parallel_size,
+            distributed_timeout_minutes=timeout_minutes,
         )
+
+
+def pool_group():
+    """This rank's HDP pool: Megatron's data-parallel group (after `initialize_parallel_state`).
+
+    Ring attention, the loss-token count and the gradient sync of a TP rank all run in it;
+    with TP 1 it holds every rank.
+    """
+    return parallel_state.get_data_parallel_group()
 
 
 def destroy_parallel_state() -> None:

@@ -55,6 +55,9 @@ class GPTConfig:
     """Dropout after attention and MLP (--hidden-dropout)."""
     params_dtype: str = "float32"
     """"float32", "bfloat16" or "float64"."""
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel ranks per HDP replica (--tensor-model-parallel-size): attention heads,
+    KV groups, MLP and vocabulary are split over them as Megatron does."""
 
     def __post_init__(self) -> None:
         if self.position_embedding_type not in POSITION_EMBEDDINGS:
@@ -74,6 +77,24 @@ class GPTConfig:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} is not divisible by "
                 f"num_query_groups {groups}"
+            )
+        tp = self.tensor_model_parallel_size
+        if tp < 1:
+            raise ValueError(f"tensor_model_parallel_size must be >= 1, got {tp}")
+        if self.num_attention_heads % tp:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not divisible by "
+                f"tensor_model_parallel_size {tp}"
+            )
+        if groups % tp and tp % groups:
+            raise ValueError(
+                f"num_query_groups {groups} and tensor_model_parallel_size {tp}: one must "
+                "divide the other (Megatron splits or replicates the KV groups)"
+            )
+        if self.vocab_size % tp:
+            raise ValueError(
+                f"vocab_size {self.vocab_size} is not divisible by tensor_model_parallel_size "
+                f"{tp} (pad it: make_vocab_size_divisible_by x TP)"
             )
 
     @property
@@ -126,6 +147,7 @@ def transformer_config(cfg: GPTConfig) -> TransformerConfig:
         persist_layer_norm=False,
         apply_rope_fusion=False,
         calculate_per_token_loss=True,
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
     )
 
 

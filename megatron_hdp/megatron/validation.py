@@ -132,7 +132,8 @@ def _check_layout(args: argparse.Namespace, world_size: int) -> None:
     if args.tensor_model_parallel_size != 1:
         raise ValueError(
             f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: tensor "
-            "parallelism is not supported with HDP yet; use 1"
+            "parallelism runs inside HDP replicas in the library, but the training job does not "
+            "save TP-sharded checkpoints yet; use 1"
         )
     if args.micro_batch_size != 1:
         raise ValueError(

@@ -1,0 +1,162 @@
+"""Tensor parallelism inside HDP replicas: TP x pool ranks equal one TP=1 process, exactly.
+
+With TP=2 and pool N, ranks 2p and 2p+1 form replica p; the HDP pool of each TP rank is
+Megatron's data-parallel group (the same TP rank of every replica), so a ring of replicas
+(0, 1) links global ranks (0, 2) for TP rank 0 and (1, 3) for TP rank 1. Every TP shard is
+mapped back to the full TP=1 parameter (Megatron's CPU initialisation draws the full master
+weight and slices it, with stride 2 for the gated fc1 of SwiGLU) and compared with the
+single-process reference on the same global batch.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_hdp.megatron.cpu_shim import cpu_shims
+from megatron_hdp.megatron.engine import (
+    build_engine,
+    destroy_parallel_state,
+    initialize_parallel_state,
+    pool_group,
+)
+from megatron_hdp.megatron.model import GPTConfig, build_gpt
+from megatron_hdp.megatron.step import StepRuntime, train_step
+from megatron_hdp.scheduler import plan_step
+from tests.dist import run_ranks
+from tests.megatron.reference import build_reference, reference_loss_and_grads, reference_optimizer
+from tests.megatron.test_model_equivalence import (
+    CAPACITY,
+    OPTIM,
+    make_batch,
+    snapshot_grads_before_update,
+    source_of,
+)
+
+SEED = 7
+TP = 2
+CFG = GPTConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=48,
+    vocab_size=128,  # padded: a multiple of TP (the batch's ids stay below 97)
+    swiglu=True,
+)
+
+
+def _tp_layout(param) -> tuple[bool, int, int]:
+    return (
+        bool(getattr(param, "tensor_model_parallel", False)),
+        getattr(param, "partition_dim", -1),
+        getattr(param, "partition_stride", 1),
+    )
+
+
+def unshard(shards: list[torch.Tensor], layout: tuple[bool, int, int]) -> torch.Tensor:
+    """The full TP=1 tensor from the TP ranks' shards (Megatron's strided split, inverted)."""
+    parallel, dim, stride = layout
+    if not parallel:
+        for shard in shards[1:]:
+            assert torch.equal(shard, shards[0]), "a replicated parameter differs across TP ranks"
+        return shards[0]
+    pieces = [torch.chunk(s, stride, dim=dim) for s in shards]
+    return torch.cat([pieces[r][k] for k in range(stride) for r in range(len(shards))], dim=dim)
+
+
+def _body_tp(rank, world_size, cfg, pool, policy):
+    with cpu_shims():
+        initialize_parallel_state(tensor_model_parallel_size=TP)
+        try:
+            engine = build_engine(cfg, OPTIM, seed=SEED)
+            named = list(engine.model.module.named_parameters())
+            init = {n: p.detach().clone() for n, p in named}
+            group = pool_group()
+            source = source_of(make_batch(pool, 0))
+            plan = plan_step(source.seqlens, pool_size=pool, capacity=CAPACITY, policy=policy)
+            grads = {}
+            snapshot_grads_before_update(engine, grads)
+            result = train_step(engine, plan, source, StepRuntime(group=group, check_plans=True))
+            return {
+                "loss": result.loss,
+                "grads": grads,
+                "init": init,
+                "after": {n: p.detach().clone() for n, p in named},
+                "layout": {n: _tp_layout(p) for n, p in named},
+                "pool": (dist.get_rank(group), dist.get_process_group_ranks(group)),
+                "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+                "rings": [mb.ring for mb in plan.micro_batches if mb.cp_size > 1],
+            }
+        finally:
+            destroy_parallel_state()
+
+
+def _body_reference(rank, world_size, cfg, pool):
+    with cpu_shims():
+        initialize_parallel_state()
+        try:
+            torch.manual_seed(SEED)
+            hdp = build_gpt(cfg)
+            init = {n: p.detach().clone() for n, p in hdp.named_parameters()}
+            model = build_reference(cfg, hdp.state_dict())
+            optimizer = reference_optimizer(
+                model,
+                lr=OPTIM.lr,
+                weight_decay=OPTIM.weight_decay,
+                betas=(OPTIM.adam_beta1, OPTIM.adam_beta2),
+                eps=OPTIM.adam_eps,
+            )
+            loss = reference_loss_and_grads(model, make_batch(pool, 0))
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+            torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.clip_grad)
+            optimizer.step()
+            after = {n: p.detach().clone() for n, p in model.named_parameters()}
+            return {"loss": loss, "grads": grads, "init": init, "after": after}
+        finally:
+            destroy_parallel_state()
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize(
+    "pool, swiglu, policy",
+    [(2, True, "greedy"), (2, False, "balanced"), (3, True, "balanced")],
+    ids=["tp2-pool2-swiglu", "tp2-pool2-gelu", "tp2-pool3-swiglu"],
+)
+def test_tensor_parallel_replicas_equal_one_process(pool, swiglu, policy):
+    cfg = dataclasses.replace(CFG, swiglu=swiglu)
+    tp_cfg = dataclasses.replace(cfg, tensor_model_parallel_size=TP)
+    ranks = run_ranks(_body_tp, TP * pool, tp_cfg, pool, policy, timeout_s=180)
+    reference = run_ranks(_body_reference, 1, cfg, pool)[0]
+    for rank, result in enumerate(ranks):
+        assert result["tp_rank"] == rank % TP
+        assert result["pool"] == (rank // TP, list(range(rank % TP, TP * pool, TP)))
+        assert result["loss"] == pytest.approx(reference["loss"], rel=1e-6)
+    assert any(len(ring) > 1 for ring in ranks[0]["rings"])  # the batch really uses rings
+    for replica in range(pool):
+        members = ranks[replica * TP : (replica + 1) * TP]
+        layout = members[0]["layout"]
+        for name in reference["init"]:
+            # The same seed gives the same model in either layout, bit for bit.
+            full = unshard([m["init"][name] for m in members], layout[name])
+            assert torch.equal(full, reference["init"][name]), name
+            grad = unshard([m["grads"][name] for m in members], layout[name])
+            assert relative(grad, reference["grads"][name]) < 1e-5, name
+            after = unshard([m["after"][name] for m in members], layout[name])
+            assert relative(after, reference["after"][name]) < 1e-5, name
+
+
+def test_tensor_parallel_shapes_are_checked():
+    with pytest.raises(ValueError, match="num_attention_heads 4 is not divisible by tensor"):
+        dataclasses.replace(CFG, tensor_model_parallel_size=3)
+    with pytest.raises(ValueError, match="vocab_size 97 is not divisible"):
+        dataclasses.replace(CFG, vocab_size=97, tensor_model_parallel_size=2)
+    with pytest.raises(ValueError, match="num_query_groups 3 and tensor_model_parallel_size 2"):
+        GPTConfig(
+            hidden_size=48, num_attention_heads=12, num_query_groups=3, tensor_model_parallel_size=2
+        )
