@@ -82,7 +82,10 @@ def _train(args, data) -> list[dict]:
     timeout_s = args.distributed_timeout_minutes * 60
     device = init_distributed(timeout_s=timeout_s)
     with megatron_device_context():
-        initialize_parallel_state(timeout_minutes=args.distributed_timeout_minutes)
+        initialize_parallel_state(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            timeout_minutes=args.distributed_timeout_minutes,
+        )
         try:
             trainer = Trainer(args, data, runtime_for(args, pool_group(), device))
             report_after_s = args.hdp_stall_report_seconds

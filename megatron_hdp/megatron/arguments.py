@@ -178,8 +178,8 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         "--tensor-model-parallel-size",
         type=int,
         default=1,
-        help="must be 1 in the training job for now (TP inside HDP replicas runs in the "
-        "library; TP-sharded checkpoints are missing)",
+        help="tensor-parallel ranks per HDP replica: the pool is world / TP replicas, a ring "
+        "links the same TP rank of its member replicas",
     )
     g.add_argument(
         "--context-parallel-size",

@@ -5,6 +5,8 @@ Layout, compatible in spirit with Megatron-LM's:
     <dir>/latest_checkpointed_iteration.txt     the newest complete checkpoint
     <dir>/iter_0000100/common.pt                model, optimizer, LR schedule, data position,
                                                 iteration, arguments (written by rank 0)
+    <dir>/iter_0000100/model_tp<t>.pt           with tensor parallelism: TP rank t's model and
+                                                optimizer shards (t >= 1; written by rank t)
     <dir>/iter_0000100/meta.json                world size and optimizer kind (for checks)
     <dir>/iter_0000100/rng_rank<r>.pt           every rank's RNG states
     <dir>/iter_0000100/optim_rank<r>.pt         this rank's optimizer shard: Adam state and fp32
@@ -19,7 +21,8 @@ tracker file with `os.replace`. A crash or a failed write on any rank leaves the
 checkpoint as the latest; the failure is raised on every rank (no rank is left waiting),
 and stale `.partial` folders are removed by the next save.
 
-The model is replicated on every HDP rank (DP semantics), so one copy is saved. With the
+`group` holds every rank of the job. The model is replicated on every HDP replica (DP
+semantics), so one copy is saved: one shard per TP rank, from the first replica. With the
 distributed optimizer every rank saves its own shard, so a resume needs the same number of
 ranks. (Megatron-Core 0.16.1's gather-to-rank-0 format drops torch AdamW's per-parameter
 `step`, which breaks Adam's bias correction on resume, so it is not used.)
@@ -203,6 +206,14 @@ def save_checkpoint(
         if engine.optimizer_is_distributed:
             _write(partial / f"optim_rank{rank}.pt", _optimizer_shard_state(engine.optimizer))
         _write(partial / f"rng_rank{rank}.pt", _rng_state())
+        if 0 < rank < engine.tp_size:  # the first replica's other TP ranks: their shards
+            _write(
+                partial / f"model_tp{engine.tp_rank}.pt",
+                {
+                    "model": engine.model.module.state_dict(),
+                    "optimizer": engine.optimizer.state_dict(),
+                },
+            )
         if rank == 0:
             _write(
                 partial / "common.pt",
@@ -220,6 +231,7 @@ def save_checkpoint(
                 **(meta_extra or {}),
                 "iteration": state.iteration,
                 "world_size": dist.get_world_size(group),
+                "tensor_model_parallel_size": engine.tp_size,
                 "distributed_optimizer": engine.optimizer_is_distributed,
                 "schedule": engine.scheduler.state_dict(),
             }
@@ -261,14 +273,25 @@ def load_checkpoint(
             f"{folder} was written by {meta['world_size']} ranks with the distributed "
             f"optimizer; this pool has {dist.get_world_size(group)}"
         )
+    saved_tp = meta.get("tensor_model_parallel_size", 1)
+    if saved_tp != engine.tp_size:
+        raise ValueError(
+            f"{folder} was written with tensor_model_parallel_size {saved_tp}; this job has "
+            f"{engine.tp_size}"
+        )
     common = torch.load(folder / "common.pt", map_location="cpu", weights_only=False)
     rank = dist.get_rank(group)
-    engine.model.module.load_state_dict(common["model"])
+    shard = common
+    if engine.tp_rank > 0:
+        shard = torch.load(
+            folder / f"model_tp{engine.tp_rank}.pt", map_location="cpu", weights_only=False
+        )
+    engine.model.module.load_state_dict(shard["model"])
     engine.optimizer.reload_model_params()
-    engine.optimizer.load_state_dict(common["optimizer"])
+    engine.optimizer.load_state_dict(shard["optimizer"])
     if engine.optimizer_is_distributed:
-        shard = torch.load(folder / f"optim_rank{rank}.pt", map_location="cpu", weights_only=False)
-        _load_optimizer_shard_state(engine.optimizer, shard)
+        own = torch.load(folder / f"optim_rank{rank}.pt", map_location="cpu", weights_only=False)
+        _load_optimizer_shard_state(engine.optimizer, own)
     engine.scheduler.load_state_dict(common["scheduler"])
     rng_file = folder / f"rng_rank{rank}.pt"
     if rng_file.exists():

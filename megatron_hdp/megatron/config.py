@@ -93,7 +93,8 @@ def data_config(args: argparse.Namespace, world_size: int) -> DataConfig:
     """Data set-up from Megatron-named arguments; the default batch is one context per DP rank."""
     tokens, units = args.hdp_global_batch_tokens, args.global_batch_size
     if tokens is None and units is None:
-        tokens = (world_size // args.context_parallel_size) * args.seq_length
+        pool_size = world_size // args.tensor_model_parallel_size
+        tokens = (pool_size // args.context_parallel_size) * args.seq_length
     return DataConfig(
         blend=parse_data_path(args.data_path),
         split=parse_split(args.split),

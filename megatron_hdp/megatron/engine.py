@@ -109,6 +109,13 @@ class Engine:
     optimizer: object
     scheduler: OptimizerParamScheduler
     optimizer_is_distributed: bool = False
+    tp_rank: int = 0
+    """This rank's position in its replica's tensor-parallel group."""
+
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel ranks per replica."""
+        return self.cfg.tensor_model_parallel_size
 
 
 def build_engine(cfg: GPTConfig, optim: OptimConfig, *, seed: int = 1234) -> Engine:
@@ -163,6 +170,7 @@ def build_engine(cfg: GPTConfig, optim: OptimConfig, *, seed: int = 1234) -> Eng
         optimizer=optimizer,
         scheduler=scheduler,
         optimizer_is_distributed=optim.use_distributed_optimizer,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
     )
 
 

@@ -64,7 +64,10 @@ class _Window:
 
 
 class Trainer:
-    """Runs `args.train_iters` steps on this rank (collective over the pool throughout).
+    """Runs `args.train_iters` steps on this rank (collective over every rank of the job).
+
+    Steps run over this rank's HDP pool (`runtime.group`); checkpoints and the stop-signal
+    agreement run over the whole job, so the TP ranks of a replica stay together.
 
     Args:
         args: Parsed and validated `pretrain_hdp.py` arguments.
@@ -77,7 +80,7 @@ class Trainer:
         self.data = data
         self.runtime = runtime
         self.pool_size = dist.get_world_size(runtime.group)
-        self.rank = dist.get_rank(runtime.group)
+        self.rank = dist.get_rank()  # the job's rank: rank 0 logs (one TP rank of pool rank 0)
         self.capacity = capacity_of(args)
         self.policy = "static" if uses_static_mesh(args) else args.hdp_placement
         cfg = model_config(args, data.vocab_size)
@@ -123,7 +126,7 @@ class Trainer:
 
     def resume(self) -> None:
         """Collective: restore everything from `--load`."""
-        state, _ = load_checkpoint(self.args.load, self.engine, group=self.runtime.group)
+        state, _ = load_checkpoint(self.args.load, self.engine, group=dist.group.WORLD)
         saved_data = state.data_state
         if saved_data.get("prefixes") != self.data.prefixes:
             raise ValueError(
@@ -148,7 +151,7 @@ class Trainer:
             self.args.save,
             self.engine,
             state,
-            group=self.runtime.group,
+            group=dist.group.WORLD,
             device=self.runtime.device,
             extra={"args": vars(self.args)},
             meta_extra={
@@ -229,7 +232,7 @@ class Trainer:
     def _stop_requested(self) -> bool:
         """Collective: True (after saving, with --save) if any rank received SIGTERM/SIGINT."""
         self._mark("stop check")
-        name = self.stop_signal.agreed(self.runtime.group, self.runtime.device)
+        name = self.stop_signal.agreed(dist.group.WORLD, self.runtime.device)
         if name is None:
             return False
         if self.args.save and self.last_saved != self.iteration:

@@ -129,12 +129,24 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 
 def _check_layout(args: argparse.Namespace, world_size: int) -> None:
-    if args.tensor_model_parallel_size != 1:
+    tp = args.tensor_model_parallel_size
+    if world_size % tp:
         raise ValueError(
-            f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: tensor "
-            "parallelism runs inside HDP replicas in the library, but the training job does not "
-            "save TP-sharded checkpoints yet; use 1"
+            f"--tensor-model-parallel-size {tp} does not divide the {world_size} ranks (each HDP "
+            "replica is a group of TP ranks)"
         )
+    if args.num_attention_heads % tp:
+        raise ValueError(
+            f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+            f"--tensor-model-parallel-size {tp}"
+        )
+    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    if groups % tp and tp % groups:
+        raise ValueError(
+            f"--num-query-groups {groups} and --tensor-model-parallel-size {tp}: one must divide "
+            "the other"
+        )
+    pool_size = world_size // tp
     if args.micro_batch_size != 1:
         raise ValueError(
             f"--micro-batch-size {args.micro_batch_size}: HDP packs micro-batches itself; use 1"
@@ -163,10 +175,10 @@ def _check_layout(args: argparse.Namespace, world_size: int) -> None:
             f"--num-attention-heads {args.num_attention_heads} is not divisible by "
             f"--num-query-groups {args.num_query_groups}"
         )
-    if world_size % args.context_parallel_size:
+    if pool_size % args.context_parallel_size:
         raise ValueError(
-            f"--context-parallel-size {args.context_parallel_size} does not divide the "
-            f"{world_size} ranks"
+            f"--context-parallel-size {args.context_parallel_size} does not divide the pool of "
+            f"{pool_size} replicas ({world_size} ranks / TP {tp})"
         )
     capacity = capacity_of(args)
     if uses_static_mesh(args):
@@ -176,9 +188,9 @@ def _check_layout(args: argparse.Namespace, world_size: int) -> None:
                 f"static mesh: --context-parallel-size {args.context_parallel_size} x capacity "
                 f"{capacity} = {context} tokens cannot hold --seq-length {args.seq_length}"
             )
-    elif capacity * world_size < args.seq_length:
+    elif capacity * pool_size < args.seq_length:
         raise ValueError(
-            f"capacity {capacity} x {world_size} ranks = {capacity * world_size} tokens is too "
+            f"capacity {capacity} x {pool_size} replicas = {capacity * pool_size} tokens is too "
             f"small for --seq-length {args.seq_length}: raise --hdp-capacity"
         )
     if args.hdp_offload and (uses_static_mesh(args) or args.hdp_placement != "balanced"):

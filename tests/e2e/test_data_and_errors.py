@@ -183,12 +183,12 @@ def test_every_document_once_per_epoch_across_stop_and_resume(datasets, tmp_path
         ),
         (
             lambda d, t: data_args([d[0]], iters=1, extra=["--hdp-capacity", "64"]),
-            "capacity 64 x 2 ranks = 128 tokens is too small for --seq-length 256",
+            "capacity 64 x 2 replicas = 128 tokens is too small for --seq-length 256",
         ),
         (lambda d, t: data_args([d[0]], iters=1, extra=["--load", str(t)]), "no checkpoint in"),
         (
-            lambda d, t: data_args([d[0]], iters=1, extra=["--tensor-model-parallel-size", "2"]),
-            "the training job does not save TP-sharded checkpoints yet",
+            lambda d, t: data_args([d[0]], iters=1, extra=["--tensor-model-parallel-size", "3"]),
+            "--tensor-model-parallel-size 3 does not divide the 2 ranks",
         ),
     ],
 )
