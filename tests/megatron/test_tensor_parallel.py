@@ -34,18 +34,12 @@ from tests.megatron.test_model_equivalence import (
     snapshot_grads_before_update,
     source_of,
 )
+from tests.megatron.test_model_equivalence import CFG as EQUIVALENCE_CFG
 
 SEED = 7
 TP = 2
-CFG = GPTConfig(
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_query_groups=2,
-    ffn_hidden_size=48,
-    vocab_size=128,  # padded: a multiple of TP (the batch's ids stay below 97)
-    swiglu=True,
-)
+# The equivalence test's model with a vocabulary padded to a multiple of TP (ids stay < 97).
+CFG = dataclasses.replace(EQUIVALENCE_CFG, vocab_size=128, swiglu=True)
 
 
 def _tp_layout(param) -> tuple[bool, int, int]:
@@ -67,7 +61,7 @@ def unshard(shards: list[torch.Tensor], layout: tuple[bool, int, int]) -> torch.
     return torch.cat([pieces[r][k] for k in range(stride) for r in range(len(shards))], dim=dim)
 
 
-def _body_tp(rank, world_size, cfg, pool, policy):
+def _body_tp(rank, world_size, cfg, pool, policy, kind):
     with cpu_shims():
         initialize_parallel_state(tensor_model_parallel_size=TP)
         try:
@@ -75,8 +69,11 @@ def _body_tp(rank, world_size, cfg, pool, policy):
             named = list(engine.model.module.named_parameters())
             init = {n: p.detach().clone() for n, p in named}
             group = pool_group()
-            source = source_of(make_batch(pool, 0))
-            plan = plan_step(source.seqlens, pool_size=pool, capacity=CAPACITY, policy=policy)
+            source = source_of(make_batch(pool, 0, kind))
+            cp_size = 2 if policy == "static" else None
+            plan = plan_step(
+                source.seqlens, pool_size=pool, capacity=CAPACITY, policy=policy, cp_size=cp_size
+            )
             grads = {}
             snapshot_grads_before_update(engine, grads)
             result = train_step(engine, plan, source, StepRuntime(group=group, check_plans=True))
@@ -94,7 +91,7 @@ def _body_tp(rank, world_size, cfg, pool, policy):
             destroy_parallel_state()
 
 
-def _body_reference(rank, world_size, cfg, pool):
+def _body_reference(rank, world_size, cfg, pool, kind):
     with cpu_shims():
         initialize_parallel_state()
         try:
@@ -109,7 +106,7 @@ def _body_reference(rank, world_size, cfg, pool):
                 betas=(OPTIM.adam_beta1, OPTIM.adam_beta2),
                 eps=OPTIM.adam_eps,
             )
-            loss = reference_loss_and_grads(model, make_batch(pool, 0))
+            loss = reference_loss_and_grads(model, make_batch(pool, 0, kind))
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
             torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.clip_grad)
             optimizer.step()
@@ -124,15 +121,22 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(
-    "pool, swiglu, policy",
-    [(2, True, "greedy"), (2, False, "balanced"), (3, True, "balanced")],
-    ids=["tp2-pool2-swiglu", "tp2-pool2-gelu", "tp2-pool3-swiglu"],
+    "pool, swiglu, policy, kind",
+    [
+        (2, True, "greedy", "mixed"),
+        (2, False, "balanced", "mixed"),
+        (3, True, "balanced", "mixed"),
+        (2, True, "static", "two_rank_context"),
+    ],
+    ids=["tp2-pool2-swiglu", "tp2-pool2-gelu", "tp2-pool3-swiglu", "tp2-static-cp2"],
 )
-def test_tensor_parallel_replicas_equal_one_process(pool, swiglu, policy):
+def test_tensor_parallel_replicas_equal_one_process(pool, swiglu, policy, kind):
+    """Mixed lengths: C-1 and below, C, C+1, and (pool 3) sequences needing 2 and 3 replicas;
+    the static mesh packs to 2 C and shards every pack over CP 2."""
     cfg = dataclasses.replace(CFG, swiglu=swiglu)
     tp_cfg = dataclasses.replace(cfg, tensor_model_parallel_size=TP)
-    ranks = run_ranks(_body_tp, TP * pool, tp_cfg, pool, policy, timeout_s=180)
-    reference = run_ranks(_body_reference, 1, cfg, pool)[0]
+    ranks = run_ranks(_body_tp, TP * pool, tp_cfg, pool, policy, kind, timeout_s=180)
+    reference = run_ranks(_body_reference, 1, cfg, pool, kind)[0]
     for rank, result in enumerate(ranks):
         assert result["tp_rank"] == rank % TP
         assert result["pool"] == (rank // TP, list(range(rank % TP, TP * pool, TP)))
