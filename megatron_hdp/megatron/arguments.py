@@ -23,7 +23,6 @@ from megatron_hdp.scheduler.placement import POLICIES
 UNSUPPORTED_MEGATRON_FLAGS = {
     "--pipeline-model-parallel-size": "pipeline parallelism is not supported with HDP yet",
     "--virtual-pipeline-model-parallel-size": "pipeline parallelism is not supported yet",
-    "--sequence-parallel": "sequence parallelism needs tensor parallelism, not supported yet",
     "--fp16": "fp16 is not supported; use --bf16",
     "--train-samples": "give --train-iters",
     "--lr-warmup-fraction": "give --lr-warmup-iters",
@@ -180,6 +179,12 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="tensor-parallel ranks per HDP replica: the pool is world / TP replicas, a ring "
         "links the same TP rank of its member replicas",
+    )
+    g.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with tensor parallelism: split the norm and dropout regions over the TP ranks "
+        "along the tokens (each micro-batch is padded to a multiple of TP)",
     )
     g.add_argument(
         "--context-parallel-size",

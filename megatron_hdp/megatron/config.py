@@ -67,6 +67,7 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
         hidden_dropout=args.hidden_dropout,
         params_dtype="bfloat16" if args.bf16 else "float32",
         tensor_model_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
     )
 
 

@@ -79,10 +79,17 @@ class HDPCoreAttention(MegatronModule):
             )
         if attention_bias is not None:
             raise ValueError("HDP attention does not support an attention bias")
-        rotary = packed_seq_params.rotary
+        spec = params.attention
+        # Sequence parallelism pads a micro-batch's tokens to a multiple of TP (at the end);
+        # the pad rows take no part in attention and get a zero output.
+        padded, real = query.shape[0], spec.shards[spec.position].num_tokens
+        if padded != real:
+            query, key, value = query[:real], key[:real], value[:real]
+        rotary = params.rotary
         if rotary is not None:
             query, key = rotary.apply(query), rotary.apply(key)
-        out = hdp_attention(
-            query, key, value, packed_seq_params.attention, softmax_scale=self.softmax_scale
-        )
-        return out.reshape(out.shape[0], -1)
+        out = hdp_attention(query, key, value, spec, softmax_scale=self.softmax_scale)
+        out = out.reshape(out.shape[0], -1)
+        if padded != real:
+            out = torch.nn.functional.pad(out, (0, 0, 0, padded - real))
+        return out

@@ -2,14 +2,17 @@
 
 Megatron-Core hard-codes CUDA in its schedules, DDP grad buffers and optimizer type
 checks (`../shared/design/cpu-gloo-facts.md`, section 5). `cpu_shims()` patches exactly
-three things, process-locally, and undoes them on exit:
+four things, process-locally, and undoes them on exit:
 
 - P1: a `TorchFunctionMode` that rewrites `device="cuda"` / `device=<int>` arguments of
   torch factory calls to `"cpu"`;
 - P2: `torch.cuda.current_device` returns `"cpu"` and `torch.cuda.synchronize` does
   nothing (Megatron passes the former as `device=`);
 - P3: `Tensor.type()` reports CPU float tensors as `torch.cuda.*Tensor`, which the
-  optimizer's dtype dispatch and grad clipping insist on.
+  optimizer's dtype dispatch and grad clipping insist on;
+- P4: the tensor-parallel CUDA RNG tracker's `fork()` (entered by sequence-parallel
+  regions around their dropout) does nothing, since no CUDA RNG state exists. Sequence
+  parallelism with dropout is refused on CPU (`GPTConfig`), so no random draw depends on it.
 
 Nothing is patched at import time. On a machine with CUDA the shims are not needed and
 `cpu_shims()` refuses to install them (`force=True` overrides, for tests).
@@ -55,18 +58,23 @@ def _type_as_cuda(original):
 
 @contextlib.contextmanager
 def cpu_shims(*, force: bool = False) -> Iterator[None]:
-    """Apply P1-P3 for the duration of the block; restore everything afterwards."""
+    """Apply P1-P4 for the duration of the block; restore everything afterwards."""
     if torch.cuda.is_available() and not force:
         raise RuntimeError("CUDA is available: Megatron needs no CPU shims here")
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
     saved = (torch.cuda.current_device, torch.cuda.synchronize, torch.Tensor.type)
+    saved_fork = CudaRNGStatesTracker.fork
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.Tensor.type = _type_as_cuda(saved[2])
+    CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     try:
         with CudaToCpuMode():
             yield
     finally:
         torch.cuda.current_device, torch.cuda.synchronize, torch.Tensor.type = saved
+        CudaRNGStatesTracker.fork = saved_fork
 
 
 def maybe_cpu_shims() -> contextlib.AbstractContextManager:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn import functional
 
@@ -58,6 +61,9 @@ class GPTConfig:
     tensor_model_parallel_size: int = 1
     """Tensor-parallel ranks per HDP replica (--tensor-model-parallel-size): attention heads,
     KV groups, MLP and vocabulary are split over them as Megatron does."""
+    sequence_parallel: bool = False
+    """Split the norm and dropout regions over the TP ranks along the tokens
+    (--sequence-parallel); needs tensor parallelism."""
 
     def __post_init__(self) -> None:
         if self.position_embedding_type not in POSITION_EMBEDDINGS:
@@ -90,6 +96,13 @@ class GPTConfig:
             raise ValueError(
                 f"num_query_groups {groups} and tensor_model_parallel_size {tp}: one must "
                 "divide the other (Megatron splits or replicates the KV groups)"
+            )
+        if self.sequence_parallel and tp == 1:
+            raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
+        if self.sequence_parallel and self.hidden_dropout and not torch.cuda.is_available():
+            raise ValueError(
+                "sequence parallelism with hidden dropout needs the CUDA RNG tracker; on CPU use "
+                "hidden_dropout 0"
             )
         if self.vocab_size % tp:
             raise ValueError(
@@ -148,14 +161,46 @@ def transformer_config(cfg: GPTConfig) -> TransformerConfig:
         apply_rope_fusion=False,
         calculate_per_token_loss=True,
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        sequence_parallel=cfg.sequence_parallel,
     )
+
+
+class SequenceParallelNorm:
+    """Megatron's torch norm (LayerNorm or RMSNorm) inside a sequence-parallel region.
+
+    Megatron's `WrappedTorchNorm` refuses sequence parallelism, although the norm itself is
+    per token; it only needs its parameters marked `sequence_parallel`, so that
+    `finalize_model_grads` sums their gradients over the TP ranks (each saw a share of the
+    tokens). Megatron's fused norms need Apex or Transformer Engine, absent on CPU. (A class,
+    not a function: Megatron's `build_module` returns plain functions uncalled.)
+    """
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kwargs):
+        """A `WrappedTorchNorm` whose parameters are marked for the TP gradient all-reduce."""
+        plain = copy.copy(config)  # not dataclasses.replace: no second __post_init__
+        plain.sequence_parallel = False
+        norm = WrappedTorchNorm(plain, hidden_size, eps, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
 
 
 def hdp_layer_spec(cfg: GPTConfig) -> ModuleSpec:
     """Megatron's local GPT layer spec with `HDPCoreAttention` as the core attention."""
     spec = get_gpt_layer_local_spec(normalization=cfg.normalization)
     spec.submodules.self_attention.submodules.core_attention = HDPCoreAttention
+    if cfg.sequence_parallel:
+        spec.submodules.input_layernorm = SequenceParallelNorm
+        spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
     return spec
+
+
+def hdp_block_spec(cfg: GPTConfig) -> TransformerBlockSubmodules:
+    """The whole decoder: `hdp_layer_spec` per layer and the final norm (SP-ready)."""
+    final_norm = SequenceParallelNorm if cfg.sequence_parallel else LayerNormImpl
+    return TransformerBlockSubmodules(
+        layer_specs=[hdp_layer_spec(cfg)] * cfg.num_layers, layer_norm=final_norm
+    )
 
 
 def build_gpt(cfg: GPTConfig, *, pre_process: bool = True, post_process: bool = True) -> GPTModel:
@@ -168,7 +213,7 @@ def build_gpt(cfg: GPTConfig, *, pre_process: bool = True, post_process: bool = 
     position_type = "none" if cfg.position_embedding_type == "rope" else cfg.position_embedding_type
     return GPTModel(
         config=transformer_config(cfg),
-        transformer_layer_spec=hdp_layer_spec(cfg),
+        transformer_layer_spec=hdp_block_spec(cfg),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre_process,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from megatron.core.distributed import finalize_model_grads
 
 from megatron_hdp.attention.ring import build_ring_spec
 from megatron_hdp.attention.rope import RotaryTable
@@ -165,13 +166,26 @@ def _read_and_count(
 
 
 def _token_losses(engine: Engine, batch: LocalBatch, runtime: StepRuntime) -> torch.Tensor:
-    return engine.model(
-        batch.tokens,
-        batch.position_ids,
+    """Per-token losses `[1, t]` of one local batch.
+
+    With sequence parallelism Megatron splits the tokens evenly over the TP ranks, so they
+    are padded to a multiple of TP here (HDP attention skips the pad rows) and the pad
+    losses are cut off again.
+    """
+    n = batch.num_tokens
+    pad = -n % engine.tp_size if engine.cfg.sequence_parallel else 0
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (0, pad)) if pad else x
+
+    losses = engine.model(
+        padded(batch.tokens),
+        padded(batch.position_ids),
         None,
-        labels=batch.labels,
+        labels=padded(batch.labels),
         packed_seq_params=packed_seq_params(batch, engine.cfg, runtime),
     )
+    return losses[:, :n] if pad else losses
 
 
 def forward_backward(
@@ -223,7 +237,9 @@ def train_step(
         loss_sum = forward_backward(engine, batches, runtime, loss_scale=1.0 / global_tokens)
     compute_seconds = time.perf_counter() - start
     runtime.mark("gradient sync")
-    model.finish_grad_sync()
+    # Megatron's own finish: the pool's gradient sync plus the TP all-reduce of the grads of
+    # parameters replicated over a sequence-parallel region (the norms).
+    finalize_model_grads([model])
     checked_norm = None
     if runtime.check_nonfinite:
         # Megatron's step computes the norm, clips and updates in one call; the norm is

@@ -147,6 +147,13 @@ def _check_layout(args: argparse.Namespace, world_size: int) -> None:
             "the other"
         )
     pool_size = world_size // tp
+    if args.sequence_parallel and tp == 1:
+        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if args.sequence_parallel and args.hidden_dropout:
+        raise ValueError(
+            f"--sequence-parallel with --hidden-dropout {args.hidden_dropout} is not supported "
+            "yet (dropout in a sequence-parallel region needs the CUDA RNG tracker); use 0"
+        )
     if args.micro_batch_size != 1:
         raise ValueError(
             f"--micro-batch-size {args.micro_batch_size}: HDP packs micro-batches itself; use 1"

@@ -40,6 +40,12 @@ def test_tp2_replicas_train_like_tp1_and_resume_exactly(corpus_cache, tmp_path):
                 torch.testing.assert_close(b[key], value, rtol=1e-6, atol=1e-7, msg=key)
 
 
+def test_sequence_parallel_gives_the_same_losses(corpus_cache):
+    plain = run_pretrain(4, job_args(corpus_cache, iters=2, extra=TP2))
+    sp = run_pretrain(4, job_args(corpus_cache, iters=2, extra=[*TP2, "--sequence-parallel"]))
+    assert [s["loss"] for s in sp] == pytest.approx([s["loss"] for s in plain], rel=1e-5)
+
+
 def test_a_resume_with_another_tp_size_is_refused(corpus_cache, tmp_path, monkeypatch, capsys):
     import pretrain_hdp
 

@@ -121,20 +121,30 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(
-    "pool, swiglu, policy, kind",
+    "pool, swiglu, policy, kind, sp",
     [
-        (2, True, "greedy", "mixed"),
-        (2, False, "balanced", "mixed"),
-        (3, True, "balanced", "mixed"),
-        (2, True, "static", "two_rank_context"),
+        (2, True, "greedy", "mixed", False),
+        (2, False, "balanced", "mixed", False),
+        (3, True, "balanced", "mixed", False),
+        (2, True, "static", "two_rank_context", False),
+        (2, True, "greedy", "mixed", True),
+        (3, True, "balanced", "mixed", True),
     ],
-    ids=["tp2-pool2-swiglu", "tp2-pool2-gelu", "tp2-pool3-swiglu", "tp2-static-cp2"],
+    ids=[
+        "tp2-pool2-swiglu",
+        "tp2-pool2-gelu",
+        "tp2-pool3-swiglu",
+        "tp2-static-cp2",
+        "tp2-pool2-sp",
+        "tp2-pool3-sp",
+    ],
 )
-def test_tensor_parallel_replicas_equal_one_process(pool, swiglu, policy, kind):
-    """Mixed lengths: C-1 and below, C, C+1, and (pool 3) sequences needing 2 and 3 replicas;
-    the static mesh packs to 2 C and shards every pack over CP 2."""
+def test_tensor_parallel_replicas_equal_one_process(pool, swiglu, policy, kind, sp):
+    """Mixed lengths: C-1 and below, C, C+1, and (pool 3) sequences needing 2 and 3 replicas
+    (odd local token counts, so sequence parallelism pads); the static mesh packs to 2 C and
+    shards every pack over CP 2."""
     cfg = dataclasses.replace(CFG, swiglu=swiglu)
-    tp_cfg = dataclasses.replace(cfg, tensor_model_parallel_size=TP)
+    tp_cfg = dataclasses.replace(cfg, tensor_model_parallel_size=TP, sequence_parallel=sp)
     ranks = run_ranks(_body_tp, TP * pool, tp_cfg, pool, policy, kind, timeout_s=180)
     reference = run_ranks(_body_reference, 1, cfg, pool, kind)[0]
     for rank, result in enumerate(ranks):
@@ -158,6 +168,8 @@ def test_tensor_parallel_replicas_equal_one_process(pool, swiglu, policy, kind):
 def test_tensor_parallel_shapes_are_checked():
     with pytest.raises(ValueError, match="num_attention_heads 4 is not divisible by tensor"):
         dataclasses.replace(CFG, tensor_model_parallel_size=3)
+    with pytest.raises(ValueError, match="sequence_parallel needs tensor_model_parallel_size"):
+        dataclasses.replace(CFG, sequence_parallel=True)
     with pytest.raises(ValueError, match="vocab_size 97 is not divisible"):
         dataclasses.replace(CFG, vocab_size=97, tensor_model_parallel_size=2)
     with pytest.raises(ValueError, match="num_query_groups 3 and tensor_model_parallel_size 2"):
