@@ -87,7 +87,8 @@ class Trainer:
         resume_meta = read_meta(args.load) if args.load else None
         optim = optim_config(args, override_scheduler=scheduler_override(args, resume_meta))
         self.engine: Engine = build_engine(cfg, optim, seed=args.seed)
-        profile = device_profile(args.hdp_device_profile)
+        # The planner prices HDP ranks: a replica of TP devices (DeviceProfile.replica).
+        profile = device_profile(args.hdp_device_profile).replica(args.tensor_model_parallel_size)
         if args.hdp_host_memory_gb is not None:
             profile = dataclasses.replace(profile, host_memory_bytes=args.hdp_host_memory_gb * 1e9)
         self.cost_model = CostModel(model_shape(cfg), profile)

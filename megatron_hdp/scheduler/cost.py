@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +87,34 @@ class DeviceProfile:
     memory_bytes: float
     host_memory_bytes: float = 64e9
     bytes_per_element: int = 2
+
+    def replica(
+        self, tp: int, pp: int = 1, *, tp_efficiency: float = 0.9, pp_efficiency: float = 0.9
+    ) -> DeviceProfile:
+        """The profile of an HDP rank made of `tp x pp` devices of this profile.
+
+        Stated assumptions (shared by the training job and the simulator): FLOP/s add up
+        over the devices, times `tp_efficiency` for TP > 1 (the TP all-reduces are partly
+        exposed) and `pp_efficiency` for PP > 1 (bubble, stage imbalance); ring, host links
+        and memories add up too, since each device sends its own shard of the ring's K/V
+        (its heads, its layers) over its own link to the same device of the neighbour.
+        """
+        if tp < 1 or pp < 1:
+            raise ValueError(f"tp and pp must be >= 1, got tp={tp} pp={pp}")
+        if tp == pp == 1:
+            return self
+        devices = tp * pp
+        eff = (tp_efficiency if tp > 1 else 1.0) * (pp_efficiency if pp > 1 else 1.0)
+        return replace(
+            self,
+            name=f"{self.name}-tp{tp}pp{pp}",
+            linear_flops=self.linear_flops * devices * eff,
+            attention_flops=self.attention_flops * devices * eff,
+            p2p_bandwidth=self.p2p_bandwidth * devices,
+            host_bandwidth=self.host_bandwidth * devices,
+            memory_bytes=self.memory_bytes * devices,
+            host_memory_bytes=self.host_memory_bytes * devices,
+        )
 
     def to_json(self) -> str:
         """JSON text of the profile."""

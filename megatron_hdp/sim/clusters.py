@@ -51,24 +51,28 @@ class Cluster:
     tp_efficiency: float = 0.9
     pp_efficiency: float = 0.9
 
-    def rank_profile(self, tp: int, pp: int = 1) -> DeviceProfile:
-        """The `DeviceProfile` of one HDP rank of `tp x pp` GPUs."""
-        if tp > self.gpus_per_node:
-            raise ValueError(f"TP {tp} exceeds the {self.gpus_per_node} GPUs of an NVLink node")
-        gpus = tp * pp
-        eff = (self.tp_efficiency if tp > 1 else 1.0) * (self.pp_efficiency if pp > 1 else 1.0)
-        flops = self.peak_flops * gpus * eff
+    def gpu_profile(self) -> DeviceProfile:
+        """The `DeviceProfile` of one GPU of this cluster."""
         return DeviceProfile(
-            name=f"{self.name}-tp{tp}pp{pp}",
-            linear_flops=self.linear_efficiency * flops,
-            attention_flops=self.attention_efficiency * flops,
-            p2p_bandwidth=self.ib_bandwidth * gpus,
+            name=self.name,
+            linear_flops=self.linear_efficiency * self.peak_flops,
+            attention_flops=self.attention_efficiency * self.peak_flops,
+            p2p_bandwidth=self.ib_bandwidth,
             p2p_latency=self.ib_latency,
-            host_bandwidth=self.host_bandwidth * gpus,
-            memory_bytes=self.gpu_memory * gpus,
-            host_memory_bytes=self.host_memory_per_gpu * gpus,
+            host_bandwidth=self.host_bandwidth,
+            memory_bytes=self.gpu_memory,
+            host_memory_bytes=self.host_memory_per_gpu,
             bytes_per_element=2,
         )
+
+    def rank_profile(self, tp: int, pp: int = 1) -> DeviceProfile:
+        """The `DeviceProfile` of one HDP rank of `tp x pp` GPUs (`DeviceProfile.replica`)."""
+        if tp > self.gpus_per_node:
+            raise ValueError(f"TP {tp} exceeds the {self.gpus_per_node} GPUs of an NVLink node")
+        profile = self.gpu_profile().replica(
+            tp, pp, tp_efficiency=self.tp_efficiency, pp_efficiency=self.pp_efficiency
+        )
+        return replace(profile, name=f"{self.name}-tp{tp}pp{pp}")
 
     def scaled(self, **changes) -> Cluster:
         """A copy with some constants changed (e.g. `ib_bandwidth` for sensitivity runs)."""
