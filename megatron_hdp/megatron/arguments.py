@@ -307,8 +307,8 @@ def add_hdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--hdp-host-memory-gb",
         type=float,
         default=None,
-        help="host memory one rank may fill with offloaded activations (default: the "
-        "device profile's)",
+        help="host memory one process (one device) may fill with offloaded activations "
+        "(default: the device profile's; a TP replica has TP times this)",
     )
     g.add_argument(
         "--hdp-device-profile",

@@ -271,7 +271,7 @@ def load_checkpoint(
     if engine.optimizer_is_distributed and meta["world_size"] != dist.get_world_size(group):
         raise ValueError(
             f"{folder} was written by {meta['world_size']} ranks with the distributed "
-            f"optimizer; this pool has {dist.get_world_size(group)}"
+            f"optimizer; this job has {dist.get_world_size(group)}"
         )
     saved_tp = meta.get("tensor_model_parallel_size", 1)
     if saved_tp != engine.tp_size:

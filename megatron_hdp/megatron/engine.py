@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -126,6 +126,9 @@ def build_engine(cfg: GPTConfig, optim: OptimConfig, *, seed: int = 1234) -> Eng
     parameters), so it is part of the engine even for a constant learning rate.
     """
     torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        # Sequence-parallel regions fork Megatron's model-parallel CUDA RNG state.
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
     model = build_gpt(cfg)  # initialised on the CPU: equal weights on every rank
     if torch.cuda.is_available():
         model = model.cuda(torch.cuda.current_device())

@@ -103,7 +103,14 @@ class HDPDataIterator:
 
 
 def megatron_batch(batch: LocalBatch, cfg: GPTConfig, runtime: StepRuntime) -> dict:
-    """The batch dict a `pretrain_gpt.py`-style `get_batch` returns, for one HDP micro-batch."""
+    """The batch dict a `pretrain_gpt.py`-style `get_batch` returns, for one HDP micro-batch.
+
+    With tensor parallelism `runtime.group` must be `engine.pool_group()`. Sequence
+    parallelism is not supported here yet (the tokens would need padding to a multiple of
+    TP, as `step._token_losses` does).
+    """
+    if cfg.sequence_parallel:
+        raise ValueError("the Megatron-LM drop-in does not support sequence parallelism yet")
     return {
         "tokens": batch.tokens,
         "labels": batch.labels,

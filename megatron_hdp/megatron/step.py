@@ -223,7 +223,8 @@ def train_step(
     group = runtime.group
     check_plan_fits(plan, engine, group)
     if runtime.check_plans:
-        check_plan_agreement(plan, group, runtime.device)
+        # Over every rank, so that the TP ranks of a replica are compared too.
+        check_plan_agreement(plan, dist.group.WORLD, runtime.device)
     bytes_before = runtime.stats.bytes_sent
     batches, global_tokens = _read_and_count(plan, source, runtime)
     if global_tokens == 0:

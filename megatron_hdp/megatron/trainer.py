@@ -87,14 +87,16 @@ class Trainer:
         resume_meta = read_meta(args.load) if args.load else None
         optim = optim_config(args, override_scheduler=scheduler_override(args, resume_meta))
         self.engine: Engine = build_engine(cfg, optim, seed=args.seed)
-        # The planner prices HDP ranks: a replica of TP devices (DeviceProfile.replica).
-        profile = device_profile(args.hdp_device_profile).replica(args.tensor_model_parallel_size)
-        if args.hdp_host_memory_gb is not None:
+        profile = device_profile(args.hdp_device_profile)
+        if args.hdp_host_memory_gb is not None:  # per process (device), like the profile
             profile = dataclasses.replace(profile, host_memory_bytes=args.hdp_host_memory_gb * 1e9)
+        # The planner prices HDP ranks: a replica of TP devices (DeviceProfile.replica).
+        profile = profile.replica(args.tensor_model_parallel_size)
         self.cost_model = CostModel(model_shape(cfg), profile)
         if args.hdp_offload:
+            # The profile is the replica's; each of its TP processes offloads its own shard.
             runtime.offload = offload_manager(
-                self.engine, profile.host_memory_bytes, runtime.device
+                self.engine, profile.host_memory_bytes / self.engine.tp_size, runtime.device
             )
         self.iteration = 0
         self.consumed_tokens = 0

@@ -147,6 +147,11 @@ def _check_layout(args: argparse.Namespace, world_size: int) -> None:
             "the other"
         )
     pool_size = world_size // tp
+    if args.ffn_hidden_size is not None and args.ffn_hidden_size % tp:
+        raise ValueError(
+            f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by "
+            f"--tensor-model-parallel-size {tp}"
+        )
     if args.sequence_parallel and tp == 1:
         raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
     if args.sequence_parallel and args.hidden_dropout:
@@ -383,6 +388,10 @@ def check_resume_matches(
     """
     saved_model = meta.get("model")
     if saved_model is not None:
+        # Checkpoints from before these fields existed were TP 1; SP does not change the
+        # parameters, so it may change between runs.
+        saved_model = {"tensor_model_parallel_size": 1, **saved_model}
+        model = {k: v for k, v in model.items() if k != "sequence_parallel"}
         changed = [key for key in model if saved_model.get(key) != model[key]]
         if changed:
             detail = ", ".join(f"{k}: {saved_model.get(k)!r} -> {model[k]!r}" for k in changed)

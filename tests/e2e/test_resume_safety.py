@@ -229,3 +229,20 @@ def test_a_second_run_saving_into_the_same_folder_is_refused_at_save(tmp_path):
     assert "holds the checkpoints of another run (run id first" in outcomes[1]
     meta = json.loads((iteration_dir(tmp_path, 2) / "meta.json").read_text())
     assert latest_iteration(tmp_path) == 2 and meta["run_id"] == "first"
+
+
+def test_a_checkpoint_from_before_tensor_parallelism_still_resumes(
+    corpus_cache, checkpoint, monkeypatch, capsys
+):
+    """meta.json without the TP fields (written before they existed) means TP 1."""
+    import pretrain_hdp
+
+    meta_path = iteration_dir(checkpoint, 4) / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    for key in ("tensor_model_parallel_size", "sequence_parallel"):
+        del meta["model"][key]
+    meta_path.write_text(json.dumps(meta))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    extra = ["--load", str(checkpoint), "--lr-decay-iters", "4", "--hdp-validate-only"]
+    assert pretrain_hdp.main(job_args(corpus_cache, iters=6, extra=extra)) == []
+    assert capsys.readouterr().err == ""
