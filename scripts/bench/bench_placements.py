@@ -6,9 +6,13 @@ first) in one run. Rank 0 writes JSON: step time (median over the measured steps
 rank), attention point-to-point bytes per step (all ranks), micro-batches each rank ran,
 each rank's measured forward+backward time next to the plan's prediction from the cost
 model (a calibrated CPU profile), and the loss of every step (all placements must agree).
+With `--tensor-model-parallel-size 2` each HDP rank is a replica of 2 TP ranks (attention
+bytes then count both TP ranks' rings).
 
     torchrun --standalone --nproc-per-node 4 scripts/bench/bench_placements.py \
         --device-profile results/cpu_profile.json --out results/placements_cpu4.json
+    torchrun --standalone --nproc-per-node 4 scripts/bench/bench_placements.py \
+        --tensor-model-parallel-size 2 --out results/placements_cpu4_tp2.json
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from megatron_hdp.megatron.engine import (
     build_engine,
     destroy_parallel_state,
     initialize_parallel_state,
+    pool_group,
 )
 from megatron_hdp.megatron.model import GPTConfig, model_shape
 from megatron_hdp.megatron.step import StepRuntime, train_step
@@ -61,6 +66,12 @@ def parse_args(argv=None):
     p.add_argument("--num-attention-heads", type=int, default=8)
     p.add_argument("--num-query-groups", type=int, default=2)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        default=1,
+        help="TP ranks per HDP replica: the pool is world / TP replicas",
+    )
     args = p.parse_args(argv)
     if args.steps < 5:
         p.error(f"--steps must be >= 5 for a median, got {args.steps}")
@@ -107,7 +118,7 @@ class PolicyRun:
         dist.all_reduce(sent)
         per_rank = [torch.zeros(2) for _ in range(pool_size)]
         mine = torch.tensor([result.compute_seconds, result.num_micro_batches])
-        dist.all_gather(per_rank, mine)
+        dist.all_gather(per_rank, mine, group=runtime.group)
         self.losses.append(result.loss)
         self.micro_batches = [int(t[1].item()) for t in per_rank]
         if measured:
@@ -144,7 +155,8 @@ class PolicyRun:
 def main(argv=None):
     args = parse_args(argv)
     device = init_distributed()
-    rank, pool_size = dist.get_rank(), dist.get_world_size()
+    tp = args.tensor_model_parallel_size
+    rank, pool_size = dist.get_rank(), dist.get_world_size() // tp
     setup_logging(rank)
     cfg = GPTConfig(
         num_layers=args.num_layers,
@@ -152,16 +164,18 @@ def main(argv=None):
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups,
         vocab_size=256,
+        tensor_model_parallel_size=tp,
     )
     lengths = mixed_lengths(pool_size, args.capacity, args.short_tokens, args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     ids = [torch.randint(0, 256, (n + 1,), generator=gen) for n in lengths]
     source = InMemoryTokens([t[:-1] for t in ids], [t[1:] for t in ids])
     with megatron_device_context():
-        initialize_parallel_state()
+        initialize_parallel_state(tensor_model_parallel_size=tp)
         try:
-            runtime = StepRuntime(group=dist.group.WORLD, device=device)
-            cost_model = CostModel(model_shape(cfg), device_profile(args.device_profile))
+            runtime = StepRuntime(group=pool_group(), device=device)
+            profile = device_profile(args.device_profile).replica(tp)
+            cost_model = CostModel(model_shape(cfg), profile)
             runs = [
                 PolicyRun(p, args, cfg, source, pool_size, cost_model)
                 for p in ("balanced", "greedy", "static")
