@@ -17,6 +17,7 @@ group start.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -87,7 +88,8 @@ def _train(args, data) -> list[dict]:
             timeout_minutes=args.distributed_timeout_minutes,
         )
         try:
-            trainer = Trainer(args, data, runtime_for(args, pool_group(), device))
+            runtime = runtime_for(args, pool_group(), device, job_group=dist.group.WORLD)
+            trainer = Trainer(args, data, runtime)
             report_after_s = args.hdp_stall_report_seconds
             if report_after_s is None:
                 report_after_s = timeout_s / 4
@@ -107,8 +109,8 @@ def _train(args, data) -> list[dict]:
             if args.load:
                 trainer.resume()
             with (
-                watchdog or _nothing(),
-                trainer.stop_signal or _nothing(),
+                watchdog or contextlib.nullcontext(),
+                trainer.stop_signal or contextlib.nullcontext(),
                 tqdm(
                     total=args.train_iters,
                     initial=trainer.iteration,
@@ -120,12 +122,6 @@ def _train(args, data) -> list[dict]:
                 return trainer.train(progress)
         finally:
             destroy_parallel_state()
-
-
-def _nothing():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -20,8 +20,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
+from datetime import timedelta
+
+import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +64,6 @@ def watchdog_store(default_store, *, timeout_s: float = 60.0):
     Under torchrun (MASTER_ADDR/MASTER_PORT set) a second TCPStore client to the same server,
     under the prefix `hdp_watchdog`; otherwise (e.g. a file store in tests) `default_store`.
     """
-    import os
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not host or not port:
         return default_store

@@ -47,6 +47,8 @@ class StepRuntime:
             (`StepResult.nonfinite`) if it or the global loss is not finite.
         progress: Called with a short description of what this rank starts next (a
             micro-batch, the gradient sync); the stall watchdog reports it.
+        job_group: Every rank of the job (the pools of all TP ranks); None: the pool alone
+            (TP 1). Plan agreement, checkpoints and the stop agreement run over it.
     """
 
     group: dist.ProcessGroup
@@ -57,6 +59,12 @@ class StepRuntime:
     offload: OffloadManager | None = None
     check_nonfinite: bool = True
     progress: Callable[[str], None] | None = None
+    job_group: dist.ProcessGroup | None = None
+
+    @property
+    def all_ranks(self) -> dist.ProcessGroup:
+        """The group of every rank of the job (`job_group`, or the pool with TP 1)."""
+        return self.job_group if self.job_group is not None else self.group
 
     def mark(self, what: str) -> None:
         """Tell the progress listener (if any) what this rank starts now."""
@@ -224,7 +232,7 @@ def train_step(
     check_plan_fits(plan, engine, group)
     if runtime.check_plans:
         # Over every rank, so that the TP ranks of a replica are compared too.
-        check_plan_agreement(plan, dist.group.WORLD, runtime.device)
+        check_plan_agreement(plan, runtime.all_ranks, runtime.device)
     bytes_before = runtime.stats.bytes_sent
     batches, global_tokens = _read_and_count(plan, source, runtime)
     if global_tokens == 0:

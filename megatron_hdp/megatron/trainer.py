@@ -80,12 +80,14 @@ class Trainer:
         self.data = data
         self.runtime = runtime
         self.pool_size = dist.get_world_size(runtime.group)
-        self.rank = dist.get_rank()  # the job's rank: rank 0 logs (one TP rank of pool rank 0)
+        # The job's rank: rank 0 logs (one TP rank of pool rank 0).
+        self.rank = dist.get_rank(runtime.all_ranks)
         self.capacity = capacity_of(args)
         self.policy = "static" if uses_static_mesh(args) else args.hdp_placement
         cfg = model_config(args, data.vocab_size)
-        resume_meta = read_meta(args.load) if args.load else None
-        optim = optim_config(args, override_scheduler=scheduler_override(args, resume_meta))
+        self._resume_meta = read_meta(args.load) if args.load else None
+        override = scheduler_override(args, self._resume_meta)
+        optim = optim_config(args, override_scheduler=override)
         self.engine: Engine = build_engine(cfg, optim, seed=args.seed)
         profile = device_profile(args.hdp_device_profile)
         if args.hdp_host_memory_gb is not None:  # per process (device), like the profile
@@ -105,11 +107,8 @@ class Trainer:
         self.nonfinite_in_a_row = 0
         self.stop_signal: StopSignal | None = None
         self.watchdog: StallWatchdog | None = None
-        self._discard_on_save = bool(args.hdp_overwrite_checkpoints) and not (
-            args.load is not None
-            and args.save is not None
-            and Path(args.load).resolve() == Path(args.save).resolve()
-        )
+        # Validation refuses the flag together with resuming from --save itself.
+        self._discard_on_save = bool(args.hdp_overwrite_checkpoints)
         self._writer = None
         if args.tensorboard_dir and self.rank == 0:
             from torch.utils.tensorboard import SummaryWriter
@@ -129,7 +128,7 @@ class Trainer:
 
     def resume(self) -> None:
         """Collective: restore everything from `--load`."""
-        state, _ = load_checkpoint(self.args.load, self.engine, group=dist.group.WORLD)
+        state, _ = load_checkpoint(self.args.load, self.engine, group=self.runtime.all_ranks)
         saved_data = state.data_state
         if saved_data.get("prefixes") != self.data.prefixes:
             raise ValueError(
@@ -139,8 +138,7 @@ class Trainer:
         self.iteration = state.iteration
         self.consumed_tokens = state.consumed_tokens
         self.data.train.load_state_dict(saved_data["sampler"])
-        self.run_id = read_meta(self.args.load).get("run_id") or self.run_id
-        self.last_saved = None
+        self.run_id = self._resume_meta.get("run_id") or self.run_id
 
     def save(self) -> None:
         """Collective: write a checkpoint of the current iteration to `--save`."""
@@ -154,7 +152,7 @@ class Trainer:
             self.args.save,
             self.engine,
             state,
-            group=dist.group.WORLD,
+            group=self.runtime.all_ranks,
             device=self.runtime.device,
             extra={"args": vars(self.args)},
             meta_extra={
@@ -235,7 +233,7 @@ class Trainer:
     def _stop_requested(self) -> bool:
         """Collective: True (after saving, with --save) if any rank received SIGTERM/SIGINT."""
         self._mark("stop check")
-        name = self.stop_signal.agreed(dist.group.WORLD, self.runtime.device)
+        name = self.stop_signal.agreed(self.runtime.all_ranks, self.runtime.device)
         if name is None:
             return False
         if self.args.save and self.last_saved != self.iteration:
@@ -366,10 +364,11 @@ class Trainer:
         return steps
 
 
-def runtime_for(args, group, device) -> StepRuntime:
-    """The step runtime of this job."""
+def runtime_for(args, group, device, *, job_group=None) -> StepRuntime:
+    """The step runtime of this job: `group` is this rank's pool, `job_group` every rank."""
     return StepRuntime(
         group=group,
+        job_group=job_group,
         backend=args.hdp_attention_backend,
         device=device,
         check_plans=args.hdp_check_plans,

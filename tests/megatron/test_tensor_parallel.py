@@ -70,7 +70,7 @@ def _body_tp(rank, world_size, cfg, pool, policy, kind):
             named = list(engine.model.module.named_parameters())
             init = {n: p.detach().clone() for n, p in named}
             group = pool_group()
-            runtime = StepRuntime(group=group, check_plans=True)
+            runtime = StepRuntime(group=group, check_plans=True, job_group=dist.group.WORLD)
             grads, losses = {}, []
             snapshot_grads_before_update(engine, grads)  # of the first step
             cp_size = 2 if policy == "static" else None
