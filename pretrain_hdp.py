@@ -73,22 +73,17 @@ def _train(args, data) -> list[dict]:
     from megatron_hdp.distributed.stall_watchdog import StallWatchdog, watchdog_store
     from megatron_hdp.distributed.stop_signal import StopSignal
     from megatron_hdp.launch import init_distributed, megatron_device_context
-    from megatron_hdp.megatron.engine import (
-        destroy_parallel_state,
-        initialize_parallel_state,
-        pool_group,
-    )
+    from megatron_hdp.megatron.config import parallel_dims
     from megatron_hdp.megatron.trainer import Trainer, runtime_for
 
     timeout_s = args.distributed_timeout_minutes * 60
     device = init_distributed(timeout_s=timeout_s)
     with megatron_device_context():
-        initialize_parallel_state(
-            tensor_model_parallel_size=args.tensor_model_parallel_size,
-            timeout_minutes=args.distributed_timeout_minutes,
+        layout = parallel_dims(args, dist.get_world_size()).initialize(
+            timeout_minutes=args.distributed_timeout_minutes
         )
         try:
-            runtime = runtime_for(args, pool_group(), device, job_group=dist.group.WORLD)
+            runtime = runtime_for(args, layout, device)
             trainer = Trainer(args, data, runtime)
             report_after_s = args.hdp_stall_report_seconds
             if report_after_s is None:
@@ -121,7 +116,7 @@ def _train(args, data) -> list[dict]:
             ):
                 return trainer.train(progress)
         finally:
-            destroy_parallel_state()
+            layout.destroy()
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

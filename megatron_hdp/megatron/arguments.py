@@ -33,8 +33,7 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--recompute-activations": "activation recomputation is not supported (see offloading)",
     "--use-flash-attn": "HDP chooses its attention kernel: --hdp-attention-backend",
     "--transformer-impl": "HDP uses Megatron-Core's local layers plus HDP attention",
-    "--num-experts": "mixture of experts is not supported yet",
-    "--expert-model-parallel-size": "mixture of experts is not supported yet",
+    "--expert-tensor-parallel-size": "set from the layout: TP / --expert-model-parallel-size",
     "--hybrid-context-parallel": "HDP replaces Megatron's hybrid context parallelism",
     "--mock-data": "use the embedded default corpus (omit --data-path)",
     "--train-data-path": "give --data-path and --split",
@@ -185,6 +184,39 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with tensor parallelism: split the norm and dropout regions over the TP ranks "
         "along the tokens (each micro-batch is padded to a multiple of TP)",
+    )
+    g.add_argument(
+        "--num-experts",
+        type=int,
+        default=None,
+        help="experts per MoE layer (Megatron's MoELayer; default: a dense MLP)",
+    )
+    g.add_argument("--moe-router-topk", type=int, default=2, help="experts each token is routed to")
+    g.add_argument(
+        "--moe-ffn-hidden-size",
+        type=int,
+        default=None,
+        help="hidden size of each expert (default: --ffn-hidden-size)",
+    )
+    g.add_argument(
+        "--moe-aux-loss-coeff",
+        type=float,
+        default=0.0,
+        help="weight of the load-balancing loss; HDP computes it per sequence, weighted by "
+        "the sequence's share of the global batch, so it does not depend on the placement",
+    )
+    g.add_argument(
+        "--expert-model-parallel-size",
+        type=int,
+        default=1,
+        help="ranks the experts are split over, inside one replica: must divide "
+        "--tensor-model-parallel-size (EP folded onto the TP ranks)",
+    )
+    g.add_argument(
+        "--moe-token-dispatcher-type",
+        choices=("allgather", "alltoall"),
+        default="allgather",
+        help="how tokens reach the experts of the other EP ranks of the replica",
     )
     g.add_argument(
         "--context-parallel-size",

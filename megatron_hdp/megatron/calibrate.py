@@ -31,12 +31,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_hdp.batching import InMemoryTokens, gather_local_batch
+from megatron_hdp.distributed.layout import ParallelDims
 from megatron_hdp.megatron.cpu_shim import maybe_cpu_shims
 from megatron_hdp.megatron.engine import (
     OptimConfig,
     build_engine,
-    destroy_parallel_state,
-    initialize_parallel_state,
 )
 from megatron_hdp.megatron.model import GPTConfig, model_shape
 from megatron_hdp.megatron.step import StepRuntime, forward_backward
@@ -145,11 +144,11 @@ def main(argv=None) -> int:
         )
         try:
             with maybe_cpu_shims():
-                initialize_parallel_state()
+                layout = ParallelDims.of_world().initialize()
                 try:
                     seconds = time_lengths(cfg, args.lengths, args.repeats)
                 finally:
-                    destroy_parallel_state()
+                    layout.destroy()
         finally:
             dist.destroy_process_group()
     profile = fit_profile(args.lengths, seconds, model_shape(cfg), PROFILES[args.base], args.name)

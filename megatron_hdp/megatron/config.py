@@ -14,6 +14,7 @@ import math
 import torch
 
 from megatron_hdp.data.sampler import parse_split
+from megatron_hdp.distributed.layout import ParallelDims
 from megatron_hdp.megatron.arguments import parse_data_path
 from megatron_hdp.megatron.engine import OptimConfig
 from megatron_hdp.megatron.model import GPTConfig
@@ -68,6 +69,24 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
         params_dtype="bfloat16" if args.bf16 else "float32",
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
+        num_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+    )
+
+
+def parallel_dims(args: argparse.Namespace, world_size: int) -> ParallelDims:
+    """The parallel layout of the job (validated; raises ValueError naming a bad value)."""
+    return ParallelDims(
+        world_size=world_size,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        num_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk,
     )
 
 

@@ -12,7 +12,13 @@ four things, process-locally, and undoes them on exit:
   optimizer's dtype dispatch and grad clipping insist on;
 - P4: the tensor-parallel CUDA RNG tracker's `fork()` (entered by sequence-parallel
   regions around their dropout) does nothing, since no CUDA RNG state exists. Sequence
-  parallelism with dropout is refused on CPU (`GPTConfig`), so no random draw depends on it.
+  parallelism with dropout is refused on CPU (`GPTConfig`), so no random draw depends on it;
+- P5: `torch.cuda.Stream`, `torch.cuda.current_stream` and `torch.cuda.stream` give host
+  stand-ins whose waits and events do nothing (the MoE all-to-all token dispatcher copies
+  its split sizes to the host on a side stream; on CPU every op is already synchronous);
+- P6: that dispatcher's host copy also turns the split sizes into numpy arrays, but only for
+  CUDA tensors; on CPU they would reach `all_to_all_single` as tensors, which it refuses, so
+  CPU tensors asked for as numpy become numpy too.
 
 Nothing is patched at import time. On a machine with CUDA the shims are not needed and
 `cpu_shims()` refuses to install them (`force=True` overrides, for tests).
@@ -56,15 +62,50 @@ def _type_as_cuda(original):
     return tensor_type
 
 
+class _HostEvent:
+    def synchronize(self) -> None:
+        pass
+
+
+class HostStream:
+    """P5: a CUDA stream stand-in; the CPU runs every op in order, so nothing to wait for."""
+
+    def wait_stream(self, other) -> None:
+        """Nothing to wait for."""
+
+    def record_event(self, event=None) -> _HostEvent:
+        """An event that is already complete."""
+        return _HostEvent()
+
+
+_DEFAULT_STREAM = HostStream()
+
+
+def _host_copy(original):
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return maybe_move_tensor_to_cpu
+
+
 @contextlib.contextmanager
 def cpu_shims(*, force: bool = False) -> Iterator[None]:
-    """Apply P1-P4 for the duration of the block; restore everything afterwards."""
+    """Apply P1-P6 for the duration of the block; restore everything afterwards."""
     if torch.cuda.is_available() and not force:
         raise RuntimeError("CUDA is available: Megatron needs no CPU shims here")
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+    from megatron.core.transformer.moe import token_dispatcher
 
     saved = (torch.cuda.current_device, torch.cuda.synchronize, torch.Tensor.type)
     saved_fork = CudaRNGStatesTracker.fork
+    saved_streams = (torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream)
+    torch.cuda.Stream = HostStream
+    torch.cuda.current_stream = lambda device=None: _DEFAULT_STREAM
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    saved_host_copy = token_dispatcher.maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_copy(saved_host_copy)
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.Tensor.type = _type_as_cuda(saved[2])
@@ -75,6 +116,8 @@ def cpu_shims(*, force: bool = False) -> Iterator[None]:
     finally:
         torch.cuda.current_device, torch.cuda.synchronize, torch.Tensor.type = saved
         CudaRNGStatesTracker.fork = saved_fork
+        torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream = saved_streams
+        token_dispatcher.maybe_move_tensor_to_cpu = saved_host_copy
 
 
 def maybe_cpu_shims() -> contextlib.AbstractContextManager:

@@ -1,8 +1,9 @@
-"""Megatron-Core set-up for HDP training: parallel state, DDP wrapper, optimizer (host layer).
+"""Megatron-Core set-up for HDP training: DDP wrapper, optimizer, schedule (host layer).
 
-The HDP pool is Megatron's data-parallel group with context parallelism 1: every HDP rank
-is a model replica, rings are formed per micro-batch by HDP attention itself, and
-Megatron's gradient sync over the data-parallel group is the one sync over the pool.
+The process groups come from `distributed.layout` (initialise it first): the HDP pool is
+Megatron's data-parallel group with context parallelism 1, every HDP rank is a model
+replica, rings are formed per micro-batch by HDP attention itself, and Megatron's gradient
+sync over the data-parallel group is the one sync over the pool.
 """
 
 from __future__ import annotations
@@ -10,45 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from megatron.core import parallel_state, tensor_parallel
+import torch.distributed as dist
+from megatron.core import tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_hdp.distributed.layout import tp_rank_of
 from megatron_hdp.megatron.model import GPTConfig, build_gpt, transformer_config
-
-
-def initialize_parallel_state(
-    *, tensor_model_parallel_size: int = 1, timeout_minutes: float = 10.0
-) -> None:
-    """Collective over the world: set up Megatron's groups for HDP replicas of TP ranks.
-
-    `torch.distributed` must already be initialised. Each HDP replica is a group of
-    `tensor_model_parallel_size` consecutive ranks; the HDP pool of a TP rank is Megatron's
-    data-parallel group (the same TP rank of every replica, group rank = pool rank), which
-    `pool_group()` returns. Context and pipeline parallel sizes stay 1: HDP replaces static
-    context parallelism. `timeout_minutes` bounds every collective of Megatron's groups (the
-    gradient sync, TP all-reduces), as --distributed-timeout-minutes.
-    """
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tensor_model_parallel_size,
-            distributed_timeout_minutes=timeout_minutes,
-        )
-
-
-def pool_group():
-    """This rank's HDP pool: Megatron's data-parallel group (after `initialize_parallel_state`).
-
-    Ring attention, the loss-token count and the gradient sync of a TP rank all run in it;
-    with TP 1 it holds every rank.
-    """
-    return parallel_state.get_data_parallel_group()
-
-
-def destroy_parallel_state() -> None:
-    """Undo `initialize_parallel_state` (Megatron keeps its groups in module globals)."""
-    parallel_state.destroy_model_parallel()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,7 +143,7 @@ def build_engine(cfg: GPTConfig, optim: OptimConfig, *, seed: int = 1234) -> Eng
         optimizer=optimizer,
         scheduler=scheduler,
         optimizer_is_distributed=optim.use_distributed_optimizer,
-        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_rank=tp_rank_of(dist.get_rank(), cfg.tensor_model_parallel_size),
     )
 
 

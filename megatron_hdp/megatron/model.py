@@ -14,7 +14,9 @@ from megatron.core.transformer.transformer_block import LayerNormImpl, Transform
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn import functional
 
+from megatron_hdp.distributed.layout import moe_problems
 from megatron_hdp.megatron.core_attention import HDPCoreAttention
+from megatron_hdp.megatron.moe import GlobalIndexSequentialMLP, SequenceAuxLossRouter
 from megatron_hdp.scheduler.cost import ModelShape
 
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
@@ -64,6 +66,21 @@ class GPTConfig:
     sequence_parallel: bool = False
     """Split the norm and dropout regions over the TP ranks along the tokens
     (--sequence-parallel); needs tensor parallelism."""
+    num_experts: int | None = None
+    """Experts per MoE layer; None = dense MLP (--num-experts)."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (--moe-router-topk)."""
+    moe_ffn_hidden_size: int | None = None
+    """Hidden size of each expert; None = ffn_hidden_size (--moe-ffn-hidden-size)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss, computed per sequence (`moe.py`)
+    (--moe-aux-loss-coeff)."""
+    expert_model_parallel_size: int = 1
+    """Ranks the experts are split over, inside one replica: a divisor of the TP size
+    (--expert-model-parallel-size)."""
+    moe_token_dispatcher_type: str = "allgather"
+    """How tokens reach the experts of other EP ranks: "allgather" or "alltoall"
+    (--moe-token-dispatcher-type)."""
 
     def __post_init__(self) -> None:
         if self.position_embedding_type not in POSITION_EMBEDDINGS:
@@ -109,11 +126,32 @@ class GPTConfig:
                 f"vocab_size {self.vocab_size} is not divisible by tensor_model_parallel_size "
                 f"{tp} (pad it: make_vocab_size_divisible_by x TP)"
             )
+        for problem in moe_problems(
+            num_experts=self.num_experts,
+            topk=self.moe_router_topk,
+            ep=self.expert_model_parallel_size,
+            tp=tp,
+            sequence_parallel=self.sequence_parallel,
+            dispatcher=self.moe_token_dispatcher_type,
+        ):
+            raise ValueError(problem)
+        if self.moe_aux_loss_coeff < 0:
+            raise ValueError(f"moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff}")
 
     @property
     def head_dim(self) -> int:
         """Channels per attention head."""
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """Hidden size of each expert (moe_ffn_hidden_size, else the dense MLP's)."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def expert_tensor_parallel_size(self) -> int:
+        """TP ranks each expert is split over: TP / EP (EP x ETP = the replica's TP ranks)."""
+        return self.tensor_model_parallel_size // self.expert_model_parallel_size
 
     @property
     def dtype(self) -> torch.dtype:
@@ -131,6 +169,9 @@ def model_shape(cfg: GPTConfig) -> ModelShape:
         ffn_hidden_size=cfg.ffn_hidden_size,
         vocab_size=cfg.vocab_size,
         swiglu=cfg.swiglu,
+        num_experts=cfg.num_experts,
+        moe_router_topk=cfg.moe_router_topk,
+        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
     )
 
 
@@ -162,7 +203,31 @@ def transformer_config(cfg: GPTConfig) -> TransformerConfig:
         calculate_per_token_loss=True,
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         sequence_parallel=cfg.sequence_parallel,
+        **_moe_settings(cfg),
     )
+
+
+def _moe_settings(cfg: GPTConfig) -> dict:
+    """The MoE fields of Megatron's `TransformerConfig` (none for a dense model).
+
+    Megatron's "aux_loss" balancing type stays on so that its router calls the aux-loss
+    hook, which `moe.SequenceAuxLossRouter` replaces by a per-sequence loss.
+    """
+    if cfg.num_experts is None:
+        return {}
+    return {
+        "num_moe_experts": cfg.num_experts,
+        "moe_router_topk": cfg.moe_router_topk,
+        "moe_ffn_hidden_size": cfg.moe_ffn_hidden_size
+        or cfg.ffn_hidden_size
+        or 4 * cfg.hidden_size,
+        "moe_aux_loss_coeff": cfg.moe_aux_loss_coeff,
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_token_dispatcher_type": cfg.moe_token_dispatcher_type,
+        "moe_grouped_gemm": False,
+        "expert_model_parallel_size": cfg.expert_model_parallel_size,
+        "expert_tensor_parallel_size": cfg.expert_tensor_parallel_size,
+    }
 
 
 class SequenceParallelNorm:
@@ -186,9 +251,18 @@ class SequenceParallelNorm:
 
 
 def hdp_layer_spec(cfg: GPTConfig) -> ModuleSpec:
-    """Megatron's local GPT layer spec with `HDPCoreAttention` as the core attention."""
-    spec = get_gpt_layer_local_spec(normalization=cfg.normalization)
+    """Megatron's local GPT layer spec with `HDPCoreAttention` as the core attention.
+
+    With experts, the MLP is Megatron's `MoELayer` with HDP's router (per-sequence aux loss)
+    and experts initialised by their global index (`moe.py`).
+    """
+    spec = get_gpt_layer_local_spec(
+        num_experts=cfg.num_experts, moe_grouped_gemm=False, normalization=cfg.normalization
+    )
     spec.submodules.self_attention.submodules.core_attention = HDPCoreAttention
+    if cfg.num_experts is not None:
+        spec.submodules.mlp.submodules.router = SequenceAuxLossRouter
+        spec.submodules.mlp.submodules.experts.module = GlobalIndexSequentialMLP
     if cfg.sequence_parallel:
         spec.submodules.input_layernorm = SequenceParallelNorm
         spec.submodules.pre_mlp_layernorm = SequenceParallelNorm

@@ -105,7 +105,7 @@ class HDPDataIterator:
 def megatron_batch(batch: LocalBatch, cfg: GPTConfig, runtime: StepRuntime) -> dict:
     """The batch dict a `pretrain_gpt.py`-style `get_batch` returns, for one HDP micro-batch.
 
-    With tensor parallelism `runtime.group` must be `engine.pool_group()`. Sequence
+    With tensor parallelism `runtime.group` must be the layout's `pool_group`. Sequence
     parallelism is not supported here yet (the tokens would need padding to a multiple of
     TP, as `step._token_losses` does).
     """

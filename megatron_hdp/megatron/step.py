@@ -22,10 +22,11 @@ from megatron_hdp.attention.ring import build_ring_spec
 from megatron_hdp.attention.rope import RotaryTable
 from megatron_hdp.batching import LocalBatch, TokenSource, gather_local_batch
 from megatron_hdp.distributed.plan_check import check_plan_agreement
-from megatron_hdp.distributed.ring_comm import CommStats
+from megatron_hdp.distributed.ring_comm import CommStats, RingComm
 from megatron_hdp.megatron.core_attention import HDPPackedSeqParams
 from megatron_hdp.megatron.engine import Engine
 from megatron_hdp.megatron.model import GPTConfig
+from megatron_hdp.megatron.moe import MoEMicroBatch, moe_micro_batch
 from megatron_hdp.offload.hooks import OffloadManager
 from megatron_hdp.scheduler.plan import StepPlan
 
@@ -85,6 +86,9 @@ class StepResult:
     compute_seconds: float
     nonfinite: bool = False
     """The global loss or the gradient norm was not finite; the update was not applied."""
+    moe_aux_loss: float = 0.0
+    """The MoE load-balancing loss of the global batch, summed over layers (included in
+    the gradients, not in `loss`)."""
 
 
 def packed_seq_params(
@@ -173,12 +177,15 @@ def _read_and_count(
     return batches, int(counts[0].item())
 
 
-def _token_losses(engine: Engine, batch: LocalBatch, runtime: StepRuntime) -> torch.Tensor:
-    """Per-token losses `[1, t]` of one local batch.
+def _token_losses(
+    engine: Engine, batch: LocalBatch, runtime: StepRuntime, global_tokens: int
+) -> tuple[torch.Tensor, float]:
+    """Per-token losses `[1, t]` of one local batch, and its MoE load-balancing loss.
 
     With sequence parallelism Megatron splits the tokens evenly over the TP ranks, so they
     are padded to a multiple of TP here (HDP attention skips the pad rows) and the pad
-    losses are cut off again.
+    losses are cut off again. `global_tokens` (all tokens of the global batch) normalises
+    the load-balancing loss (`moe.py`); its gradient is already in the graph.
     """
     n = batch.num_tokens
     pad = -n % engine.tp_size if engine.cfg.sequence_parallel else 0
@@ -186,24 +193,72 @@ def _token_losses(engine: Engine, batch: LocalBatch, runtime: StepRuntime) -> to
     def padded(x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.pad(x, (0, pad)) if pad else x
 
-    losses = engine.model(
-        padded(batch.tokens),
-        padded(batch.position_ids),
-        None,
-        labels=padded(batch.labels),
-        packed_seq_params=packed_seq_params(batch, engine.cfg, runtime),
+    params = packed_seq_params(batch, engine.cfg, runtime)
+    moe = None
+    if engine.cfg.num_experts is not None:
+        moe = moe_batch_info(batch, params, pad=pad, global_batch_tokens=global_tokens)
+    with moe_micro_batch(moe) if moe is not None else contextlib.nullcontext():
+        losses = engine.model(
+            padded(batch.tokens),
+            padded(batch.position_ids),
+            None,
+            labels=padded(batch.labels),
+            packed_seq_params=params,
+        )
+    return (losses[:, :n] if pad else losses), (moe.aux_loss if moe is not None else 0.0)
+
+
+def moe_batch_info(
+    batch: LocalBatch,
+    params: HDPPackedSeqParams,
+    *,
+    pad: int,
+    global_batch_tokens: int,
+    aux_grad_scale: float = 1.0,
+) -> MoEMicroBatch:
+    """What the MoE routers need to compute the per-sequence aux loss of `batch`.
+
+    `pad` tokens were appended for sequence parallelism; `aux_grad_scale` multiplies the
+    gradient of the aux loss (the drop-in's Megatron finish divides every gradient by the
+    global loss-token count afterwards).
+    """
+    local = batch.shard.local_doc_lengths()
+    segments = torch.repeat_interleave(
+        torch.arange(len(local), device=batch.tokens.device),
+        torch.tensor(local, device=batch.tokens.device),
     )
-    return losses[:, :n] if pad else losses
+    if pad:
+        segments = torch.nn.functional.pad(segments, (0, pad), value=-1)
+    comm = params.attention.comm
+    # A communicator of its own: the counts are not attention traffic.
+    ring = RingComm(comm.group, comm.ring) if comm is not None else None
+    return MoEMicroBatch(
+        segment_ids=segments,
+        doc_lengths=batch.full_doc_lengths,
+        global_tokens=global_batch_tokens,
+        ring=ring,
+        aux_grad_scale=aux_grad_scale,
+    )
 
 
 def forward_backward(
-    engine: Engine, batches: list[LocalBatch], runtime: StepRuntime, *, loss_scale: float
-) -> float:
-    """Run this rank's local batches in plan order; accumulate grads of `sum(loss) * loss_scale`.
+    engine: Engine,
+    batches: list[LocalBatch],
+    runtime: StepRuntime,
+    *,
+    loss_scale: float,
+    global_batch_tokens: int | None = None,
+) -> tuple[float, float]:
+    """Run this rank's local batches in plan order; accumulate grads of the objective.
 
-    Ring micro-batches are collective over their rings. Returns the local token-loss sum.
+    The objective is `sum(loss) * loss_scale` plus the MoE load-balancing loss.
+    Ring micro-batches are collective over their rings. `global_batch_tokens` (every token
+    of the global batch; default: these batches' tokens) normalises the load-balancing loss.
+    Returns the local token-loss sum and this rank's share of the load-balancing loss.
     """
-    loss_sum = 0.0
+    if global_batch_tokens is None:
+        global_batch_tokens = sum(b.num_tokens for b in batches)
+    loss_sum = aux_sum = 0.0
     for i, batch in enumerate(batches):
         runtime.mark(f"micro-batch {i + 1} of {len(batches)} (ring {batch.ring})")
         offload = (
@@ -212,10 +267,12 @@ def forward_backward(
             else contextlib.nullcontext()
         )
         with offload:
-            masked = (_token_losses(engine, batch, runtime).float() * batch.loss_mask).sum()
+            losses, aux = _token_losses(engine, batch, runtime, global_batch_tokens)
+            masked = (losses.float() * batch.loss_mask).sum()
             (masked * loss_scale).backward()
         loss_sum += float(masked.detach())
-    return loss_sum
+        aux_sum += aux
+    return loss_sum, aux_sum
 
 
 def train_step(
@@ -243,7 +300,13 @@ def train_step(
     engine.optimizer.zero_grad()
     start = time.perf_counter()
     with model.no_sync():
-        loss_sum = forward_backward(engine, batches, runtime, loss_scale=1.0 / global_tokens)
+        loss_sum, aux_sum = forward_backward(
+            engine,
+            batches,
+            runtime,
+            loss_scale=1.0 / global_tokens,
+            global_batch_tokens=sum(plan.seqlens),
+        )
     compute_seconds = time.perf_counter() - start
     runtime.mark("gradient sync")
     # Megatron's own finish: the pool's gradient sync plus the TP all-reduce of the grads of
@@ -262,6 +325,12 @@ def train_step(
     )
     dist.all_reduce(totals, group=group)
     loss = totals[0].item() / global_tokens
+    aux_loss = 0.0
+    if engine.cfg.num_experts is not None:
+        # Each TP rank holds the aux terms of its own tokens (sequence parallelism).
+        aux = torch.tensor([aux_sum], dtype=torch.float64, device=runtime.device)
+        dist.all_reduce(aux, group=runtime.all_ranks)
+        aux_loss = aux.item()
     nonfinite = runtime.check_nonfinite and (not math.isfinite(loss) or totals[1].item() > 0)
     update_successful, grad_norm = False, checked_norm
     if not nonfinite:
@@ -280,6 +349,7 @@ def train_step(
         attention_bytes_sent=runtime.stats.bytes_sent - bytes_before,
         compute_seconds=compute_seconds,
         nonfinite=nonfinite,
+        moe_aux_loss=aux_loss,
     )
 
 
@@ -294,7 +364,7 @@ def evaluate(
     try:
         with torch.no_grad():
             for batch in batches:
-                losses = _token_losses(engine, batch, runtime).float()
+                losses = _token_losses(engine, batch, runtime, sum(plan.seqlens))[0].float()
                 loss_sum += (losses * batch.loss_mask).sum().double()
     finally:
         engine.model.train()

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatron_hdp.batching import IndexedTokens
 from megatron_hdp.checkpoint_files import read_meta
+from megatron_hdp.distributed.layout import ParallelLayout
 from megatron_hdp.distributed.stall_watchdog import StallWatchdog
 from megatron_hdp.distributed.stop_signal import StopSignal
 from megatron_hdp.errors import NonFiniteError
@@ -364,11 +365,11 @@ class Trainer:
         return steps
 
 
-def runtime_for(args, group, device, *, job_group=None) -> StepRuntime:
-    """The step runtime of this job: `group` is this rank's pool, `job_group` every rank."""
+def runtime_for(args, layout: ParallelLayout, device) -> StepRuntime:
+    """The step runtime of this rank in `layout` (its pool; every rank of the job)."""
     return StepRuntime(
-        group=group,
-        job_group=job_group,
+        group=layout.pool_group,
+        job_group=layout.world_group,
         backend=args.hdp_attention_backend,
         device=device,
         check_plans=args.hdp_check_plans,

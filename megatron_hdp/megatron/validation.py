@@ -21,10 +21,12 @@ import argparse
 import functools
 import math
 import os
+import re
 from pathlib import Path
 
 from megatron_hdp.checkpoint_files import TRACKER, read_meta
 from megatron_hdp.data.sampler import parse_split
+from megatron_hdp.distributed.layout import layout_problems
 from megatron_hdp.megatron.arguments import (
     build_parser,
     capacity_of,
@@ -128,6 +130,32 @@ def _check_numbers(args: argparse.Namespace) -> None:
         )
 
 
+_LAYOUT_FIELDS = re.compile(
+    r"\b(num_experts|moe_router_topk|expert_model_parallel_size|tensor_model_parallel_size)\b"
+)
+
+
+def _check_experts(args: argparse.Namespace, world_size: int) -> None:
+    """The layout owner's MoE rules, reported with flag names."""
+    problems = layout_problems(
+        world_size=world_size,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        num_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk,
+    )
+    if problems:
+        raise ValueError(_LAYOUT_FIELDS.sub(lambda m: flag(m.group(1)), problems[0]))
+    expert_ffn = args.moe_ffn_hidden_size
+    etp = args.tensor_model_parallel_size // args.expert_model_parallel_size
+    if args.num_experts is not None and expert_ffn is not None and expert_ffn % etp:
+        raise ValueError(
+            f"--moe-ffn-hidden-size {expert_ffn} is not divisible by the {etp} TP ranks each "
+            "expert is split over (--tensor-model-parallel-size / --expert-model-parallel-size)"
+        )
+
+
 def _check_layout(args: argparse.Namespace, world_size: int) -> None:
     tp = args.tensor_model_parallel_size
     if world_size % tp:
@@ -154,6 +182,7 @@ def _check_layout(args: argparse.Namespace, world_size: int) -> None:
         )
     if args.sequence_parallel and tp == 1:
         raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    _check_experts(args, world_size)
     if args.sequence_parallel and args.hidden_dropout:
         raise ValueError(
             f"--sequence-parallel with --hidden-dropout {args.hidden_dropout} is not supported "
@@ -374,6 +403,18 @@ def validate_args(args: argparse.Namespace, world_size: int) -> dict | None:
     return _check_resume(args, world_size)
 
 
+#: What checkpoints written before a model field existed had (they were dense and TP 1).
+MODEL_FIELDS_BEFORE_THEY_EXISTED = {
+    "tensor_model_parallel_size": 1,
+    "num_experts": None,
+    "moe_router_topk": 2,
+    "moe_ffn_hidden_size": None,
+    "expert_model_parallel_size": 1,
+}
+#: Model settings that change no parameter, so a resume may change them.
+MAY_CHANGE_ON_RESUME = ("sequence_parallel", "moe_aux_loss_coeff", "moe_token_dispatcher_type")
+
+
 def check_resume_matches(
     meta: dict, *, load: str, model: dict, data_setup: dict, prefixes: list[str]
 ) -> None:
@@ -388,10 +429,8 @@ def check_resume_matches(
     """
     saved_model = meta.get("model")
     if saved_model is not None:
-        # Checkpoints from before these fields existed were TP 1; SP does not change the
-        # parameters, so it may change between runs.
-        saved_model = {"tensor_model_parallel_size": 1, **saved_model}
-        model = {k: v for k, v in model.items() if k != "sequence_parallel"}
+        saved_model = {**MODEL_FIELDS_BEFORE_THEY_EXISTED, **saved_model}
+        model = {k: v for k, v in model.items() if k not in MAY_CHANGE_ON_RESUME}
         changed = [key for key in model if saved_model.get(key) != model[key]]
         if changed:
             detail = ", ".join(f"{k}: {saved_model.get(k)!r} -> {model[k]!r}" for k in changed)

@@ -24,13 +24,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_hdp.batching import InMemoryTokens
+from megatron_hdp.distributed.layout import ParallelDims
 from megatron_hdp.distributed.stop_signal import StopSignal
 from megatron_hdp.launch import init_distributed, megatron_device_context, setup_logging
 from megatron_hdp.megatron.engine import (
     OptimConfig,
     build_engine,
-    destroy_parallel_state,
-    initialize_parallel_state,
 )
 from megatron_hdp.megatron.model import GPTConfig
 from megatron_hdp.megatron.step import StepRuntime, train_step
@@ -84,7 +83,7 @@ def main(argv=None) -> None:
     stop = StopSignal()
     times: dict[str, list[float]] = {"plain": [], "guarded": []}
     with megatron_device_context():
-        initialize_parallel_state()
+        layout = ParallelDims.of_world().initialize()
         try:
             engine = build_engine(cfg, OptimConfig(lr=1e-4), seed=args.seed)
             for step in range(args.steps + 1):
@@ -103,7 +102,7 @@ def main(argv=None) -> None:
                     if step > 0:  # the first round warms up
                         times[variant].append(elapsed.item())
         finally:
-            destroy_parallel_state()
+            layout.destroy()
     if rank == 0:
         medians = {k: statistics.median(v) for k, v in times.items()}
         result = {

@@ -27,13 +27,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_hdp.batching import InMemoryTokens
+from megatron_hdp.distributed.layout import ParallelDims
 from megatron_hdp.launch import init_distributed, megatron_device_context, setup_logging
 from megatron_hdp.megatron.config import device_profile
 from megatron_hdp.megatron.engine import (
     OptimConfig,
     build_engine,
-    destroy_parallel_state,
-    initialize_parallel_state,
     offload_manager,
 )
 from megatron_hdp.megatron.model import GPTConfig, model_shape
@@ -124,11 +123,11 @@ def main(argv=None):
     rank = dist.get_rank()
     setup_logging(rank)
     with megatron_device_context():
-        initialize_parallel_state()
+        layout = ParallelDims.of_world().initialize()
         try:
             rows = measure(args, device)
         finally:
-            destroy_parallel_state()
+            layout.destroy()
     if rank == 0:
         base = rows[0]["peak_resident_bytes"]
         for row in rows:

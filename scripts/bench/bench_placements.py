@@ -30,14 +30,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_hdp.batching import InMemoryTokens
+from megatron_hdp.distributed.layout import ParallelDims
 from megatron_hdp.launch import init_distributed, megatron_device_context, setup_logging
 from megatron_hdp.megatron.config import device_profile
 from megatron_hdp.megatron.engine import (
     OptimConfig,
     build_engine,
-    destroy_parallel_state,
-    initialize_parallel_state,
-    pool_group,
 )
 from megatron_hdp.megatron.model import GPTConfig, model_shape
 from megatron_hdp.megatron.step import StepRuntime, train_step
@@ -171,9 +169,9 @@ def main(argv=None):
     ids = [torch.randint(0, 256, (n + 1,), generator=gen) for n in lengths]
     source = InMemoryTokens([t[:-1] for t in ids], [t[1:] for t in ids])
     with megatron_device_context():
-        initialize_parallel_state(tensor_model_parallel_size=tp)
+        layout = ParallelDims.of_world(tensor_model_parallel_size=tp).initialize()
         try:
-            runtime = StepRuntime(group=pool_group(), device=device)
+            runtime = StepRuntime(group=layout.pool_group, device=device)
             profile = device_profile(args.device_profile).replica(tp)
             cost_model = CostModel(model_shape(cfg), profile)
             runs = [
@@ -187,7 +185,7 @@ def main(argv=None):
                     run.step(source, runtime, pool_size, measured=step >= args.warmup_steps)
             results = {run.policy: run.report(pool_size) for run in runs}
         finally:
-            destroy_parallel_state()
+            layout.destroy()
     if rank == 0:
         balanced, greedy, static = results["balanced"], results["greedy"], results["static"]
         loss_diff = max(

@@ -77,22 +77,21 @@ def corpus_args(cache, *, iters, lr="1e-3", tokens=2048, extra=()):
 @contextlib.contextmanager
 def tiny_engine():
     """A one-layer model, its optimizer and Megatron's parallel state, on a forked rank."""
+    from megatron_hdp.distributed.layout import ParallelDims
     from megatron_hdp.megatron.cpu_shim import cpu_shims
     from megatron_hdp.megatron.engine import (
         OptimConfig,
         build_engine,
-        destroy_parallel_state,
-        initialize_parallel_state,
     )
     from megatron_hdp.megatron.model import GPTConfig
 
     cfg = GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32)
     with cpu_shims():
-        initialize_parallel_state()
+        layout = ParallelDims.of_world().initialize()
         try:
             yield build_engine(cfg, OptimConfig())
         finally:
-            destroy_parallel_state()
+            layout.destroy()
 
 
 def torchrun_command(nproc: int, argv: list[str]) -> list[str]:

@@ -12,6 +12,17 @@ import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.moe_utils import (
+    MoEAuxLossAutoScaler,
+    clear_aux_losses_tracker,
+    get_moe_layer_wise_logging_tracker,
+)
+
+# Megatron-Core 0.16.1's router gating reads this name, defined only when Transformer Engine
+# imports; None selects its plain-torch branch.
+if not hasattr(moe_utils, "te_general_gemm"):
+    moe_utils.te_general_gemm = None
 
 from megatron_hdp.megatron.model import GPTConfig, transformer_config
 
@@ -58,7 +69,10 @@ class SDPACoreAttention(MegatronModule):
 
 def build_reference(cfg: GPTConfig, state_dict: dict) -> GPTModel:
     """A plain GPTModel with Megatron's own position handling, loaded with `state_dict`."""
-    spec = get_gpt_layer_local_spec(normalization=cfg.normalization)
+    # With experts: Megatron's own MoELayer, TopKRouter and SequentialMLP.
+    spec = get_gpt_layer_local_spec(
+        num_experts=cfg.num_experts, moe_grouped_gemm=False, normalization=cfg.normalization
+    )
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     model = GPTModel(
         config=transformer_config(cfg),
@@ -80,6 +94,10 @@ def reference_loss_and_grads(model: GPTModel, seqs):
     `seqs` holds `(tokens, labels, loss_mask)` per sequence.
     """
     total = sum(float(mask.sum()) for _, _, mask in seqs)
+    all_tokens = sum(len(tokens) for tokens, _, _ in seqs)
+    # Megatron's router scales each sequence's load-balancing loss by its token count (per-token
+    # loss mode); 1 / all tokens makes it the sequence's share of the batch.
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / all_tokens))
     loss_sum = 0.0
     for tokens, labels, mask in seqs:
         positions = torch.arange(len(tokens)).unsqueeze(0)
@@ -88,6 +106,24 @@ def reference_loss_and_grads(model: GPTModel, seqs):
         loss.backward()
         loss_sum += float(loss.detach())
     return loss_sum
+
+
+def reference_aux_loss(model: GPTModel, seqs, coeff: float) -> float:
+    """The load-balancing loss of the batch, per sequence, from Megatron's own logging tracker.
+
+    Runs forward passes (training mode, gradients on, nothing accumulated).
+    """
+    all_tokens = sum(len(tokens) for tokens, _, _ in seqs)
+    tracker = get_moe_layer_wise_logging_tracker()
+    total = 0.0
+    for tokens, labels, _ in seqs:
+        clear_aux_losses_tracker()
+        positions = torch.arange(len(tokens)).unsqueeze(0)
+        model(tokens.unsqueeze(0), positions, None, labels=labels.unsqueeze(0))
+        per_layer = tracker["load_balancing_loss"]["values"]  # aux / coeff per layer
+        total += float(per_layer.sum()) * coeff * len(tokens) / all_tokens
+    model.zero_grad()
+    return total
 
 
 def reference_optimizer(model: GPTModel, *, lr, weight_decay, betas, eps):

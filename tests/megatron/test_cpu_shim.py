@@ -5,8 +5,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+from megatron_hdp.distributed.layout import ParallelDims
 from megatron_hdp.megatron.cpu_shim import cpu_shims
-from megatron_hdp.megatron.engine import destroy_parallel_state, initialize_parallel_state
 from megatron_hdp.megatron.model import GPTConfig, build_gpt, transformer_config
 from tests.dist import run_ranks
 
@@ -38,7 +38,7 @@ def test_shims_are_restored_after_an_error():
 
 def _body_ddp(rank, world_size, shimmed):
     cfg = GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32)
-    initialize_parallel_state()
+    layout = ParallelDims.of_world().initialize()
     try:
         model = build_gpt(cfg)
         ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
@@ -52,7 +52,7 @@ def _body_ddp(rank, world_size, shimmed):
             return f"failed: {err}"
         return "ok"
     finally:
-        destroy_parallel_state()
+        layout.destroy()
         dist.barrier()
 
 

@@ -5,11 +5,10 @@ import torch
 import torch.distributed as dist
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
+from megatron_hdp.distributed.layout import ParallelDims
 from megatron_hdp.megatron.cpu_shim import cpu_shims
 from megatron_hdp.megatron.engine import (
     build_engine,
-    destroy_parallel_state,
-    initialize_parallel_state,
 )
 from megatron_hdp.megatron.schedule import HDPGlobalBatch, hdp_forward_backward
 from megatron_hdp.megatron.step import StepRuntime
@@ -50,7 +49,7 @@ def pretrain_gpt_forward_step(data_iterator, model):
 
 def _body_dropin(rank, world_size):
     with cpu_shims():
-        initialize_parallel_state()
+        layout = ParallelDims.of_world().initialize()
         try:
             engine = build_engine(CFG, OPTIM, seed=SEED)
             config = engine.model.config
@@ -74,7 +73,7 @@ def _body_dropin(rank, world_size):
             sums = torch.stack([r["lm loss"] for r in reports]).sum(0) if reports else None
             return grads, None if sums is None else sums.tolist()
         finally:
-            destroy_parallel_state()
+            layout.destroy()
 
 
 def test_pretrain_gpt_style_step_matches_single_process():
@@ -115,7 +114,7 @@ def test_data_iterator_plans_sampler_batches_and_reads_the_index(tmp_path):
 
 def _body_empty_rank(rank, world_size):
     with cpu_shims():
-        initialize_parallel_state()
+        layout = ParallelDims.of_world().initialize()
         try:
             engine = build_engine(CFG, OPTIM, seed=SEED)
             config = engine.model.config
@@ -133,7 +132,7 @@ def _body_empty_rank(rank, world_size):
             )
             return len(plan.for_rank(rank)), sorted(reports[0].keys()), len(reports)
         finally:
-            destroy_parallel_state()
+            layout.destroy()
 
 
 def test_a_rank_without_micro_batches_returns_a_zero_report():

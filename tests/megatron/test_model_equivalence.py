@@ -8,12 +8,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_hdp.batching import InMemoryTokens
+from megatron_hdp.distributed.layout import ParallelDims
 from megatron_hdp.megatron.cpu_shim import cpu_shims
 from megatron_hdp.megatron.engine import (
     OptimConfig,
     build_engine,
-    destroy_parallel_state,
-    initialize_parallel_state,
     offload_manager,
 )
 from megatron_hdp.megatron.model import GPTConfig, build_gpt, model_shape
@@ -118,7 +117,7 @@ def snapshot_grads_before_update(engine, into: dict) -> None:
 def _body_train(rank, world_size, case: Case):
     optim = dataclasses.replace(OPTIM, use_distributed_optimizer=case.distributed_optimizer)
     with cpu_shims():
-        initialize_parallel_state()
+        layout = ParallelDims.of_world().initialize()
         try:
             engine = build_engine(case.cfg, optim, seed=SEED)
             runtime = StepRuntime(group=dist.group.WORLD, check_plans=True)
@@ -164,12 +163,12 @@ def _body_train(rank, world_size, case: Case):
                 assert all(offloaded) and moved > 0, (offloaded, moved)
             return results, params
         finally:
-            destroy_parallel_state()
+            layout.destroy()
 
 
 def _body_reference(rank, world_size, pool_size, cfg, kind):
     with cpu_shims():
-        initialize_parallel_state()
+        layout = ParallelDims.of_world().initialize()
         try:
             torch.manual_seed(SEED)
             model = build_reference(cfg, build_gpt(cfg).state_dict())
@@ -193,7 +192,7 @@ def _body_reference(rank, world_size, pool_size, cfg, kind):
             params = {n: p.detach().clone() for n, p in model.named_parameters()}
             return losses, norms, first_grads, params
         finally:
-            destroy_parallel_state()
+            layout.destroy()
 
 
 @functools.cache
@@ -265,7 +264,7 @@ def test_learned_absolute_positions_match_single_process():
 
 def _body_short_only(rank, world_size):
     with cpu_shims():
-        initialize_parallel_state()
+        layout = ParallelDims.of_world().initialize()
         try:
             engine = build_engine(CFG, OPTIM, seed=SEED)
             source = source_of([s for s in make_batch(world_size, 0) if len(s[0]) <= CAPACITY])
@@ -284,7 +283,7 @@ def _body_short_only(rank, world_size):
                 [mb.cp_size for mb in plan.micro_batches],
             )
         finally:
-            destroy_parallel_state()
+            layout.destroy()
 
 
 def test_batch_that_fits_capacity_sends_no_attention_bytes():
@@ -294,7 +293,7 @@ def test_batch_that_fits_capacity_sends_no_attention_bytes():
 
 def _body_wrong_pool(rank, world_size):
     with cpu_shims():
-        initialize_parallel_state()
+        layout = ParallelDims.of_world().initialize()
         try:
             engine = build_engine(CFG, OPTIM, seed=SEED)
             source = source_of(make_batch(3, 0))
@@ -306,7 +305,7 @@ def _body_wrong_pool(rank, world_size):
                 return str(err), runtime.stats.bytes_sent
             return "no error", runtime.stats.bytes_sent
         finally:
-            destroy_parallel_state()
+            layout.destroy()
 
 
 def test_plan_for_another_pool_fails_before_communication():
@@ -317,7 +316,7 @@ def test_plan_for_another_pool_fails_before_communication():
 
 def _body_expect_error(rank, world_size, what):
     with cpu_shims():
-        initialize_parallel_state()
+        layout = ParallelDims.of_world().initialize()
         try:
             engine = build_engine(CFG, OPTIM, seed=SEED)
             seqs = make_batch(world_size, 0)
@@ -334,7 +333,7 @@ def _body_expect_error(rank, world_size, what):
                 return str(err)
             return "no error"
         finally:
-            destroy_parallel_state()
+            layout.destroy()
 
 
 def test_all_masked_batch_is_refused_on_every_rank():
@@ -351,14 +350,14 @@ def test_source_shorter_than_plan_fails_on_every_rank_without_hanging():
 def _body_bf16(rank, world_size):
     cfg = dataclasses.replace(CFG, params_dtype="bfloat16")
     with cpu_shims():
-        initialize_parallel_state()
+        layout = ParallelDims.of_world().initialize()
         try:
             engine = build_engine(cfg, OPTIM, seed=SEED)
             source = source_of(make_batch(world_size, 0))
             plan = plan_step(source.seqlens, pool_size=world_size, capacity=CAPACITY)
             return train_step(engine, plan, source, StepRuntime(group=dist.group.WORLD)).loss
         finally:
-            destroy_parallel_state()
+            layout.destroy()
 
 
 def test_bfloat16_model_runs_and_stays_near_float32_reference():
@@ -380,7 +379,7 @@ class CountingSource:
 
 def _body_reads(rank, world_size, policy):
     with cpu_shims():
-        initialize_parallel_state()
+        layout = ParallelDims.of_world().initialize()
         try:
             engine = build_engine(CFG, OPTIM, seed=SEED)
             inner = source_of(make_batch(world_size, 0))
@@ -389,7 +388,7 @@ def _body_reads(rank, world_size, policy):
             train_step(engine, plan, source, StepRuntime(group=dist.group.WORLD))
             return source.reads, inner.seqlens
         finally:
-            destroy_parallel_state()
+            layout.destroy()
 
 
 @pytest.mark.parametrize("policy", ["balanced", "static"])

@@ -15,12 +15,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_hdp.distributed.layout import ParallelDims
 from megatron_hdp.megatron.cpu_shim import cpu_shims
 from megatron_hdp.megatron.engine import (
     build_engine,
-    destroy_parallel_state,
-    initialize_parallel_state,
-    pool_group,
 )
 from megatron_hdp.megatron.model import GPTConfig, build_gpt
 from megatron_hdp.megatron.step import StepRuntime, train_step
@@ -64,12 +62,12 @@ def unshard(shards: list[torch.Tensor], layout: tuple[bool, int, int]) -> torch.
 
 def _body_tp(rank, world_size, cfg, pool, policy, kind):
     with cpu_shims():
-        initialize_parallel_state(tensor_model_parallel_size=TP)
+        layout = ParallelDims.of_world(tensor_model_parallel_size=TP).initialize()
         try:
             engine = build_engine(cfg, OPTIM, seed=SEED)
             named = list(engine.model.module.named_parameters())
             init = {n: p.detach().clone() for n, p in named}
-            group = pool_group()
+            group = layout.pool_group
             runtime = StepRuntime(group=group, check_plans=True, job_group=dist.group.WORLD)
             grads, losses = {}, []
             snapshot_grads_before_update(engine, grads)  # of the first step
@@ -92,12 +90,12 @@ def _body_tp(rank, world_size, cfg, pool, policy, kind):
                 "rings": [mb.ring for mb in plan.micro_batches if mb.cp_size > 1],
             }
         finally:
-            destroy_parallel_state()
+            layout.destroy()
 
 
 def _body_reference(rank, world_size, cfg, pool, kind):
     with cpu_shims():
-        initialize_parallel_state()
+        layout = ParallelDims.of_world().initialize()
         try:
             torch.manual_seed(SEED)
             hdp = build_gpt(cfg)
@@ -121,7 +119,7 @@ def _body_reference(rank, world_size, cfg, pool, kind):
             after = {n: p.detach().clone() for n, p in model.named_parameters()}
             return {"losses": losses, "grads": grads, "init": init, "after": after}
         finally:
-            destroy_parallel_state()
+            layout.destroy()
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:

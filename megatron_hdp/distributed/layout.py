@@ -1,0 +1,234 @@
+"""The one owner of the parallel layout: which rank is which part of which replica.
+
+    world = pool (N replicas) x TP ranks            (EP folded onto the TP ranks)
+    global rank = replica * TP + tp_rank
+    ring of a long sequence = the same TP rank of k member replicas, P2P in the pool group
+    gradient sync = the pool group of each TP rank (Megatron's data-parallel group)
+
+`ParallelDims` is pure (no torch import): the start-up validation uses it before any heavy
+import, and `layout_problems` names every bad value. `ParallelDims.initialize()` is
+collective over the world: it sets up Megatron's `parallel_state` and returns the
+`ParallelLayout`, which hands out the groups. Nothing else in the package reads Megatron's
+parallel-state globals or assumes the pool is the whole world. (torchtitan's `ParallelDims`
+is the model; pipeline parallelism will add a PP dimension here.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+DISPATCHERS = ("allgather", "alltoall")
+
+
+def moe_problems(
+    *,
+    num_experts: int | None,
+    topk: int,
+    ep: int,
+    tp: int,
+    sequence_parallel: bool,
+    dispatcher: str = "allgather",
+) -> list[str]:
+    """What is wrong with an MoE set-up (empty: nothing), one message per bad value."""
+    problems = []
+    if ep < 1:
+        problems.append(f"expert_model_parallel_size must be >= 1, got {ep}")
+        return problems
+    if num_experts is None:
+        if ep > 1:
+            problems.append(f"expert_model_parallel_size {ep} needs num_experts (an MoE model)")
+        return problems
+    if num_experts < 1:
+        problems.append(f"num_experts must be >= 1, got {num_experts}")
+        return problems
+    if not 1 <= topk <= num_experts:
+        problems.append(f"moe_router_topk {topk} must lie in [1, num_experts={num_experts}]")
+    if tp % ep:
+        problems.append(
+            f"expert_model_parallel_size {ep} must divide tensor_model_parallel_size {tp}: "
+            "experts are parallel inside one replica (EP folded onto its TP ranks), because "
+            "replicas run different numbers of micro-batches and an all-to-all across "
+            "replicas would have to run in lock step"
+        )
+    elif num_experts % ep:
+        problems.append(
+            f"num_experts {num_experts} is not divisible by expert_model_parallel_size {ep}"
+        )
+    if tp > 1 and not sequence_parallel:
+        problems.append(
+            f"an MoE model with tensor_model_parallel_size {tp} needs sequence parallelism "
+            "(--sequence-parallel), as Megatron-Core requires for training"
+        )
+    if dispatcher not in DISPATCHERS:
+        problems.append(f"moe_token_dispatcher_type {dispatcher!r} is not one of {DISPATCHERS}")
+    return problems
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    """The validated shape of the job: world size and the model-parallel degrees."""
+
+    world_size: int
+    tensor_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    num_experts: int | None = None
+    moe_router_topk: int = 2
+
+    def __post_init__(self) -> None:
+        problems = layout_problems(**dataclasses.asdict(self))
+        if problems:
+            raise ValueError(problems[0])
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel ranks per replica."""
+        return self.tensor_model_parallel_size
+
+    @property
+    def ep(self) -> int:
+        """Expert-parallel ranks per replica (a divisor of `tp`)."""
+        return self.expert_model_parallel_size
+
+    @property
+    def pool_size(self) -> int:
+        """Model replicas in the HDP pool: N = world / TP."""
+        return self.world_size // self.tp
+
+    @classmethod
+    def of_world(cls, **degrees) -> ParallelDims:
+        """The dims of the running job (`torch.distributed` initialised) with `degrees`."""
+        import torch.distributed as dist
+
+        return cls(world_size=dist.get_world_size(), **degrees)
+
+    def replica_of(self, rank: int) -> int:
+        """The replica (pool rank) of global rank `rank`."""
+        return rank // self.tp
+
+    def tp_rank_of(self, rank: int) -> int:
+        """The TP rank of global rank `rank` inside its replica."""
+        return tp_rank_of(rank, self.tp)
+
+    def pool_ranks(self, tp_rank: int) -> list[int]:
+        """Global ranks of the pool of `tp_rank`: that TP rank of every replica, in order."""
+        return list(range(tp_rank, self.world_size, self.tp))
+
+    def initialize(self, *, timeout_minutes: float = 10.0) -> ParallelLayout:
+        """Collective over the world: set up Megatron's groups; return this rank's layout.
+
+        `torch.distributed` must be initialised with `world_size` ranks. Megatron's
+        data-parallel group of each TP rank is its HDP pool; expert parallelism uses
+        `expert_tensor_parallel_size = TP / EP`, which puts every EP group inside one
+        replica. `timeout_minutes` bounds the collectives of Megatron's groups.
+        """
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(
+                f"the process group has {dist.get_world_size()} ranks, the layout {self.world_size}"
+            )
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=self.tp,
+                expert_model_parallel_size=self.ep,
+                expert_tensor_parallel_size=self.tp // self.ep,
+                distributed_timeout_minutes=timeout_minutes,
+            )
+        layout = ParallelLayout(
+            dims=self,
+            rank=dist.get_rank(),
+            pool_group=parallel_state.get_data_parallel_group(),
+            tp_group=parallel_state.get_tensor_model_parallel_group(),
+            world_group=dist.group.WORLD,
+        )
+        layout.check()
+        return layout
+
+
+def tp_rank_of(rank: int, tensor_model_parallel_size: int) -> int:
+    """The TP rank of global rank `rank`: replicas are consecutive blocks of TP ranks."""
+    return rank % tensor_model_parallel_size
+
+
+def layout_problems(
+    *,
+    world_size: int,
+    tensor_model_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    sequence_parallel: bool = False,
+    num_experts: int | None = None,
+    moe_router_topk: int = 2,
+) -> list[str]:
+    """What is wrong with a layout (empty: nothing), one message per bad value."""
+    tp, world = tensor_model_parallel_size, world_size
+    if world < 1:
+        return [f"the world size must be >= 1, got {world}"]
+    if tp < 1:
+        return [f"tensor_model_parallel_size must be >= 1, got {tp}"]
+    problems = []
+    if world % tp:
+        problems.append(
+            f"the world size {world} is not divisible by tensor_model_parallel_size {tp}"
+        )
+    if sequence_parallel and tp == 1:
+        problems.append("sequence_parallel needs tensor_model_parallel_size > 1")
+    problems += moe_problems(
+        num_experts=num_experts,
+        topk=moe_router_topk,
+        ep=expert_model_parallel_size,
+        tp=tp,
+        sequence_parallel=sequence_parallel,
+    )
+    return problems
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """This rank's place in an initialised layout, and the process groups it uses.
+
+    Attributes:
+        dims: The job's shape.
+        rank: This process's global rank.
+        pool_group: The HDP pool of this rank's TP rank (Megatron's data-parallel group):
+            rings, the loss-token count and the gradient sync run in it.
+        tp_group: The TP ranks of this rank's replica.
+        world_group: Every rank of the job: plan agreement, checkpoints, stop agreement.
+    """
+
+    dims: ParallelDims
+    rank: int
+    pool_group: object
+    tp_group: object
+    world_group: object
+
+    @property
+    def pool_rank(self) -> int:
+        """This rank's replica: its rank in the pool group."""
+        return self.dims.replica_of(self.rank)
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's TP rank inside its replica."""
+        return self.dims.tp_rank_of(self.rank)
+
+    def check(self) -> None:
+        """Raise RuntimeError if Megatron's groups are not the layout's (a wiring bug)."""
+        import torch.distributed as dist
+
+        pool = dist.get_process_group_ranks(self.pool_group)
+        if pool != self.dims.pool_ranks(self.tp_rank) or dist.get_rank(self.pool_group) != (
+            self.pool_rank
+        ):
+            raise RuntimeError(
+                f"rank {self.rank}: Megatron's data-parallel group {pool} is not the HDP pool "
+                f"{self.dims.pool_ranks(self.tp_rank)} of the layout"
+            )
+
+    def destroy(self) -> None:
+        """Undo `ParallelDims.initialize` (Megatron keeps its groups in module globals)."""
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()

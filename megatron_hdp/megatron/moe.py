@@ -1,0 +1,191 @@
+"""Mixture-of-experts pieces that make Megatron's `MoELayer` exact under HDP (host layer).
+
+**The load-balancing loss is per sequence.** Megatron's switch loss of a micro-batch,
+`coeff * E / (k T^2) * sum_e P_e c_e` (P_e: summed router probabilities, c_e: tokens routed
+to expert e, T tokens), is not additive: its value depends on which sequences share a
+micro-batch, so it would change with the placement. HDP uses the same loss per sequence s
+(its own P_s,e, c_s,e and length T_s) and weights it by the sequence's share of the global
+batch, T_s / T:
+
+    aux = coeff * E / (k T) * sum_s (1 / T_s) * sum_e P_s,e * c_s,e
+
+This is what one process computes when it runs the global batch one sequence at a time
+with Megatron's own router and `MoEAuxLossAutoScaler` set to 1 / T. It needs no count
+outside the sequence: the counts c_s,e of a sequence split over a ring are summed over the
+ring's members (point-to-point, in the pool group), those of tokens split over the TP ranks
+by sequence parallelism over the TP group. Pad tokens (sequence-parallel padding) count
+for nothing. T counts every token of the global batch (loss mask or not).
+
+**Experts are initialised by their global index**, so a model built with any EP size (and
+any TP size) has the same experts: each expert draws its weights from a generator seeded
+by one number drawn for the layer plus its global index, and the layer consumes that one
+number from the global RNG whatever the EP size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.router import TopKRouter
+
+from megatron_hdp.distributed.ring_comm import RingComm
+
+_TAG_EXPERT_COUNTS = 21
+
+
+@dataclass
+class MoEMicroBatch:
+    """What the router of every MoE layer needs to know about the micro-batch it runs.
+
+    Attributes:
+        segment_ids: Document index of every local token (the padded THD order of the
+            micro-batch on this rank, before sequence parallelism splits it); -1 for pad.
+        doc_lengths: Full length of every document of the micro-batch.
+        global_tokens: Tokens of the whole global batch (T).
+        ring: Communicator over the ring members holding tokens; None for a ring of one.
+        aux_grad_scale: Gradient of the aux loss in backward (1: as computed).
+        aux_loss: Sum of this rank's aux-loss terms so far (all layers), for logging.
+    """
+
+    segment_ids: torch.Tensor
+    doc_lengths: Sequence[int]
+    global_tokens: int
+    ring: RingComm | None = None
+    aux_grad_scale: float = 1.0
+    aux_loss: float = field(default=0.0)
+
+
+_CURRENT: contextvars.ContextVar[MoEMicroBatch | None] = contextvars.ContextVar(
+    "hdp_moe_micro_batch", default=None
+)
+
+
+@contextlib.contextmanager
+def moe_micro_batch(batch: MoEMicroBatch) -> Iterator[MoEMicroBatch]:
+    """Make `batch` the micro-batch the MoE routers see during the block (the forward)."""
+    token = _CURRENT.set(batch)
+    try:
+        yield batch
+    finally:
+        _CURRENT.reset(token)
+
+
+def ring_sum(tensor: torch.Tensor, ring: RingComm | None) -> torch.Tensor:
+    """P2P over the ring: the sum of `tensor` over every member (each member calls it).
+
+    The partial sums travel k-1 hops; float64 counts keep it exact in any order.
+    """
+    if ring is None or ring.size == 1:
+        return tensor
+    total, passing = tensor.clone(), tensor
+    for _ in range(ring.size - 1):
+        passing = ring.exchange(passing, torch.empty_like(passing), _TAG_EXPERT_COUNTS).wait()
+        total += passing
+    return total
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on `probs` whose backward also sends gradient `scale` into `aux_loss`."""
+
+    @staticmethod
+    def forward(ctx, probs: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad_probs: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        return grad_probs, torch.full_like(aux_loss, ctx.scale), None
+
+
+class SequenceAuxLossRouter(TopKRouter):
+    """Megatron's top-k router whose load-balancing loss is per sequence (module docstring).
+
+    Routing itself is Megatron's. The aux loss needs the current `MoEMicroBatch`
+    (`moe_micro_batch`); with sequence parallelism its counts are all-reduced over the TP
+    group (collective), and over the ring for ring micro-batches (P2P).
+    """
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        """The router logits, in the router dtype.
+
+        Megatron-Core 0.16.1's `router_gating_linear` reads `te_general_gemm`, a name that
+        exists only when Transformer Engine imports; this is its plain-torch branch.
+        """
+        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(
+            self.config.moe_router_dtype, input.dtype
+        )
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return torch.nn.functional.linear(input.to(dtype), self.weight.to(dtype), bias)
+
+    def _apply_aux_loss(self, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
+        coeff = self.get_aux_loss_coeff("aux_loss")
+        if coeff == 0:
+            return probs
+        batch = _CURRENT.get()
+        if batch is None:
+            raise RuntimeError(
+                "an MoE layer computed its load-balancing loss outside an HDP micro-batch "
+                "(wrap the forward in moe_micro_batch)"
+            )
+        rows = scores_for_aux_loss.shape[0]
+        segments = batch.segment_ids
+        if self.config.sequence_parallel:
+            tp_rank = dist.get_rank(self.tp_group)
+            segments = segments[tp_rank * rows : (tp_rank + 1) * rows]
+        if segments.numel() != rows:
+            raise RuntimeError(f"the router saw {rows} tokens, the micro-batch has {len(segments)}")
+        valid = segments >= 0
+        index = segments[valid]
+        num_docs = len(batch.doc_lengths)
+        counts = torch.zeros(
+            num_docs, self.num_experts, dtype=torch.float64, device=scores_for_aux_loss.device
+        )
+        counts.index_add_(0, index, routing_map[valid].to(torch.float64))
+        if self.config.sequence_parallel:
+            dist.all_reduce(counts, group=self.tp_group)
+        counts = ring_sum(counts, batch.ring)
+        prob_sums = torch.zeros(
+            num_docs, self.num_experts, dtype=scores_for_aux_loss.dtype, device=counts.device
+        ).index_add(0, index, scores_for_aux_loss[valid])
+        lengths = torch.tensor(batch.doc_lengths, dtype=torch.float64, device=counts.device)
+        scale = coeff * self.num_experts / (self.topk * batch.global_tokens)
+        weights = (counts * (scale / lengths)[:, None]).to(prob_sums.dtype)
+        aux_loss = (prob_sums * weights).sum()
+        batch.aux_loss += float(aux_loss.detach())
+        return _AttachAuxLoss.apply(probs, aux_loss, batch.aux_grad_scale)
+
+
+class GlobalIndexSequentialMLP(SequentialMLP):
+    """Megatron's `SequentialMLP` whose experts are initialised by their global index.
+
+    Megatron draws the local experts one after the other from the global RNG, so expert 0
+    of EP rank 1 would equal expert 0 of EP rank 0, and the layers after it would start from
+    an RNG state that depends on the EP size.
+    """
+
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
+        layer_seed = int(torch.randint(0, 2**31, ()))  # one draw, whatever the EP size
+        with torch.random.fork_rng(devices=[]):
+            super().__init__(0, config, submodules, pg_collection)
+            self.num_local_experts = num_local_experts
+            first = self.ep_group.rank() * num_local_experts
+            for local in range(num_local_experts):
+                torch.manual_seed(layer_seed + first + local)
+                self.local_experts.append(
+                    MLP(
+                        self.config,
+                        submodules,
+                        ffn_hidden_size=self.config.moe_ffn_hidden_size,
+                        is_expert=True,
+                        tp_group=pg_collection.expt_tp,
+                    )
+                )

@@ -1,0 +1,205 @@
+"""Mixture of experts in HDP replicas: any layout equals one process running Megatron's MoE.
+
+The reference is a plain TP=1, EP=1 Megatron GPT with Megatron's own `TopKRouter` and
+`SequentialMLP`, fed the global batch one sequence at a time, with Megatron's aux-loss scale
+set to 1 / (tokens of the batch): that defines the per-sequence load-balancing loss HDP
+documents (`megatron_hdp/megatron/moe.py`). HDP runs 4 experts, top-2, with the experts
+split over the two TP ranks of each replica (EP = TP = 2, sequence parallelism as Megatron
+requires for MoE with TP) on pools of 2 and 3 replicas, and TP = EP = 1 on a pool of 2.
+Expert k of TP rank t is global expert t * 2 + k.
+"""
+
+import dataclasses
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_hdp.distributed.layout import ParallelDims
+from megatron_hdp.megatron.cpu_shim import cpu_shims
+from megatron_hdp.megatron.engine import build_engine
+from megatron_hdp.megatron.model import GPTConfig, build_gpt
+from megatron_hdp.megatron.step import StepRuntime, train_step
+from megatron_hdp.scheduler import plan_step
+from tests.dist import run_ranks
+from tests.megatron.reference import (
+    build_reference,
+    reference_aux_loss,
+    reference_loss_and_grads,
+    reference_optimizer,
+)
+from tests.megatron.test_model_equivalence import (
+    CAPACITY,
+    OPTIM,
+    make_batch,
+    snapshot_grads_before_update,
+    source_of,
+)
+from tests.megatron.test_tensor_parallel import CFG as TP_CFG
+from tests.megatron.test_tensor_parallel import relative, unshard
+
+SEED = 11
+NUM_STEPS = 3
+EXPERTS = 4
+COEFF = 0.5  # large, so that a wrong load-balancing gradient shows in every comparison
+CFG = dataclasses.replace(
+    TP_CFG, num_experts=EXPERTS, moe_router_topk=2, moe_aux_loss_coeff=COEFF, ffn_hidden_size=32
+)
+_EXPERT = re.compile(r"(.*\.local_experts\.)(\d+)(\..*)")
+
+
+def _body_hdp(rank, world_size, cfg, pool, kind):
+    dims = ParallelDims(
+        world_size=world_size,
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        expert_model_parallel_size=cfg.expert_model_parallel_size,
+        sequence_parallel=cfg.sequence_parallel,
+        num_experts=cfg.num_experts,
+        moe_router_topk=cfg.moe_router_topk,
+    )
+    with cpu_shims():
+        layout = dims.initialize()
+        try:
+            engine = build_engine(cfg, OPTIM, seed=SEED)
+            named = list(engine.model.module.named_parameters())
+            init = {n: p.detach().clone() for n, p in named}
+            runtime = StepRuntime(
+                group=layout.pool_group, check_plans=True, job_group=layout.world_group
+            )
+            grads, losses, aux = {}, [], []
+            snapshot_grads_before_update(engine, grads)
+            for step in range(NUM_STEPS):
+                source = source_of(make_batch(pool, step, kind))
+                plan = plan_step(source.seqlens, pool_size=pool, capacity=CAPACITY)
+                result = train_step(engine, plan, source, runtime)
+                losses.append(result.loss)
+                aux.append(result.moe_aux_loss)
+            return {
+                "losses": losses,
+                "aux": aux,
+                "grads": grads,
+                "init": init,
+                "after": {n: p.detach().clone() for n, p in named},
+                "layout": {n: _tp_layout(p) for n, p in named},
+                "rings": [mb.ring for mb in plan.micro_batches if mb.cp_size > 1],
+            }
+        finally:
+            layout.destroy()
+
+
+def _tp_layout(param) -> tuple[bool, int, int]:
+    return (
+        bool(getattr(param, "tensor_model_parallel", False)),
+        getattr(param, "partition_dim", -1),
+        getattr(param, "partition_stride", 1),
+    )
+
+
+def _body_reference(rank, world_size, cfg, pool, kind):
+    with cpu_shims():
+        layout = ParallelDims.of_world().initialize()
+        try:
+            torch.manual_seed(SEED)
+            hdp = build_gpt(cfg)
+            init = {n: p.detach().clone() for n, p in hdp.named_parameters()}
+            model = build_reference(cfg, hdp.state_dict())
+            optimizer = reference_optimizer(
+                model,
+                lr=OPTIM.lr,
+                weight_decay=OPTIM.weight_decay,
+                betas=(OPTIM.adam_beta1, OPTIM.adam_beta2),
+                eps=OPTIM.adam_eps,
+            )
+            losses, aux, grads = [], [], None
+            for step in range(NUM_STEPS):
+                seqs = make_batch(pool, step, kind)
+                aux.append(reference_aux_loss(model, seqs, COEFF))
+                optimizer.zero_grad()
+                losses.append(reference_loss_and_grads(model, seqs))
+                if grads is None:
+                    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+                torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.clip_grad)
+                optimizer.step()
+            after = {n: p.detach().clone() for n, p in model.named_parameters()}
+            return {"losses": losses, "aux": aux, "grads": grads, "init": init, "after": after}
+        finally:
+            layout.destroy()
+
+
+def _global_name(name: str, tp_rank: int, experts_per_rank: int) -> str:
+    """The reference's name of a parameter of TP rank `tp_rank` (experts by global index)."""
+    match = _EXPERT.match(name)
+    if match is None:
+        return name
+    head, local, tail = match.groups()
+    return f"{head}{tp_rank * experts_per_rank + int(local)}{tail}"
+
+
+def _full(members: list[dict], key: str, layout: dict, ep: int) -> dict[str, torch.Tensor]:
+    """The TP=1, EP=1 tensors of one replica from its TP ranks' results."""
+    full = {}
+    for name, lay in layout.items():
+        if _EXPERT.match(name):  # experts are whole on their EP rank (expert TP = 1)
+            for t, m in enumerate(members):
+                full[_global_name(name, t, EXPERTS // ep)] = m[key][name]
+        else:
+            full[name] = unshard([m[key][name] for m in members], lay)
+    return full
+
+
+@pytest.mark.parametrize(
+    "pool, tp, dispatcher",
+    [(2, 2, "alltoall"), (3, 2, "allgather"), (2, 1, "allgather")],
+    ids=["ep2-tp2-pool2-alltoall", "ep2-tp2-pool3-allgather", "ep1-tp1-pool2"],
+)
+def test_moe_replicas_equal_one_process(pool, tp, dispatcher):
+    """Mixed lengths (C-1, C, C+1 and, with pool 3, sequences needing 2 and 3 replicas): every
+    step's loss and load-balancing loss, the first step's gradients, the parameters after 3
+    AdamW steps, and the initial weights bit for bit, expert by global index."""
+    cfg = dataclasses.replace(
+        CFG,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=tp > 1,
+        expert_model_parallel_size=tp,
+        moe_token_dispatcher_type=dispatcher,
+    )
+    ranks = run_ranks(_body_hdp, tp * pool, cfg, pool, "mixed", timeout_s=240)
+    reference = run_ranks(_body_reference, 1, CFG, pool, "mixed")[0]
+    assert all(a > 0 for a in reference["aux"])
+    experts = [
+        reference["init"][f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc1.weight"]
+        for e in range(EXPERTS)
+    ]
+    assert not any(torch.equal(experts[0], e) for e in experts[1:])  # each its own draw
+    for result in ranks:
+        assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+        assert result["aux"] == pytest.approx(reference["aux"], rel=1e-5)
+    assert any(len(ring) > 1 for ring in ranks[0]["rings"])  # sequences really span replicas
+    for replica in range(pool):
+        members = ranks[replica * tp : (replica + 1) * tp]
+        layout = members[0]["layout"]
+        init = _full(members, "init", layout, tp)
+        grads = _full(members, "grads", layout, tp)
+        after = _full(members, "after", layout, tp)
+        assert init.keys() == reference["init"].keys()
+        for name, want in reference["init"].items():
+            assert torch.equal(init[name], want), name
+            assert relative(grads[name], reference["grads"][name]) < 1e-5, name
+            assert relative(after[name], reference["after"][name]) < 1e-5, name
+
+
+def test_moe_set_ups_are_checked():
+    with pytest.raises(ValueError, match="moe_router_topk 5 must lie in"):
+        dataclasses.replace(CFG, moe_router_topk=5)
+    with pytest.raises(ValueError, match="expert_model_parallel_size 2 must divide"):
+        dataclasses.replace(CFG, expert_model_parallel_size=2)
+    with pytest.raises(ValueError, match="needs sequence parallelism"):
+        dataclasses.replace(CFG, tensor_model_parallel_size=2, expert_model_parallel_size=2)
+    with pytest.raises(ValueError, match="num_experts 3 is not divisible by expert"):
+        GPTConfig(
+            num_experts=3,
+            expert_model_parallel_size=2,
+            tensor_model_parallel_size=2,
+            sequence_parallel=True,
+        )
