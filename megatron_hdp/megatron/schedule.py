@@ -28,7 +28,14 @@ from megatron.core.utils import get_model_config
 from megatron_hdp.batching import IndexedTokens, LocalBatch, TokenSource
 from megatron_hdp.data.sampler import TokenBudgetSampler
 from megatron_hdp.megatron.model import GPTConfig
-from megatron_hdp.megatron.step import StepRuntime, local_batches, packed_seq_params
+from megatron_hdp.megatron.moe import moe_micro_batch
+from megatron_hdp.megatron.step import (
+    StepRuntime,
+    local_batches,
+    moe_batch_info,
+    packed_seq_params,
+    sequence_parallel_pad,
+)
 from megatron_hdp.scheduler import plan_step
 from megatron_hdp.scheduler.plan import StepPlan
 
@@ -105,20 +112,31 @@ class HDPDataIterator:
 def megatron_batch(batch: LocalBatch, cfg: GPTConfig, runtime: StepRuntime) -> dict:
     """The batch dict a `pretrain_gpt.py`-style `get_batch` returns, for one HDP micro-batch.
 
-    With tensor parallelism `runtime.group` must be the layout's `pool_group`. Sequence
-    parallelism is not supported here yet (the tokens would need padding to a multiple of
-    TP, as `step._token_losses` does).
+    With tensor parallelism `runtime.group` must be the layout's `pool_group`. With sequence
+    parallelism the tokens are padded to a multiple of TP (Megatron splits them evenly);
+    the pad positions have loss mask 0 and HDP attention skips them.
     """
-    if cfg.sequence_parallel:
-        raise ValueError("the Megatron-LM drop-in does not support sequence parallelism yet")
+    pad = sequence_parallel_pad(batch, cfg)
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (0, pad)) if pad else x
+
     return {
-        "tokens": batch.tokens,
-        "labels": batch.labels,
-        "loss_mask": batch.loss_mask,
-        "position_ids": batch.position_ids,
+        "tokens": padded(batch.tokens),
+        "labels": padded(batch.labels),
+        "loss_mask": padded(batch.loss_mask),
+        "position_ids": padded(batch.position_ids),
         "attention_mask": None,
         "packed_seq_params": packed_seq_params(batch, cfg, runtime),
     }
+
+
+def _loss_tokens(batches: list[LocalBatch], runtime: StepRuntime) -> int:
+    """Collective over the pool: the global batch's loss tokens."""
+    local = sum(float(b.loss_mask.sum()) for b in batches)
+    count = torch.tensor([local], dtype=torch.float64, device=runtime.device)
+    torch.distributed.all_reduce(count, group=runtime.group)
+    return int(count.item())
 
 
 def hdp_forward_backward(
@@ -160,13 +178,31 @@ def hdp_forward_backward(
         step = next(data_iterator)
         step.plan.check_pool(torch.distributed.get_world_size(runtime.group))
         reports, num_tokens = [], 0
+        batches = local_batches(step.plan, step.source, runtime)
+        # Megatron's finish divides every gradient by the global loss-token count; the MoE
+        # load-balancing loss is already normalised (moe.py), so its gradient is scaled up.
+        aux_grad_scale = 1.0
+        if cfg.num_experts is not None and not forward_only:
+            aux_grad_scale = float(_loss_tokens(batches, runtime))
         no_sync = config.no_sync_func or contextlib.nullcontext
         with no_sync(), contextlib.ExitStack() as stack:
             if forward_only:
                 stack.enter_context(torch.no_grad())
-            for batch in local_batches(step.plan, step.source, runtime):
-                batch_iterator = iter([megatron_batch(batch, cfg, runtime)])
-                output, loss_func = forward_step_func(batch_iterator, model_chunk)
+            for batch in batches:
+                megatron_dict = megatron_batch(batch, cfg, runtime)
+                routers = contextlib.nullcontext()
+                if cfg.num_experts is not None:
+                    routers = moe_micro_batch(
+                        moe_batch_info(
+                            batch,
+                            megatron_dict["packed_seq_params"],
+                            pad=sequence_parallel_pad(batch, cfg),
+                            global_batch_tokens=sum(step.plan.seqlens),
+                            aux_grad_scale=aux_grad_scale,
+                        )
+                    )
+                with routers:
+                    output, loss_func = forward_step_func(iter([megatron_dict]), model_chunk)
                 loss_sum, tokens, report = loss_func(output)
                 if not forward_only:
                     loss_sum.backward()

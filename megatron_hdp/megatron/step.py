@@ -177,6 +177,11 @@ def _read_and_count(
     return batches, int(counts[0].item())
 
 
+def sequence_parallel_pad(batch: LocalBatch, cfg: GPTConfig) -> int:
+    """Pad tokens that make `batch` a multiple of TP under sequence parallelism (else 0)."""
+    return -batch.num_tokens % cfg.tensor_model_parallel_size if cfg.sequence_parallel else 0
+
+
 def _token_losses(
     engine: Engine, batch: LocalBatch, runtime: StepRuntime, global_tokens: int
 ) -> tuple[torch.Tensor, float]:
@@ -188,7 +193,7 @@ def _token_losses(
     the load-balancing loss (`moe.py`); its gradient is already in the graph.
     """
     n = batch.num_tokens
-    pad = -n % engine.tp_size if engine.cfg.sequence_parallel else 0
+    pad = sequence_parallel_pad(batch, engine.cfg)
 
     def padded(x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.pad(x, (0, pad)) if pad else x

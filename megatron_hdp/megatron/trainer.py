@@ -62,6 +62,7 @@ class _Window:
     excluded: float = 0.0  # seconds of evaluation and checkpointing inside the window
     stats: list[dict] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
+    aux_losses: list[float] = field(default_factory=list)
 
 
 class Trainer:
@@ -282,6 +283,11 @@ class Trainer:
             merged["micro_batches_per_rank_max"],
             merged["predicted_imbalance"],
         )
+        if window.aux_losses:
+            record["moe_aux_loss"] = statistics.fmean(window.aux_losses)
+            logger.info(
+                "iter %d | MoE load-balancing loss %.4f", self.iteration, record["moe_aux_loss"]
+            )
         if self._writer is not None:
             for key, value in record.items():
                 if key != "iteration":
@@ -318,6 +324,8 @@ class Trainer:
                     else 0
                 ),
             }
+            if self.engine.cfg.num_experts is not None:
+                record["moe_aux_loss"] = result.moe_aux_loss
             if metrics is not None:
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
@@ -325,6 +333,8 @@ class Trainer:
                 {**record, "units": [(u.dataset, u.doc, u.start, u.length) for u in units]}
             )
             window.losses.append(result.loss)
+            if self.engine.cfg.num_experts is not None:
+                window.aux_losses.append(result.moe_aux_loss)
             window.tokens += result.num_loss_tokens
             window.stats.append(stats)
             if result.grad_norm is not None and not result.nonfinite:

@@ -6,7 +6,8 @@ all layers of one model replica (an HDP rank):
     T(s, k) = linear(s) / k + attention(s) / k + exposed_ring(s, k)
 
 - `linear(s) = 6 * P * s / F_lin`: GEMMs of all layers and the output layer (P parameters
-  touched per token; 2 FLOPs per multiply-add, x3 for forward + backward).
+  touched per token; 2 FLOPs per multiply-add, x3 for forward + backward). For MoE, P counts
+  the router and the top-k experts a token runs through, not all experts.
 - `attention(s) = L * 3.5 * 2 * s^2 * d_q / F_attn`: causal attention scores and values,
   forward `4 s^2 d_q / 2` FLOPs (half the square), backward 2.5x forward.
 - `exposed_ring(s, k)`: each layer's ring has `k - 1` forward steps moving K/V of `s/k`
@@ -42,6 +43,12 @@ class ModelShape:
     ffn_hidden_size: int | None = None
     vocab_size: int = 32000
     swiglu: bool = True
+    num_experts: int | None = None
+    """Experts per MoE layer; None: a dense MLP."""
+    moe_router_topk: int = 2
+    """Experts each token runs through (MoE)."""
+    moe_ffn_hidden_size: int | None = None
+    """Hidden size of each expert; None: `ffn_hidden_size`."""
 
     @property
     def head_dim(self) -> int:
@@ -55,10 +62,18 @@ class ModelShape:
 
     @property
     def params_per_token(self) -> int:
-        """Weights each token multiplies: all transformer layers plus the output layer."""
+        """Weights each token multiplies: all transformer layers plus the output layer.
+
+        With experts these are the ACTIVE weights: the router (h x E) and top-k experts.
+        """
         h, ffn = self.hidden_size, self.ffn_hidden_size or 4 * self.hidden_size
         attention = h * (h + 2 * self.kv_dim) + h * h
-        mlp = (3 if self.swiglu else 2) * h * ffn
+        per_mlp = 3 if self.swiglu else 2
+        if self.num_experts is None:
+            mlp = per_mlp * h * ffn
+        else:
+            expert_ffn = self.moe_ffn_hidden_size or ffn
+            mlp = h * self.num_experts + self.moe_router_topk * per_mlp * h * expert_ffn
         return self.num_layers * (attention + mlp) + h * self.vocab_size
 
 

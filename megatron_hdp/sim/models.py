@@ -10,10 +10,10 @@ other constant below is either a published config or a stated choice:
   and Mixtral-8x22B 16384 per expert (Mistral AI's released `config.json`).
 - Vocabulary 32000 for all (LLaMA's; Mixtral-8x7B's is 32000, 8x22B's 32768 is rounded to
   the same value as a stated choice; it changes the output layer by < 1%).
-- MoE compute uses ACTIVE parameters: top-2 routing runs two SwiGLU experts per token, so
-  the MoE is priced as a dense model with `ffn = 2 x expert ffn` (the router, h x 8 per
-  layer, is ignored). That gives 12.9B (8x7B) and 38.9B (8x22B) active parameters against
-  the paper's 13B / 39B. The gradient sync uses TOTAL parameters (all 8 experts; no expert
+- MoE compute uses ACTIVE parameters (the cost model's MoE fields, as the training job
+  uses them): top-2 routing runs two SwiGLU experts per token, plus the router (h x 8 per
+  layer). That gives 12.9B (8x7B) and 38.9B (8x22B) active parameters against the paper's
+  13B / 39B. The gradient sync uses TOTAL parameters (all 8 experts; no expert
   parallelism is assumed, an upper bound on its bytes): 46.6B and 140.5B (paper 47B / 141B).
 - LLaMA-30B: Table 1 says 56 heads with hidden 6656, which does not divide (LLaMA-1 33B
   has 52); we keep the paper's 56 and the cost model's integer head dim 6656 // 56 = 118.
@@ -98,9 +98,11 @@ def _moe(name, layers, heads, h, expert_ffn, tp, pp, gpus) -> SimModel:
         hidden_size=h,
         num_attention_heads=heads,
         num_query_groups=8,
-        ffn_hidden_size=2 * expert_ffn,  # top-2 experts per token
+        ffn_hidden_size=expert_ffn,
         vocab_size=32000,
         swiglu=True,
+        num_experts=8,
+        moe_router_topk=2,
     )
     total = _total_params(h, layers, heads, 8, expert_ffn, 8)
     return SimModel(name, shape, total, tp, pp, gpus, experts=8, top_k=2)

@@ -1,6 +1,9 @@
 """The Megatron-LM drop-in path: a pretrain_gpt.py-style forward_step, our schedule, and
 Megatron-Core's own finalize_model_grads give the single-process gradients."""
 
+import dataclasses
+
+import pytest
 import torch
 import torch.distributed as dist
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -14,6 +17,7 @@ from megatron_hdp.megatron.schedule import HDPGlobalBatch, hdp_forward_backward
 from megatron_hdp.megatron.step import StepRuntime
 from megatron_hdp.scheduler import plan_step
 from tests.dist import run_ranks
+from tests.megatron import test_moe as moe_test
 from tests.megatron.test_model_equivalence import (
     CAPACITY,
     CFG,
@@ -140,3 +144,71 @@ def test_a_rank_without_micro_batches_returns_a_zero_report():
     assert any(n == 0 for n, _, _ in results)
     for n, keys, count in results:
         assert keys == ["lm loss"] and count == max(n, 1)
+
+
+MOE_SEED = moe_test.SEED
+
+
+def _body_dropin_moe(rank, world_size, cfg):
+    from megatron_hdp.megatron.step import StepRuntime as Runtime
+
+    dims = ParallelDims(
+        world_size=world_size,
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        expert_model_parallel_size=cfg.expert_model_parallel_size,
+        sequence_parallel=cfg.sequence_parallel,
+        num_experts=cfg.num_experts,
+        moe_router_topk=cfg.moe_router_topk,
+    )
+    with cpu_shims():
+        layout = dims.initialize()
+        try:
+            engine = build_engine(cfg, OPTIM, seed=MOE_SEED)
+            config = engine.model.config
+            config.finalize_model_grads_func = finalize_model_grads
+            config.no_sync_func = engine.model.no_sync
+            pool = dims.pool_size
+            source = source_of(make_batch(pool, 0))
+            plan = plan_step(source.seqlens, pool_size=pool, capacity=CAPACITY)
+            runtime = Runtime(group=layout.pool_group, job_group=layout.world_group)
+            schedule = hdp_forward_backward(runtime, cfg)
+            engine.model.zero_grad_buffer()
+            reports = schedule(
+                forward_step_func=pretrain_gpt_forward_step,
+                data_iterator=iter([HDPGlobalBatch(plan=plan, source=source)]),
+                model=[engine.model],
+                num_microbatches=1,
+            )
+            named = engine.model.module.named_parameters()
+            return {
+                "grads": {n: p.main_grad.clone() for n, p in named},
+                "layout": {
+                    n: moe_test._tp_layout(p) for n, p in engine.model.module.named_parameters()
+                },
+                "sums": torch.stack([r["lm loss"] for r in reports]).sum(0).tolist(),
+            }
+        finally:
+            layout.destroy()
+
+
+def test_dropin_with_tp2_sp_and_experts_matches_single_process():
+    """TP=2 x pool 2 with sequence parallelism (padded micro-batches) and 4 experts over EP=2:
+    the drop-in schedule with Megatron's own finish gives the single-process gradients,
+    load-balancing loss included."""
+    cfg = dataclasses.replace(
+        moe_test.CFG,
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        expert_model_parallel_size=2,
+    )
+    ranks = run_ranks(_body_dropin_moe, 4, cfg, timeout_s=240)
+    reference = run_ranks(moe_test._body_reference, 1, moe_test.CFG, 2, "mixed")[0]
+    # Each TP rank reports the loss of its replica's tokens: count TP rank 0 of each replica.
+    loss_sum = sum(r["sums"][0] for r in ranks[::2])
+    tokens = sum(r["sums"][1] for r in ranks[::2])
+    assert loss_sum / tokens == pytest.approx(reference["losses"][0], rel=1e-5)
+    for replica in range(2):
+        members = ranks[2 * replica : 2 * replica + 2]
+        grads = moe_test._full(members, "grads", members[0]["layout"], 2)
+        for name, want in reference["grads"].items():
+            assert moe_test.relative(grads[name], want) < 1e-5, name

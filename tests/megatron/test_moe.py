@@ -14,7 +14,6 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_hdp.distributed.layout import ParallelDims
 from megatron_hdp.megatron.cpu_shim import cpu_shims

@@ -29,6 +29,19 @@ def test_params_and_flops_by_hand():
     assert model.attention_time(s) == pytest.approx(32 * 3.5 * causal_forward / (0.4 * 989e12))
 
 
+def test_moe_counts_the_router_and_the_top_k_experts_a_token_runs_through():
+    """Mixtral-8x7B: 8 experts of ffn 14336, top-2: about 12.75B active weights per token."""
+    h, kv, ffn = 4096, 8 * 128, 14336
+    mixtral = dataclasses.replace(LLAMA7B, ffn_hidden_size=ffn, num_experts=8, moe_router_topk=2)
+    per_layer = h * (h + 2 * kv) + h * h + h * 8 + 2 * 3 * h * ffn
+    assert mixtral.params_per_token == 32 * per_layer + h * 32000
+    assert 12.7e9 < mixtral.params_per_token < 12.8e9
+    top1 = dataclasses.replace(mixtral, moe_router_topk=1, moe_ffn_hidden_size=2 * ffn)
+    assert top1.params_per_token == mixtral.params_per_token  # same FLOPs per token
+    model, dense = CostModel(mixtral, H100), CostModel(LLAMA7B, H100)
+    assert model.linear_time(8192) > 1.9 * dense.linear_time(8192)
+
+
 def test_attention_overtakes_linear_at_long_lengths():
     model = CostModel(LLAMA7B, H100)
     assert model.attention_time(4096) < model.linear_time(4096)
