@@ -47,10 +47,15 @@ def _prepare(parser, args, world_size: int):
         _say(parser, 2, f"error: {err}")
     import dataclasses
 
+    import torch
+
+    from megatron_hdp.attention.kernels.registry import resolve_kernel
     from megatron_hdp.megatron.config import data_config, model_config
     from megatron_hdp.megatron.training_data import build_training_data
 
     try:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        args.hdp_attention_backend = resolve_kernel(args.hdp_attention_backend, device)
         data = build_training_data(data_config(args, world_size))
         if meta is not None:
             check_resume_matches(

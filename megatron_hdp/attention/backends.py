@@ -1,20 +1,19 @@
-"""Attention block kernels behind one interface (ops layer, torch only).
+"""Dense attention block kernels: what the CPU reference varlen kernels are made of (ops).
 
 A *block* is dense attention of some query rows against some key rows, either fully
-visible or causal (equal lengths, diagonal included). Ring and varlen attention are built
-from blocks and merge their partial results with log-sum-exp, so a backend must return the
-log-sum-exp of every query row and accept the *merged* output and lse in its backward
-(the flash-attention recipe, also used by ring-flash-attention).
+visible or causal (equal lengths, diagonal included). `kernels.cpu` loops over a ring
+step's documents with one block each; ring attention merges partial results with
+log-sum-exp, so a block kernel returns the log-sum-exp of every query row and accepts the
+*merged* output and lse in its backward (the flash-attention recipe).
 
 Shape legend: H heads, Tq query rows, Tk key rows, D head dim. Inputs are `[H, T, D]`,
 lse is `[H, Tq]`. Key/value heads are already expanded to H (GQA is handled by callers).
 
-Backends:
-- `"torch"`: on CPU the aten flash-attention CPU kernels (private ops, pinned torch);
-  on any other device the `"math"` kernel.
-- `"math"`: plain matmul + logsumexp; device-generic, the fallback and a cross-check.
-GPU adapters (flash-attn, Transformer Engine) register under their own names with the
-same two methods.
+Block kernels:
+- `TorchBackend`: on CPU the aten flash-attention CPU kernels (private ops); on any other
+  device the math kernel.
+- `MathBackend`: plain matmul + logsumexp; device-generic, the reference and a cross-check.
+The varlen GPU kernels (one call per ring step, native GQA) are in `kernels/`.
 """
 
 from __future__ import annotations
@@ -129,21 +128,3 @@ class TorchBackend:
             scale=scale,
         )
         return dq.squeeze(0), dk.squeeze(0), dv.squeeze(0)
-
-
-_BACKENDS: dict[str, AttentionBackend] = {"torch": TorchBackend(), "math": MathBackend()}
-
-
-def register_backend(backend: AttentionBackend) -> None:
-    """Make `backend` selectable by its name (for GPU adapters)."""
-    _BACKENDS[backend.name] = backend
-
-
-def get_backend(name: str) -> AttentionBackend:
-    """The backend registered as `name`; ValueError naming the choices otherwise."""
-    try:
-        return _BACKENDS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}"
-        ) from None

@@ -8,7 +8,9 @@ One autograd function covers both cases of a micro-batch:
   log-sum-exp.
 
 Shape legend: T local tokens, H query heads, G key/value heads (GQA: H % G == 0), D head
-dim. Public tensors are `[T, H, D]` (Megatron's THD); kernels work on `[H, T, D]`.
+dim. Tensors are `[T, H, D]` (Megatron's THD) throughout. Each ring step makes ONE varlen
+kernel call for all documents of the micro-batch (`kernels.base`): the step's query rows and
+K/V rows are gathered, packed per document with `cu_seqlens`, and K/V keep their G heads.
 
 Which blocks a step computes (rank at ring position p holds chunks p and 2k-1-p of every
 document; at step s it holds the K/V of source j = (p - s) mod k):
@@ -27,7 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_hdp.attention.backends import AttentionBackend, get_backend
+from megatron_hdp.attention.kernels.base import VarlenBlocks, VarlenKernel, accumulation_dtype
+from megatron_hdp.attention.kernels.registry import get_kernel
 from megatron_hdp.distributed.ring_comm import CommStats, RingComm
 from megatron_hdp.sharding import RankShard, shard
 
@@ -46,7 +49,7 @@ class RingAttentionSpec:
             take part: a member without tokens has nothing to attend and skips the
             micro-batch altogether.
         comm: Communicator over the active members' ranks; None when only one is active.
-        backend: Block kernel.
+        backend: The varlen kernel: one call per ring step for all documents.
     """
 
     doc_lengths: tuple[int, ...]
@@ -54,7 +57,7 @@ class RingAttentionSpec:
     position: int
     active: tuple[int, ...]
     comm: RingComm | None
-    backend: AttentionBackend
+    backend: VarlenKernel
 
 
 def active_positions(shards: Sequence[RankShard]) -> tuple[int, ...]:
@@ -90,7 +93,7 @@ def build_ring_spec(
         position=position,
         active=active,
         comm=comm,
-        backend=get_backend(backend),
+        backend=get_kernel(backend),
     )
 
 
@@ -112,16 +115,40 @@ def _segments(spec: RingAttentionSpec, source: int) -> list[tuple[int, int, int,
     return out
 
 
-def _expand_heads(x_GTD: torch.Tensor, num_heads: int) -> torch.Tensor:
-    groups = x_GTD.shape[0]
-    return x_GTD if groups == num_heads else x_GTD.repeat_interleave(num_heads // groups, dim=0)
+@dataclass(frozen=True)
+class _StepBlocks:
+    """One ring step's blocks of every document, packed for one varlen kernel call.
+
+    `q_rows` are the local query rows taking part, `kv_rows` the rows of the source's K/V.
+    """
+
+    q_rows: torch.Tensor
+    kv_rows: torch.Tensor
+    blocks: VarlenBlocks
 
 
-def _reduce_heads(x_HTD: torch.Tensor, num_groups: int) -> torch.Tensor:
-    heads = x_HTD.shape[0]
-    if heads == num_groups:
-        return x_HTD
-    return x_HTD.view(num_groups, heads // num_groups, *x_HTD.shape[1:]).sum(dim=1)
+def _step_blocks(spec: RingAttentionSpec, device: torch.device) -> dict[int, _StepBlocks]:
+    """The blocks against every active source (sources without any block are left out)."""
+    steps = {}
+    for source in spec.active:
+        segments = _segments(spec, source)
+        if not segments:
+            continue
+        causal = {seg[4] for seg in segments}
+        assert len(causal) == 1, "a ring step mixes causal and full blocks"
+        q_rows = torch.cat([torch.arange(q0, q0 + ql) for q0, ql, _, _, _ in segments])
+        kv_rows = torch.cat([torch.arange(k0, k0 + kl) for _, _, k0, kl, _ in segments])
+        steps[source] = _StepBlocks(
+            q_rows=q_rows.to(device),
+            kv_rows=kv_rows.to(device),
+            blocks=VarlenBlocks.build(
+                [seg[1] for seg in segments],
+                [seg[3] for seg in segments],
+                causal=causal.pop(),
+                device=device,
+            ),
+        )
+    return steps
 
 
 def _kv_buffer(spec: RingAttentionSpec, source: int, like: torch.Tensor) -> torch.Tensor:
@@ -130,21 +157,16 @@ def _kv_buffer(spec: RingAttentionSpec, source: int, like: torch.Tensor) -> torc
     )
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Partial outputs, lse and gradients accumulate in float32 for 16-bit inputs."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
 class _HDPAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_THD, k_TGD, v_TGD, spec: RingAttentionSpec, scale: float):
-        num_heads, num_groups = q_THD.shape[1], k_TGD.shape[1]
+        num_groups = k_TGD.shape[1]
         active, me = spec.active, spec.active.index(spec.position)
         n = len(active)
-        acc = _accumulation_dtype(q_THD.dtype)
-        q_HTD = q_THD.transpose(0, 1).contiguous()
-        out_HTD = torch.zeros(q_HTD.shape, dtype=acc, device=q_HTD.device)
-        lse_HT = torch.full(q_HTD.shape[:2], float("-inf"), dtype=acc, device=q_HTD.device)
+        acc = accumulation_dtype(q_THD.dtype)
+        steps = _step_blocks(spec, q_THD.device)
+        out_THD = torch.zeros(q_THD.shape, dtype=acc, device=q_THD.device)
+        lse_HT = torch.full(q_THD.shape[1::-1], float("-inf"), dtype=acc, device=q_THD.device)
         kv_cur = torch.cat([k_TGD, v_TGD], dim=1).contiguous()  # [T, 2G, D], one message
         for step in range(n):
             source = active[(me - step) % n]
@@ -152,43 +174,41 @@ class _HDPAttention(torch.autograd.Function):
             if step + 1 < n:
                 nxt = active[(me - step - 1) % n]
                 pending = spec.comm.exchange(kv_cur, _kv_buffer(spec, nxt, kv_cur), _TAG_FWD_KV)
-            kv_GTD = kv_cur.transpose(0, 1)
-            k_HTD = _expand_heads(kv_GTD[:num_groups], num_heads)
-            v_HTD = _expand_heads(kv_GTD[num_groups:], num_heads)
-            for q0, ql, k0, kl, causal in _segments(spec, source):
-                rows = slice(q0, q0 + ql)
+            blocks = steps.get(source)
+            if blocks is not None:
+                rows = blocks.q_rows
                 out_b, lse_b = spec.backend.forward(
-                    q_HTD[:, rows].contiguous(),
-                    k_HTD[:, k0 : k0 + kl].contiguous(),
-                    v_HTD[:, k0 : k0 + kl].contiguous(),
-                    causal=causal,
+                    q_THD.index_select(0, rows),
+                    kv_cur[:, :num_groups].index_select(0, blocks.kv_rows),
+                    kv_cur[:, num_groups:].index_select(0, blocks.kv_rows),
+                    blocks.blocks,
                     scale=scale,
                 )
                 # Merge with log-sum-exp; rows not yet touched have lse -inf and weight 0.
                 lse_b = lse_b.to(acc)
                 lse_old = lse_HT[:, rows]
                 lse_new = torch.logaddexp(lse_old, lse_b)
-                out_HTD[:, rows] = out_HTD[:, rows] * torch.exp(lse_old - lse_new).unsqueeze(
+                out_THD[rows] = out_THD[rows] * torch.exp(lse_old - lse_new).T.unsqueeze(
                     -1
-                ) + out_b.to(acc) * torch.exp(lse_b - lse_new).unsqueeze(-1)
+                ) + out_b.to(acc) * torch.exp(lse_b - lse_new).T.unsqueeze(-1)
                 lse_HT[:, rows] = lse_new
             if pending is not None:
                 kv_cur = pending.wait()
-        out_HTD = out_HTD.to(q_THD.dtype)
-        ctx.save_for_backward(q_HTD, k_TGD, v_TGD, out_HTD, lse_HT)
-        ctx.spec, ctx.scale = spec, scale
-        return out_HTD.transpose(0, 1).contiguous()
+        out_THD = out_THD.to(q_THD.dtype)
+        ctx.save_for_backward(q_THD, k_TGD, v_TGD, out_THD, lse_HT)
+        ctx.spec, ctx.scale, ctx.steps = spec, scale, steps
+        return out_THD
 
     @staticmethod
     def backward(ctx, dout_THD):
-        q_HTD, k_TGD, v_TGD, out_HTD, lse_HT = ctx.saved_tensors
-        spec, scale = ctx.spec, ctx.scale
-        num_heads, num_groups = q_HTD.shape[0], k_TGD.shape[1]
+        q_THD, k_TGD, v_TGD, out_THD, lse_HT = ctx.saved_tensors
+        spec, scale, steps = ctx.spec, ctx.scale, ctx.steps
+        num_groups = k_TGD.shape[1]
         active, me = spec.active, spec.active.index(spec.position)
         n = len(active)
-        acc = _accumulation_dtype(q_HTD.dtype)
-        dout_HTD = dout_THD.transpose(0, 1).contiguous().to(q_HTD.dtype)
-        dq_HTD = torch.zeros(q_HTD.shape, dtype=acc, device=q_HTD.device)
+        acc = accumulation_dtype(q_THD.dtype)
+        dout_THD = dout_THD.contiguous().to(q_THD.dtype)
+        dq_THD = torch.zeros(q_THD.shape, dtype=acc, device=q_THD.device)
         kv_cur = torch.cat([k_TGD, v_TGD], dim=1).contiguous()
         pending_dkv = None
         dkv_own = None
@@ -198,29 +218,25 @@ class _HDPAttention(torch.autograd.Function):
             pending_kv = None
             if step + 1 < n:
                 pending_kv = spec.comm.exchange(kv_cur, _kv_buffer(spec, nxt, kv_cur), _TAG_BWD_KV)
-            kv_GTD = kv_cur.transpose(0, 1)
-            k_HTD = _expand_heads(kv_GTD[:num_groups], num_heads)
-            v_HTD = _expand_heads(kv_GTD[num_groups:], num_heads)
-            dk_HTD = torch.zeros(k_HTD.shape, dtype=acc, device=k_HTD.device)
-            dv_HTD = torch.zeros(v_HTD.shape, dtype=acc, device=v_HTD.device)
-            for q0, ql, k0, kl, causal in _segments(spec, source):
-                rows, cols = slice(q0, q0 + ql), slice(k0, k0 + kl)
+            dk_TGD = torch.zeros(kv_cur[:, :num_groups].shape, dtype=acc, device=kv_cur.device)
+            dv_TGD = torch.zeros_like(dk_TGD)
+            blocks = steps.get(source)
+            if blocks is not None:
+                rows, cols = blocks.q_rows, blocks.kv_rows
                 dq_b, dk_b, dv_b = spec.backend.backward(
-                    dout_HTD[:, rows].contiguous(),
-                    q_HTD[:, rows].contiguous(),
-                    k_HTD[:, cols].contiguous(),
-                    v_HTD[:, cols].contiguous(),
-                    out_HTD[:, rows].contiguous(),
+                    dout_THD.index_select(0, rows),
+                    q_THD.index_select(0, rows),
+                    kv_cur[:, :num_groups].index_select(0, cols),
+                    kv_cur[:, num_groups:].index_select(0, cols),
+                    out_THD.index_select(0, rows),
                     lse_HT[:, rows].contiguous(),
-                    causal=causal,
+                    blocks.blocks,
                     scale=scale,
                 )
-                dq_HTD[:, rows] += dq_b
-                dk_HTD[:, cols] += dk_b
-                dv_HTD[:, cols] += dv_b
-            dkv = torch.cat(
-                [_reduce_heads(dk_HTD, num_groups), _reduce_heads(dv_HTD, num_groups)], dim=0
-            ).transpose(0, 1)
+                dq_THD.index_add_(0, rows, dq_b.to(acc))
+                dk_TGD.index_add_(0, cols, dk_b.to(acc))
+                dv_TGD.index_add_(0, cols, dv_b.to(acc))
+            dkv = torch.cat([dk_TGD, dv_TGD], dim=1)
             if pending_dkv is not None:
                 dkv = dkv + pending_dkv.wait()
             if n == 1:
@@ -234,7 +250,7 @@ class _HDPAttention(torch.autograd.Function):
             dkv_own = pending_dkv.wait()
         dk_TGD = dkv_own[:, :num_groups].to(k_TGD.dtype)
         dv_TGD = dkv_own[:, num_groups:].to(v_TGD.dtype)
-        return dq_HTD.transpose(0, 1).to(q_HTD.dtype), dk_TGD, dv_TGD, None, None
+        return dq_THD.to(q_THD.dtype), dk_TGD, dv_TGD, None, None
 
 
 def hdp_attention(

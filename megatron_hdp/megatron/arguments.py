@@ -47,6 +47,9 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--optimizer": "only Adam(W) is supported",
 }
 
+#: `--hdp-attention-backend` choices (`attention.kernels.registry`, which needs torch).
+ATTENTION_BACKENDS = ("auto", "torch", "math", "torch_flash", "flash_attn")
+
 TOKENIZERS = ("ByteLevel", "HuggingFaceTokenizer", "NullTokenizer")
 
 
@@ -363,9 +366,13 @@ def add_hdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--hdp-attention-backend",
-        choices=("torch", "math"),
-        default="torch",
-        help="attention block kernel",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="varlen attention kernel, one call per ring step: auto (by device and what is "
+        "installed: torch_flash, flash_attn or math on CUDA; torch on CPU), torch (aten's CPU "
+        "flash kernels, math elsewhere), math (matmul reference), torch_flash (PyTorch's CUDA "
+        "flash varlen ops), flash_attn (flash-attn 2.6-2.8); a named one that cannot run "
+        "here stops the job before start-up",
     )
     g.add_argument(
         "--hdp-load-if-exists",

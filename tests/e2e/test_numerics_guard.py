@@ -71,11 +71,11 @@ def poisoned_step_2_on_rank_1(monkeypatch):
         steps["count"] += 1
         return real_step(*args, **kwargs)
 
-    def poisoned(engine, batch, runtime):
-        losses = real_losses(engine, batch, runtime)
+    def poisoned(engine, batch, runtime, global_tokens):
+        losses, aux = real_losses(engine, batch, runtime, global_tokens)
         if steps["count"] == 2 and dist.get_rank() == 1:
-            return losses * float("nan")
-        return losses
+            return losses * float("nan"), aux
+        return losses, aux
 
     monkeypatch.setattr(step_module, "_token_losses", poisoned)
     monkeypatch.setattr(trainer_module, "train_step", counting_step)

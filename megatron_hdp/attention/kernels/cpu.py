@@ -1,0 +1,86 @@
+"""The reference kernels: a loop over the documents inside the kernel, one dense block each.
+
+`"torch"` uses aten's flash-attention CPU kernels on CPU tensors (and the math kernel on any
+other device); `"math"` is plain matmul + logsumexp on every device and dtype, the
+cross-check. K/V heads are expanded per block here, inside the kernel (the GPU kernels
+take GQA natively).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_hdp.attention.backends import AttentionBackend, MathBackend, TorchBackend
+from megatron_hdp.attention.kernels.base import VarlenBlocks
+
+
+def _expand(x_TGD: torch.Tensor, heads: int) -> torch.Tensor:
+    groups = x_TGD.shape[1]
+    return x_TGD if groups == heads else x_TGD.repeat_interleave(heads // groups, dim=1)
+
+
+def _reduce(x_THD: torch.Tensor, groups: int) -> torch.Tensor:
+    t, heads, d = x_THD.shape
+    return x_THD if heads == groups else x_THD.view(t, groups, heads // groups, d).sum(dim=2)
+
+
+class BlockLoopKernel:
+    """A varlen kernel made of one dense block call per document (`backends` block kernels)."""
+
+    def __init__(self, name: str, block: AttentionBackend) -> None:
+        self.name = name
+        self._block = block
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        """Runs everywhere."""
+        return None
+
+    def _pieces(self, blocks: VarlenBlocks):
+        q0 = k0 = 0
+        for lq, lk in zip(blocks.lengths_q, blocks.lengths_k, strict=True):
+            yield slice(q0, q0 + lq), slice(k0, k0 + lk)
+            q0, k0 = q0 + lq, k0 + lk
+
+    def forward(self, q_THD, k_TGD, v_TGD, blocks, *, scale):
+        """See `base.VarlenKernel.forward`."""
+        heads = q_THD.shape[1]
+        out = torch.empty_like(q_THD)
+        lse = None
+        for rows, cols in self._pieces(blocks):
+            out_b, lse_b = self._block.forward(
+                q_THD[rows].transpose(0, 1).contiguous(),
+                _expand(k_TGD[cols], heads).transpose(0, 1).contiguous(),
+                _expand(v_TGD[cols], heads).transpose(0, 1).contiguous(),
+                causal=blocks.causal,
+                scale=scale,
+            )
+            if lse is None:
+                lse = torch.empty((heads, q_THD.shape[0]), dtype=lse_b.dtype, device=q_THD.device)
+            out[rows] = out_b.transpose(0, 1)
+            lse[:, rows] = lse_b
+        return out, lse
+
+    def backward(self, dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_HT, blocks, *, scale):
+        """See `base.VarlenKernel.backward`."""
+        heads, groups = q_THD.shape[1], k_TGD.shape[1]
+        dq = torch.empty_like(q_THD)
+        dk, dv = torch.empty_like(k_TGD), torch.empty_like(v_TGD)
+        for rows, cols in self._pieces(blocks):
+            dq_b, dk_b, dv_b = self._block.backward(
+                dout_THD[rows].transpose(0, 1).contiguous(),
+                q_THD[rows].transpose(0, 1).contiguous(),
+                _expand(k_TGD[cols], heads).transpose(0, 1).contiguous(),
+                _expand(v_TGD[cols], heads).transpose(0, 1).contiguous(),
+                out_THD[rows].transpose(0, 1).contiguous(),
+                lse_HT[:, rows].contiguous(),
+                causal=blocks.causal,
+                scale=scale,
+            )
+            dq[rows] = dq_b.transpose(0, 1)
+            dk[cols] = _reduce(dk_b.transpose(0, 1), groups)
+            dv[cols] = _reduce(dv_b.transpose(0, 1), groups)
+        return dq, dk, dv
+
+
+TORCH = BlockLoopKernel("torch", TorchBackend())
+MATH = BlockLoopKernel("math", MathBackend())
