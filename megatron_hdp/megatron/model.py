@@ -14,7 +14,7 @@ from megatron.core.transformer.transformer_block import LayerNormImpl, Transform
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn import functional
 
-from megatron_hdp.distributed.layout import moe_problems
+from megatron_hdp.distributed.layout import ParallelDims, moe_problems
 from megatron_hdp.megatron.core_attention import HDPCoreAttention
 from megatron_hdp.megatron.moe import GlobalIndexSequentialMLP, SequenceAuxLossRouter
 from megatron_hdp.scheduler.cost import ModelShape
@@ -157,6 +157,18 @@ class GPTConfig:
     def dtype(self) -> torch.dtype:
         """The torch dtype of the parameters."""
         return _DTYPES[self.params_dtype]
+
+
+def model_parallel_dims(cfg: GPTConfig, world_size: int) -> ParallelDims:
+    """The parallel layout of `world_size` ranks running replicas of `cfg`."""
+    return ParallelDims(
+        world_size=world_size,
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        expert_model_parallel_size=cfg.expert_model_parallel_size,
+        sequence_parallel=cfg.sequence_parallel,
+        num_experts=cfg.num_experts,
+        moe_router_topk=cfg.moe_router_topk,
+    )
 
 
 def model_shape(cfg: GPTConfig) -> ModelShape:

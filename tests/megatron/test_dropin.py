@@ -13,6 +13,7 @@ from megatron_hdp.megatron.cpu_shim import cpu_shims
 from megatron_hdp.megatron.engine import (
     build_engine,
 )
+from megatron_hdp.megatron.model import model_parallel_dims
 from megatron_hdp.megatron.schedule import HDPGlobalBatch, hdp_forward_backward
 from megatron_hdp.megatron.step import StepRuntime
 from megatron_hdp.scheduler import plan_step
@@ -152,14 +153,7 @@ MOE_SEED = moe_test.SEED
 def _body_dropin_moe(rank, world_size, cfg):
     from megatron_hdp.megatron.step import StepRuntime as Runtime
 
-    dims = ParallelDims(
-        world_size=world_size,
-        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-        expert_model_parallel_size=cfg.expert_model_parallel_size,
-        sequence_parallel=cfg.sequence_parallel,
-        num_experts=cfg.num_experts,
-        moe_router_topk=cfg.moe_router_topk,
-    )
+    dims = model_parallel_dims(cfg, world_size)
     with cpu_shims():
         layout = dims.initialize()
         try:

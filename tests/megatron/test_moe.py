@@ -18,7 +18,7 @@ import torch
 from megatron_hdp.distributed.layout import ParallelDims
 from megatron_hdp.megatron.cpu_shim import cpu_shims
 from megatron_hdp.megatron.engine import build_engine
-from megatron_hdp.megatron.model import GPTConfig, build_gpt
+from megatron_hdp.megatron.model import GPTConfig, build_gpt, model_parallel_dims
 from megatron_hdp.megatron.step import StepRuntime, train_step
 from megatron_hdp.scheduler import plan_step
 from tests.dist import run_ranks
@@ -36,7 +36,7 @@ from tests.megatron.test_model_equivalence import (
     source_of,
 )
 from tests.megatron.test_tensor_parallel import CFG as TP_CFG
-from tests.megatron.test_tensor_parallel import relative, unshard
+from tests.megatron.test_tensor_parallel import _tp_layout, relative, unshard
 
 SEED = 11
 NUM_STEPS = 3
@@ -49,14 +49,7 @@ _EXPERT = re.compile(r"(.*\.local_experts\.)(\d+)(\..*)")
 
 
 def _body_hdp(rank, world_size, cfg, pool, kind):
-    dims = ParallelDims(
-        world_size=world_size,
-        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-        expert_model_parallel_size=cfg.expert_model_parallel_size,
-        sequence_parallel=cfg.sequence_parallel,
-        num_experts=cfg.num_experts,
-        moe_router_topk=cfg.moe_router_topk,
-    )
+    dims = model_parallel_dims(cfg, world_size)
     with cpu_shims():
         layout = dims.initialize()
         try:
@@ -85,14 +78,6 @@ def _body_hdp(rank, world_size, cfg, pool, kind):
             }
         finally:
             layout.destroy()
-
-
-def _tp_layout(param) -> tuple[bool, int, int]:
-    return (
-        bool(getattr(param, "tensor_model_parallel", False)),
-        getattr(param, "partition_dim", -1),
-        getattr(param, "partition_stride", 1),
-    )
 
 
 def _body_reference(rank, world_size, cfg, pool, kind):
