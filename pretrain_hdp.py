@@ -78,13 +78,15 @@ def _train(args, data) -> list[dict]:
     from megatron_hdp.distributed.stall_watchdog import StallWatchdog, watchdog_store
     from megatron_hdp.distributed.stop_signal import StopSignal
     from megatron_hdp.launch import init_distributed, megatron_device_context
-    from megatron_hdp.megatron.config import parallel_dims
+    from megatron_hdp.megatron.config import model_config
+    from megatron_hdp.megatron.model import model_parallel_dims
     from megatron_hdp.megatron.trainer import Trainer, runtime_for
 
     timeout_s = args.distributed_timeout_minutes * 60
     device = init_distributed(timeout_s=timeout_s)
     with megatron_device_context():
-        layout = parallel_dims(args, dist.get_world_size()).initialize(
+        cfg = model_config(args, data.vocab_size)
+        layout = model_parallel_dims(cfg, dist.get_world_size()).initialize(
             timeout_minutes=args.distributed_timeout_minutes
         )
         try:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -58,6 +58,16 @@ class RingAttentionSpec:
     active: tuple[int, ...]
     comm: RingComm | None
     backend: VarlenKernel
+    _blocks_by_device: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def step_blocks(self, device: torch.device) -> dict[int, _StepBlocks]:
+        """The packed blocks against every source, built once per micro-batch and device.
+
+        Every layer of the micro-batch attends with the same spec.
+        """
+        if device not in self._blocks_by_device:
+            self._blocks_by_device[device] = _step_blocks(self, device)
+        return self._blocks_by_device[device]
 
 
 def active_positions(shards: Sequence[RankShard]) -> tuple[int, ...]:
@@ -164,7 +174,7 @@ class _HDPAttention(torch.autograd.Function):
         active, me = spec.active, spec.active.index(spec.position)
         n = len(active)
         acc = accumulation_dtype(q_THD.dtype)
-        steps = _step_blocks(spec, q_THD.device)
+        steps = spec.step_blocks(q_THD.device)
         out_THD = torch.zeros(q_THD.shape, dtype=acc, device=q_THD.device)
         lse_HT = torch.full(q_THD.shape[1::-1], float("-inf"), dtype=acc, device=q_THD.device)
         kv_cur = torch.cat([k_TGD, v_TGD], dim=1).contiguous()  # [T, 2G, D], one message

@@ -14,7 +14,6 @@ import math
 import torch
 
 from megatron_hdp.data.sampler import parse_split
-from megatron_hdp.distributed.layout import ParallelDims
 from megatron_hdp.megatron.arguments import parse_data_path
 from megatron_hdp.megatron.engine import OptimConfig
 from megatron_hdp.megatron.model import GPTConfig
@@ -75,18 +74,6 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         expert_model_parallel_size=args.expert_model_parallel_size,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-    )
-
-
-def parallel_dims(args: argparse.Namespace, world_size: int) -> ParallelDims:
-    """The parallel layout of the job (validated; raises ValueError naming a bad value)."""
-    return ParallelDims(
-        world_size=world_size,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        sequence_parallel=args.sequence_parallel,
-        num_experts=args.num_experts,
-        moe_router_topk=args.moe_router_topk,
     )
 
 

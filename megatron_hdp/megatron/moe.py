@@ -92,7 +92,11 @@ def ring_sum(tensor: torch.Tensor, ring: RingComm | None) -> torch.Tensor:
 
 
 class _AttachAuxLoss(torch.autograd.Function):
-    """Identity on `probs` whose backward also sends gradient `scale` into `aux_loss`."""
+    """Identity on `probs` whose backward also sends gradient `scale` into `aux_loss`.
+
+    Not Megatron's `MoEAuxLossAutoScaler`: its scale is a class attribute that Megatron's
+    own schedules overwrite; here the scale travels with the micro-batch.
+    """
 
     @staticmethod
     def forward(ctx, probs: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:

@@ -34,6 +34,7 @@ from megatron_hdp.megatron.step import (
     local_batches,
     moe_batch_info,
     packed_seq_params,
+    read_and_count,
     sequence_parallel_pad,
 )
 from megatron_hdp.scheduler import plan_step
@@ -131,14 +132,6 @@ def megatron_batch(batch: LocalBatch, cfg: GPTConfig, runtime: StepRuntime) -> d
     }
 
 
-def _loss_tokens(batches: list[LocalBatch], runtime: StepRuntime) -> int:
-    """Collective over the pool: the global batch's loss tokens."""
-    local = sum(float(b.loss_mask.sum()) for b in batches)
-    count = torch.tensor([local], dtype=torch.float64, device=runtime.device)
-    torch.distributed.all_reduce(count, group=runtime.group)
-    return int(count.item())
-
-
 def hdp_forward_backward(
     runtime: StepRuntime, cfg: GPTConfig, *, empty_report: Callable[[], dict] | None = None
 ) -> Callable:
@@ -178,12 +171,14 @@ def hdp_forward_backward(
         step = next(data_iterator)
         step.plan.check_pool(torch.distributed.get_world_size(runtime.group))
         reports, num_tokens = [], 0
-        batches = local_batches(step.plan, step.source, runtime)
-        # Megatron's finish divides every gradient by the global loss-token count; the MoE
-        # load-balancing loss is already normalised (moe.py), so its gradient is scaled up.
         aux_grad_scale = 1.0
         if cfg.num_experts is not None and not forward_only:
-            aux_grad_scale = float(_loss_tokens(batches, runtime))
+            # Megatron's finish divides every gradient by the global loss-token count; the MoE
+            # load-balancing loss is already normalised (moe.py), so its gradient is scaled up.
+            batches, loss_tokens = read_and_count(step.plan, step.source, runtime)
+            aux_grad_scale = float(loss_tokens)
+        else:
+            batches = local_batches(step.plan, step.source, runtime)
         no_sync = config.no_sync_func or contextlib.nullcontext
         with no_sync(), contextlib.ExitStack() as stack:
             if forward_only:

@@ -152,7 +152,7 @@ def local_batches(plan: StepPlan, source: TokenSource, runtime: StepRuntime) -> 
     return [batch.to(runtime.device) for batch in batches if batch.num_tokens > 0]
 
 
-def _read_and_count(
+def read_and_count(
     plan: StepPlan, source: TokenSource, runtime: StepRuntime
 ) -> tuple[list[LocalBatch], int]:
     """Collective: read the local batches, then all-reduce the loss-token count.
@@ -296,7 +296,7 @@ def train_step(
         # Over every rank, so that the TP ranks of a replica are compared too.
         check_plan_agreement(plan, runtime.all_ranks, runtime.device)
     bytes_before = runtime.stats.bytes_sent
-    batches, global_tokens = _read_and_count(plan, source, runtime)
+    batches, global_tokens = read_and_count(plan, source, runtime)
     if global_tokens == 0:
         raise ValueError("the global batch has no loss tokens (every loss mask is zero)")
 
@@ -363,13 +363,14 @@ def evaluate(
 ) -> tuple[float, int]:
     """Collective over `runtime.group`: forward only; return the global loss sum and tokens."""
     check_plan_fits(plan, engine, runtime.group)
-    batches, num_tokens = _read_and_count(plan, source, runtime)
+    batches, num_tokens = read_and_count(plan, source, runtime)
+    batch_tokens = sum(plan.seqlens)
     loss_sum = torch.zeros(1, dtype=torch.float64, device=runtime.device)
     engine.model.eval()
     try:
         with torch.no_grad():
             for batch in batches:
-                losses = _token_losses(engine, batch, runtime, sum(plan.seqlens))[0].float()
+                losses = _token_losses(engine, batch, runtime, batch_tokens)[0].float()
                 loss_sum += (losses * batch.loss_mask).sum().double()
     finally:
         engine.model.train()

@@ -24,7 +24,7 @@ from megatron.core.transformer.moe.moe_utils import (
 if not hasattr(moe_utils, "te_general_gemm"):
     moe_utils.te_general_gemm = None
 
-from megatron_hdp.megatron.model import GPTConfig, transformer_config
+from megatron_hdp.megatron.model import GPTConfig, build_gpt, transformer_config
 
 
 class SDPACoreAttention(MegatronModule):
@@ -139,3 +139,35 @@ def reference_optimizer(model: GPTModel, *, lr, weight_decay, betas, eps):
         betas=betas,
         eps=eps,
     )
+
+
+def train_reference(cfg: GPTConfig, *, seed: int, optim, batches, aux_coeff: float = 0.0) -> dict:
+    """AdamW steps of the reference on `batches` (one list of sequences per step).
+
+    The model starts from `build_gpt(cfg)` under `seed`, the weights every HDP layout builds.
+    Returns the initial weights, every step's loss (and, with `aux_coeff`, load-balancing
+    loss), the first step's gradients before clipping and the weights after the last step.
+    """
+    torch.manual_seed(seed)
+    hdp = build_gpt(cfg)
+    init = {n: p.detach().clone() for n, p in hdp.named_parameters()}
+    model = build_reference(cfg, hdp.state_dict())
+    optimizer = reference_optimizer(
+        model,
+        lr=optim.lr,
+        weight_decay=optim.weight_decay,
+        betas=(optim.adam_beta1, optim.adam_beta2),
+        eps=optim.adam_eps,
+    )
+    losses, aux, grads = [], [], None
+    for seqs in batches:
+        if aux_coeff:
+            aux.append(reference_aux_loss(model, seqs, aux_coeff))
+        optimizer.zero_grad()
+        losses.append(reference_loss_and_grads(model, seqs))
+        if grads is None:
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        torch.nn.utils.clip_grad_norm_(model.parameters(), optim.clip_grad)
+        optimizer.step()
+    after = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "aux": aux, "grads": grads, "init": init, "after": after}

@@ -20,11 +20,11 @@ from megatron_hdp.megatron.cpu_shim import cpu_shims
 from megatron_hdp.megatron.engine import (
     build_engine,
 )
-from megatron_hdp.megatron.model import GPTConfig, build_gpt
+from megatron_hdp.megatron.model import GPTConfig
 from megatron_hdp.megatron.step import StepRuntime, train_step
 from megatron_hdp.scheduler import plan_step
 from tests.dist import run_ranks
-from tests.megatron.reference import build_reference, reference_loss_and_grads, reference_optimizer
+from tests.megatron.reference import train_reference
 from tests.megatron.test_model_equivalence import (
     CAPACITY,
     OPTIM,
@@ -94,30 +94,11 @@ def _body_tp(rank, world_size, cfg, pool, policy, kind):
 
 
 def _body_reference(rank, world_size, cfg, pool, kind):
+    batches = [make_batch(pool, step, kind) for step in range(NUM_STEPS)]
     with cpu_shims():
         layout = ParallelDims.of_world().initialize()
         try:
-            torch.manual_seed(SEED)
-            hdp = build_gpt(cfg)
-            init = {n: p.detach().clone() for n, p in hdp.named_parameters()}
-            model = build_reference(cfg, hdp.state_dict())
-            optimizer = reference_optimizer(
-                model,
-                lr=OPTIM.lr,
-                weight_decay=OPTIM.weight_decay,
-                betas=(OPTIM.adam_beta1, OPTIM.adam_beta2),
-                eps=OPTIM.adam_eps,
-            )
-            losses, grads = [], None
-            for step in range(NUM_STEPS):
-                optimizer.zero_grad()
-                losses.append(reference_loss_and_grads(model, make_batch(pool, step, kind)))
-                if grads is None:
-                    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-                torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.clip_grad)
-                optimizer.step()
-            after = {n: p.detach().clone() for n, p in model.named_parameters()}
-            return {"losses": losses, "grads": grads, "init": init, "after": after}
+            return train_reference(cfg, seed=SEED, optim=OPTIM, batches=batches)
         finally:
             layout.destroy()
 
