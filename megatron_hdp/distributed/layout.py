@@ -1,16 +1,20 @@
 """The one owner of the parallel layout: which rank is which part of which replica.
 
-    world = pool (N replicas) x TP ranks            (EP folded onto the TP ranks)
-    global rank = replica * TP + tp_rank
-    ring of a long sequence = the same TP rank of k member replicas, P2P in the pool group
-    gradient sync = the pool group of each TP rank (Megatron's data-parallel group)
+    world = PP stages x pool (N replicas) x TP ranks     (EP folded onto the TP ranks)
+    global rank = (stage * N + replica) * TP + tp_rank     (Megatron's tp-cp-ep-dp-pp order)
+    ring of a long sequence = the same (stage, TP rank) of k member replicas, P2P in the
+        pool group of that (stage, TP rank)
+    gradient sync = the pool group of each (stage, TP rank) (Megatron's data-parallel group)
+
+With pipeline parallelism a replica is a whole pipeline, and ring micro-batches run in lock
+step on the same stage of their member pipelines (`scheduler.plan.lockstep_problems`).
 
 `ParallelDims` is pure (no torch import): the start-up validation uses it before any heavy
 import, and `layout_problems` names every bad value. `ParallelDims.initialize()` is
 collective over the world: it sets up Megatron's `parallel_state` and returns the
 `ParallelLayout`, which hands out the groups. Nothing else in the package reads Megatron's
 parallel-state globals or assumes the pool is the whole world. (torchtitan's `ParallelDims`
-is the model; pipeline parallelism will add a PP dimension here.)
+is the model.)
 """
 
 from __future__ import annotations
@@ -71,6 +75,9 @@ class ParallelDims:
 
     world_size: int
     tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    num_layers: int | None = None
+    """Transformer layers of the model (checked against the pipeline stages when given)."""
     expert_model_parallel_size: int = 1
     sequence_parallel: bool = False
     num_experts: int | None = None
@@ -87,14 +94,19 @@ class ParallelDims:
         return self.tensor_model_parallel_size
 
     @property
+    def pp(self) -> int:
+        """Pipeline stages per replica."""
+        return self.pipeline_model_parallel_size
+
+    @property
     def ep(self) -> int:
         """Expert-parallel ranks per replica (a divisor of `tp`)."""
         return self.expert_model_parallel_size
 
     @property
     def pool_size(self) -> int:
-        """Model replicas in the HDP pool: N = world / TP."""
-        return self.world_size // self.tp
+        """Model replicas in the HDP pool: N = world / (TP x PP)."""
+        return self.world_size // (self.tp * self.pp)
 
     @classmethod
     def of_world(cls, **degrees) -> ParallelDims:
@@ -105,15 +117,25 @@ class ParallelDims:
 
     def replica_of(self, rank: int) -> int:
         """The replica (pool rank) of global rank `rank`."""
-        return rank // self.tp
+        return (rank // self.tp) % self.pool_size
+
+    def stage_of(self, rank: int) -> int:
+        """The pipeline stage of global rank `rank`."""
+        return rank // (self.tp * self.pool_size)
 
     def tp_rank_of(self, rank: int) -> int:
         """The TP rank of global rank `rank` inside its replica."""
         return tp_rank_of(rank, self.tp)
 
-    def pool_ranks(self, tp_rank: int) -> list[int]:
-        """Global ranks of the pool of `tp_rank`: that TP rank of every replica, in order."""
-        return list(range(tp_rank, self.world_size, self.tp))
+    def pool_ranks(self, tp_rank: int, stage: int = 0) -> list[int]:
+        """Global ranks of the pool of (`stage`, `tp_rank`): that place of every replica."""
+        first = stage * self.tp * self.pool_size + tp_rank
+        return list(range(first, first + self.tp * self.pool_size, self.tp))
+
+    def pipeline_ranks(self, rank: int) -> list[int]:
+        """Global ranks of the pipeline of `rank`: its (replica, TP rank) on every stage."""
+        first = rank % (self.tp * self.pool_size)
+        return list(range(first, self.world_size, self.tp * self.pool_size))
 
     def initialize(self, *, timeout_minutes: float = 10.0) -> ParallelLayout:
         """Collective over the world: set up Megatron's groups; return this rank's layout.
@@ -133,6 +155,7 @@ class ParallelDims:
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=self.tp,
+                pipeline_model_parallel_size=self.pp,
                 expert_model_parallel_size=self.ep,
                 expert_tensor_parallel_size=self.tp // self.ep,
                 distributed_timeout_minutes=timeout_minutes,
@@ -142,6 +165,7 @@ class ParallelDims:
             rank=dist.get_rank(),
             pool_group=parallel_state.get_data_parallel_group(),
             tp_group=parallel_state.get_tensor_model_parallel_group(),
+            pp_group=parallel_state.get_pipeline_model_parallel_group(),
             world_group=dist.group.WORLD,
         )
         layout.check()
@@ -157,22 +181,28 @@ def layout_problems(
     *,
     world_size: int,
     tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    num_layers: int | None = None,
     expert_model_parallel_size: int = 1,
     sequence_parallel: bool = False,
     num_experts: int | None = None,
     moe_router_topk: int = 2,
 ) -> list[str]:
     """What is wrong with a layout (empty: nothing), one message per bad value."""
-    tp, world = tensor_model_parallel_size, world_size
+    tp, pp, world = tensor_model_parallel_size, pipeline_model_parallel_size, world_size
     if world < 1:
         return [f"the world size must be >= 1, got {world}"]
     if tp < 1:
         return [f"tensor_model_parallel_size must be >= 1, got {tp}"]
+    if pp < 1:
+        return [f"pipeline_model_parallel_size must be >= 1, got {pp}"]
     problems = []
-    if world % tp:
+    if world % (tp * pp):
         problems.append(
-            f"the world size {world} is not divisible by tensor_model_parallel_size {tp}"
+            f"the world size {world} is not divisible by tensor_model_parallel_size {tp} x "
+            f"pipeline_model_parallel_size {pp} = {tp * pp}"
         )
+    problems += pipeline_problems(num_layers=num_layers, pp=pp, num_experts=num_experts)
     if sequence_parallel and tp == 1:
         problems.append("sequence_parallel needs tensor_model_parallel_size > 1")
     problems += moe_problems(
@@ -182,6 +212,30 @@ def layout_problems(
         tp=tp,
         sequence_parallel=sequence_parallel,
     )
+    return problems
+
+
+def pipeline_problems(*, num_layers: int | None, pp: int, num_experts: int | None) -> list[str]:
+    """What is wrong with splitting `num_layers` layers into `pp` pipeline stages."""
+    if pp == 1:
+        return []
+    problems = []
+    if num_layers is not None:
+        if num_layers < pp:
+            problems.append(
+                f"pipeline_model_parallel_size {pp} needs at least one layer per stage; the "
+                f"model has only {num_layers} layers"
+            )
+        elif num_layers % pp:
+            problems.append(
+                f"num_layers {num_layers} is not divisible by pipeline_model_parallel_size {pp} "
+                "(every stage holds the same number of layers)"
+            )
+    if num_experts is not None:
+        problems.append(
+            "pipeline parallelism with experts (num_experts) is not supported yet: the "
+            "per-sequence load-balancing loss has not been verified under the 1F1B schedule"
+        )
     return problems
 
 
@@ -195,6 +249,7 @@ class ParallelLayout:
         pool_group: The HDP pool of this rank's TP rank (Megatron's data-parallel group):
             rings, the loss-token count and the gradient sync run in it.
         tp_group: The TP ranks of this rank's replica.
+        pp_group: The stages of this rank's pipeline (this rank alone without PP).
         world_group: Every rank of the job: plan agreement, checkpoints, stop agreement.
     """
 
@@ -202,6 +257,7 @@ class ParallelLayout:
     rank: int
     pool_group: object
     tp_group: object
+    pp_group: object
     world_group: object
 
     @property
@@ -214,17 +270,27 @@ class ParallelLayout:
         """This rank's TP rank inside its replica."""
         return self.dims.tp_rank_of(self.rank)
 
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage."""
+        return self.dims.stage_of(self.rank)
+
     def check(self) -> None:
         """Raise RuntimeError if Megatron's groups are not the layout's (a wiring bug)."""
         import torch.distributed as dist
 
         pool = dist.get_process_group_ranks(self.pool_group)
-        if pool != self.dims.pool_ranks(self.tp_rank) or dist.get_rank(self.pool_group) != (
-            self.pool_rank
-        ):
+        want = self.dims.pool_ranks(self.tp_rank, self.stage)
+        if pool != want or dist.get_rank(self.pool_group) != self.pool_rank:
             raise RuntimeError(
                 f"rank {self.rank}: Megatron's data-parallel group {pool} is not the HDP pool "
-                f"{self.dims.pool_ranks(self.tp_rank)} of the layout"
+                f"{want} of the layout"
+            )
+        pipeline = dist.get_process_group_ranks(self.pp_group)
+        if pipeline != self.dims.pipeline_ranks(self.rank):
+            raise RuntimeError(
+                f"rank {self.rank}: Megatron's pipeline group {pipeline} is not the pipeline "
+                f"{self.dims.pipeline_ranks(self.rank)} of the layout"
             )
 
     def destroy(self) -> None:

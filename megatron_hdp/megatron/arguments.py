@@ -21,8 +21,13 @@ from megatron_hdp.scheduler.placement import POLICIES
 
 #: Megatron-LM flags that exist there but not here; refused with this message.
 UNSUPPORTED_MEGATRON_FLAGS = {
-    "--pipeline-model-parallel-size": "pipeline parallelism is not supported with HDP yet",
-    "--virtual-pipeline-model-parallel-size": "pipeline parallelism is not supported yet",
+    "--virtual-pipeline-model-parallel-size": "virtual pipeline stages (the interleaved 1F1B "
+    "schedule) are not supported: HDP pipelines run the non-interleaved 1F1B schedule, whose "
+    "lock step across the pipelines of a ring is what the planner guarantees",
+    "--num-layers-per-virtual-pipeline-stage": "virtual pipeline stages are not supported",
+    "--decoder-first-pipeline-num-layers": "HDP splits the layers evenly over the stages",
+    "--decoder-last-pipeline-num-layers": "HDP splits the layers evenly over the stages",
+    "--pipeline-model-parallel-layout": "HDP splits the layers evenly over the stages",
     "--fp16": "fp16 is not supported; use --bf16",
     "--train-samples": "give --train-iters",
     "--lr-warmup-fraction": "give --lr-warmup-iters",
@@ -181,6 +186,14 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="tensor-parallel ranks per HDP replica: the pool is world / TP replicas, a ring "
         "links the same TP rank of its member replicas",
+    )
+    g.add_argument(
+        "--pipeline-model-parallel-size",
+        type=int,
+        default=1,
+        help="pipeline stages per HDP replica (Megatron's 1F1B schedule): the pool is world / "
+        "(TP x PP) pipelines, each running its own number of micro-batches; a ring runs on "
+        "the same stage of its member pipelines in lock step (--num-layers must divide evenly)",
     )
     g.add_argument(
         "--sequence-parallel",

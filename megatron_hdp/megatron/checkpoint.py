@@ -7,6 +7,8 @@ Layout, compatible in spirit with Megatron-LM's:
                                                 iteration, arguments (written by rank 0)
     <dir>/iter_0000100/model_tp<t>.pt           with tensor parallelism: TP rank t's model and
                                                 optimizer shards (t >= 1; written by rank t)
+    <dir>/iter_0000100/model_pp<s>_tp<t>.pt     with pipeline parallelism: stage s's shards
+                                                (all but stage 0 / TP rank 0, in common.pt)
     <dir>/iter_0000100/meta.json                world size and optimizer kind (for checks)
     <dir>/iter_0000100/rng_rank<r>.pt           every rank's RNG states
     <dir>/iter_0000100/optim_rank<r>.pt         this rank's optimizer shard: Adam state and fp32
@@ -22,7 +24,7 @@ checkpoint as the latest; the failure is raised on every rank (no rank is left w
 and stale `.partial` folders are removed by the next save.
 
 `group` holds every rank of the job. The model is replicated on every HDP replica (DP
-semantics), so one copy is saved: one shard per TP rank, from the first replica. With the
+semantics), so one copy is saved: one shard per (stage, TP rank), from the first replica. With the
 distributed optimizer every rank saves its own shard, so a resume needs the same number of
 ranks. (Megatron-Core 0.16.1's gather-to-rank-0 format drops torch AdamW's per-parameter
 `step`, which breaks Adam's bias correction on resume, so it is not used.)
@@ -206,9 +208,9 @@ def save_checkpoint(
         if engine.optimizer_is_distributed:
             _write(partial / f"optim_rank{rank}.pt", _optimizer_shard_state(engine.optimizer))
         _write(partial / f"rng_rank{rank}.pt", _rng_state())
-        if 0 < rank < engine.tp_size:  # the first replica's other TP ranks: their shards
+        if engine.replica == 0 and rank != 0:  # the first replica's other shards
             _write(
-                partial / f"model_tp{engine.tp_rank}.pt",
+                partial / engine.shard_name,
                 {
                     "model": engine.model.module.state_dict(),
                     "optimizer": engine.optimizer.state_dict(),
@@ -232,6 +234,7 @@ def save_checkpoint(
                 "iteration": state.iteration,
                 "world_size": dist.get_world_size(group),
                 "tensor_model_parallel_size": engine.tp_size,
+                "pipeline_model_parallel_size": engine.pp_size,
                 "distributed_optimizer": engine.optimizer_is_distributed,
                 "schedule": engine.scheduler.state_dict(),
             }
@@ -273,19 +276,18 @@ def load_checkpoint(
             f"{folder} was written by {meta['world_size']} ranks with the distributed "
             f"optimizer; this job has {dist.get_world_size(group)}"
         )
-    saved_tp = meta.get("tensor_model_parallel_size", 1)
-    if saved_tp != engine.tp_size:
-        raise ValueError(
-            f"{folder} was written with tensor_model_parallel_size {saved_tp}; this job has "
-            f"{engine.tp_size}"
-        )
+    for what, mine in (
+        ("tensor_model_parallel_size", engine.tp_size),
+        ("pipeline_model_parallel_size", engine.pp_size),
+    ):
+        saved = meta.get(what, 1)
+        if saved != mine:
+            raise ValueError(f"{folder} was written with {what} {saved}; this job has {mine}")
     common = torch.load(folder / "common.pt", map_location="cpu", weights_only=False)
     rank = dist.get_rank(group)
     shard = common
-    if engine.tp_rank > 0:
-        shard = torch.load(
-            folder / f"model_tp{engine.tp_rank}.pt", map_location="cpu", weights_only=False
-        )
+    if engine.tp_rank > 0 or engine.stage > 0:
+        shard = torch.load(folder / engine.shard_name, map_location="cpu", weights_only=False)
     engine.model.module.load_state_dict(shard["model"])
     engine.optimizer.reload_model_params()
     engine.optimizer.load_state_dict(shard["optimizer"])

@@ -67,6 +67,7 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
         hidden_dropout=args.hidden_dropout,
         params_dtype="bfloat16" if args.bf16 else "float32",
         tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
         num_experts=args.num_experts,
         moe_router_topk=args.moe_router_topk,
@@ -100,7 +101,9 @@ def data_config(args: argparse.Namespace, world_size: int) -> DataConfig:
     """Data set-up from Megatron-named arguments; the default batch is one context per DP rank."""
     tokens, units = args.hdp_global_batch_tokens, args.global_batch_size
     if tokens is None and units is None:
-        pool_size = world_size // args.tensor_model_parallel_size
+        pool_size = world_size // (
+            args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+        )
         tokens = (pool_size // args.context_parallel_size) * args.seq_length
     return DataConfig(
         blend=parse_data_path(args.data_path),

@@ -2,7 +2,7 @@
 
 Megatron-Core hard-codes CUDA in its schedules, DDP grad buffers and optimizer type
 checks (`../shared/design/cpu-gloo-facts.md`, section 5). `cpu_shims()` patches exactly
-four things, process-locally, and undoes them on exit:
+these things, process-locally, and undoes them on exit:
 
 - P1: a `TorchFunctionMode` that rewrites `device="cuda"` / `device=<int>` arguments of
   torch factory calls to `"cpu"`;
@@ -18,7 +18,9 @@ four things, process-locally, and undoes them on exit:
   its split sizes to the host on a side stream; on CPU every op is already synchronous);
 - P6: that dispatcher's host copy also turns the split sizes into numpy arrays, but only for
   CUDA tensors; on CPU they would reach `all_to_all_single` as tensors, which it refuses, so
-  CPU tensors asked for as numpy become numpy too.
+  CPU tensors asked for as numpy become numpy too;
+- P7: `Tensor.cuda()` returns the tensor itself (Megatron moves the tied output weight of
+  the last pipeline stage to the GPU before copying the first stage's embedding into it).
 
 Nothing is patched at import time. On a machine with CUDA the shims are not needed and
 `cpu_shims()` refuses to install them (`force=True` overrides, for tests).
@@ -92,7 +94,7 @@ def _host_copy(original):
 
 @contextlib.contextmanager
 def cpu_shims(*, force: bool = False) -> Iterator[None]:
-    """Apply P1-P6 for the duration of the block; restore everything afterwards."""
+    """Apply P1-P7 for the duration of the block; restore everything afterwards."""
     if torch.cuda.is_available() and not force:
         raise RuntimeError("CUDA is available: Megatron needs no CPU shims here")
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
@@ -109,12 +111,15 @@ def cpu_shims(*, force: bool = False) -> Iterator[None]:
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.Tensor.type = _type_as_cuda(saved[2])
+    saved_cuda = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
     CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     try:
         with CudaToCpuMode():
             yield
     finally:
         torch.cuda.current_device, torch.cuda.synchronize, torch.Tensor.type = saved
+        torch.Tensor.cuda = saved_cuda
         CudaRNGStatesTracker.fork = saved_fork
         torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream = saved_streams
         token_dispatcher.maybe_move_tensor_to_cpu = saved_host_copy

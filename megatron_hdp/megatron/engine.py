@@ -17,8 +17,12 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_hdp.distributed.layout import tp_rank_of
-from megatron_hdp.megatron.model import GPTConfig, build_gpt, transformer_config
+from megatron_hdp.megatron.model import (
+    GPTConfig,
+    build_gpt,
+    model_parallel_dims,
+    transformer_config,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,11 +85,37 @@ class Engine:
     optimizer_is_distributed: bool = False
     tp_rank: int = 0
     """This rank's position in its replica's tensor-parallel group."""
+    stage: int = 0
+    """This rank's pipeline stage."""
+    replica: int = 0
+    """This rank's replica: its HDP pool rank."""
 
     @property
     def tp_size(self) -> int:
         """Tensor-parallel ranks per replica."""
         return self.cfg.tensor_model_parallel_size
+
+    @property
+    def pp_size(self) -> int:
+        """Pipeline stages per replica."""
+        return self.cfg.pipeline_model_parallel_size
+
+    @property
+    def shard_name(self) -> str:
+        """The checkpoint file of this rank's model shard (its stage and TP rank)."""
+        if self.pp_size == 1:
+            return f"model_tp{self.tp_rank}.pt"
+        return f"model_pp{self.stage}_tp{self.tp_rank}.pt"
+
+    @property
+    def is_first_stage(self) -> bool:
+        """This rank embeds the tokens (pipeline stage 0)."""
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """This rank computes the losses (the last pipeline stage)."""
+        return self.stage == self.pp_size - 1
 
 
 def build_engine(cfg: GPTConfig, optim: OptimConfig, *, seed: int = 1234) -> Engine:
@@ -95,11 +125,15 @@ def build_engine(cfg: GPTConfig, optim: OptimConfig, *, seed: int = 1234) -> Eng
     Megatron's scheduler also applies the weight-decay groups (no decay on biases and 1-D
     parameters), so it is part of the engine even for a constant learning rate.
     """
+    dims = model_parallel_dims(cfg, dist.get_world_size())
+    rank = dist.get_rank()
+    tp_rank, stage = dims.tp_rank_of(rank), dims.stage_of(rank)
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         # Sequence-parallel regions fork Megatron's model-parallel CUDA RNG state.
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    model = build_gpt(cfg)  # initialised on the CPU: equal weights on every rank
+    # Initialised on the CPU: equal weights on every replica, and in every layout.
+    model = build_gpt(cfg, stage=stage, tp_rank=tp_rank)
     if torch.cuda.is_available():
         model = model.cuda(torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(
@@ -143,7 +177,9 @@ def build_engine(cfg: GPTConfig, optim: OptimConfig, *, seed: int = 1234) -> Eng
         optimizer=optimizer,
         scheduler=scheduler,
         optimizer_is_distributed=optim.use_distributed_optimizer,
-        tp_rank=tp_rank_of(dist.get_rank(), cfg.tensor_model_parallel_size),
+        tp_rank=tp_rank,
+        stage=stage,
+        replica=dims.replica_of(rank),
     )
 
 

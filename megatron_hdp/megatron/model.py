@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import contextvars
 import copy
 from dataclasses import dataclass
 
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    get_transformer_layer_offset,
+)
 from torch.nn import functional
 
-from megatron_hdp.distributed.layout import ParallelDims, moe_problems
+from megatron_hdp.distributed.layout import ParallelDims, moe_problems, pipeline_problems
 from megatron_hdp.megatron.core_attention import HDPCoreAttention
 from megatron_hdp.megatron.moe import GlobalIndexSequentialMLP, SequenceAuxLossRouter
 from megatron_hdp.scheduler.cost import ModelShape
@@ -66,6 +72,9 @@ class GPTConfig:
     sequence_parallel: bool = False
     """Split the norm and dropout regions over the TP ranks along the tokens
     (--sequence-parallel); needs tensor parallelism."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages per HDP replica (--pipeline-model-parallel-size): the layers are split
+    evenly over them and each replica runs Megatron's 1F1B schedule."""
     num_experts: int | None = None
     """Experts per MoE layer; None = dense MLP (--num-experts)."""
     moe_router_topk: int = 2
@@ -126,6 +135,12 @@ class GPTConfig:
                 f"vocab_size {self.vocab_size} is not divisible by tensor_model_parallel_size "
                 f"{tp} (pad it: make_vocab_size_divisible_by x TP)"
             )
+        for problem in pipeline_problems(
+            num_layers=self.num_layers,
+            pp=self.pipeline_model_parallel_size,
+            num_experts=self.num_experts,
+        ):
+            raise ValueError(problem)
         for problem in moe_problems(
             num_experts=self.num_experts,
             topk=self.moe_router_topk,
@@ -137,6 +152,11 @@ class GPTConfig:
             raise ValueError(problem)
         if self.moe_aux_loss_coeff < 0:
             raise ValueError(f"moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff}")
+
+    @property
+    def layers_per_stage(self) -> int:
+        """Transformer layers on each pipeline stage."""
+        return self.num_layers // self.pipeline_model_parallel_size
 
     @property
     def head_dim(self) -> int:
@@ -164,6 +184,8 @@ def model_parallel_dims(cfg: GPTConfig, world_size: int) -> ParallelDims:
     return ParallelDims(
         world_size=world_size,
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        num_layers=cfg.num_layers,
         expert_model_parallel_size=cfg.expert_model_parallel_size,
         sequence_parallel=cfg.sequence_parallel,
         num_experts=cfg.num_experts,
@@ -215,8 +237,20 @@ def transformer_config(cfg: GPTConfig) -> TransformerConfig:
         calculate_per_token_loss=True,
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         sequence_parallel=cfg.sequence_parallel,
-        **_moe_settings(cfg),
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        # HDP micro-batches hold different token counts: stages exchange shapes first.
+        variable_seq_lengths=cfg.pipeline_model_parallel_size > 1,
+        **(_moe_settings(cfg) or _dense_settings(cfg)),
     )
+
+
+def _dense_settings(cfg: GPTConfig) -> dict:
+    """Settings a dense model needs: a pipelined one takes an (unused) alltoall dispatcher.
+
+    Megatron refuses variable sequence lengths with its default (allgather) token
+    dispatcher even without experts.
+    """
+    return {"moe_token_dispatcher_type": "alltoall"} if cfg.pipeline_model_parallel_size > 1 else {}
 
 
 def _moe_settings(cfg: GPTConfig) -> dict:
@@ -271,6 +305,7 @@ def hdp_layer_spec(cfg: GPTConfig) -> ModuleSpec:
     spec = get_gpt_layer_local_spec(
         num_experts=cfg.num_experts, moe_grouped_gemm=False, normalization=cfg.normalization
     )
+    spec.module = SeededTransformerLayer
     spec.submodules.self_attention.submodules.core_attention = HDPCoreAttention
     if cfg.num_experts is not None:
         spec.submodules.mlp.submodules.router = SequenceAuxLossRouter
@@ -282,28 +317,93 @@ def hdp_layer_spec(cfg: GPTConfig) -> ModuleSpec:
 
 
 def hdp_block_spec(cfg: GPTConfig) -> TransformerBlockSubmodules:
-    """The whole decoder: `hdp_layer_spec` per layer and the final norm (SP-ready)."""
+    """One stage's decoder: `hdp_layer_spec` per layer of the stage, the final norm (SP-ready).
+
+    Megatron numbers the layers globally itself (the stage's offset is added to each).
+    """
     final_norm = SequenceParallelNorm if cfg.sequence_parallel else LayerNormImpl
     return TransformerBlockSubmodules(
-        layer_specs=[hdp_layer_spec(cfg)] * cfg.num_layers, layer_norm=final_norm
+        layer_specs=[hdp_layer_spec(cfg)] * cfg.layers_per_stage, layer_norm=final_norm
     )
 
 
-def build_gpt(cfg: GPTConfig, *, pre_process: bool = True, post_process: bool = True) -> GPTModel:
-    """A `GPTModel` that runs HDP micro-batches (feed it `HDPPackedSeqParams`).
+_INIT_SEED: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "hdp_init_seed", default=None
+)
+
+
+class SeededTransformerLayer(TransformerLayer):
+    """Megatron's `TransformerLayer`, initialised from a seed of its own global layer number.
+
+    Inside `build_gpt` every layer draws its weights from `seed + global layer number`
+    (the global RNG stream is left as it was), so a layer has the same weights on whichever
+    pipeline stage it lives and whatever was built before it. Outside, it is the plain layer.
+    """
+
+    def __init__(self, config, submodules, layer_number: int = 1, **kwargs):
+        base = _INIT_SEED.get()
+        if base is None:
+            super().__init__(config, submodules, layer_number, **kwargs)
+            return
+        offset = get_transformer_layer_offset(config, kwargs.get("vp_stage"))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(base + layer_number + offset)
+            super().__init__(config, submodules, layer_number, **kwargs)
+
+
+def _redraw_output_layer(model: GPTModel, cfg: GPTConfig, seed: int, tp_rank: int) -> None:
+    """Draw the untied output layer from its own seed (as Megatron's CPU init, TP-sliced).
+
+    Megatron draws it after everything else the rank builds, which differs between pipeline
+    layouts (the last stage has no embedding); its own seed makes it layout-independent.
+    """
+    if cfg.tie_embeddings or not model.post_process:
+        return
+    tp = cfg.tensor_model_parallel_size
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        _initialize_affine_weight_cpu(
+            model.output_layer.weight,
+            cfg.vocab_size,
+            cfg.hidden_size,
+            cfg.vocab_size // tp,
+            0,
+            model.config.init_method,
+            params_dtype=cfg.dtype,
+            rank=tp_rank,
+            world_size=tp,
+            skip_set_tensor_parallel_attributes=True,
+        )
+
+
+def build_gpt(cfg: GPTConfig, *, stage: int = 0, tp_rank: int = 0) -> GPTModel:
+    """One pipeline stage of a `GPTModel` that runs HDP micro-batches (`HDPPackedSeqParams`).
 
     Megatron's own RoPE is switched off (`position_embedding_type="none"`) because under
     THD it restarts positions at every packed piece; `HDPCoreAttention` applies RoPE at the
     original positions instead. Parameters and checkpoints are those of the plain model.
+
+    The weights depend only on the torch seed set before the call, not on the layout: the
+    embedding is drawn first (always on stage 0), every layer from a seed of its global
+    number and the output layer from one of its own. `stage` and `tp_rank` must be this
+    rank's (Megatron's parallel state must hold the same layout).
     """
     position_type = "none" if cfg.position_embedding_type == "rope" else cfg.position_embedding_type
-    return GPTModel(
-        config=transformer_config(cfg),
-        transformer_layer_spec=hdp_block_spec(cfg),
-        vocab_size=cfg.vocab_size,
-        max_sequence_length=cfg.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=cfg.tie_embeddings,
-        position_embedding_type=position_type,
-    )
+    base = int(torch.randint(0, 2**31, ()))
+    last = cfg.pipeline_model_parallel_size - 1
+    token = _INIT_SEED.set(base)
+    try:
+        model = GPTModel(
+            config=transformer_config(cfg),
+            transformer_layer_spec=hdp_block_spec(cfg),
+            vocab_size=cfg.vocab_size,
+            max_sequence_length=cfg.max_position_embeddings,
+            pre_process=stage == 0,
+            post_process=stage == last,
+            share_embeddings_and_output_weights=cfg.tie_embeddings,
+            position_embedding_type=position_type,
+        )
+    finally:
+        _INIT_SEED.reset(token)
+    _redraw_output_layer(model, cfg, base + cfg.num_layers + 1, tp_rank)
+    return model

@@ -14,6 +14,9 @@ cannot be run here; these pieces follow its contracts and are tested against a
   attention), back-propagates the per-token loss sum, and calls
   `config.finalize_model_grads_func(model, num_tokens)`, which all-reduces the gradients
   and the token count over the pool and divides by it. Needs `calculate_per_token_loss`.
+  With pipeline parallelism it hands this rank's micro-batches to Megatron-Core's own 1F1B
+  schedule instead (every stage gets the same batch dicts; the plan must be lock-step,
+  `scheduler.plan.lockstep_problems`), which calls the finish itself.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
 from megatron_hdp.batching import IndexedTokens, LocalBatch, TokenSource
@@ -38,7 +42,7 @@ from megatron_hdp.megatron.step import (
     sequence_parallel_pad,
 )
 from megatron_hdp.scheduler import plan_step
-from megatron_hdp.scheduler.plan import StepPlan
+from megatron_hdp.scheduler.plan import StepPlan, lockstep_problems
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,7 @@ class HDPDataIterator:
         cp_size: CP size of the static policy.
         cost_model: Prices micro-batches for the balanced policy (`cost.CostModel`).
         vocab_size: Refuse token ids outside the vocabulary (see `IndexedTokens`).
+        pipeline_stages: Stages of each replica (PP); > 1 plans lock-step pipelines.
     """
 
     def __init__(
@@ -77,12 +82,14 @@ class HDPDataIterator:
         cp_size: int | None = None,
         cost_model=None,
         vocab_size: int | None = None,
+        pipeline_stages: int = 1,
     ) -> None:
         self.sampler = sampler
         self.datasets = list(datasets)
         self.pool_size, self.capacity = pool_size, capacity
         self.policy, self.cp_size = policy, cp_size
         self.cost_model, self.vocab_size = cost_model, vocab_size
+        self.pipeline_stages = pipeline_stages
 
     def __iter__(self) -> Iterator[HDPGlobalBatch]:
         return self
@@ -104,6 +111,7 @@ class HDPDataIterator:
             policy=self.policy,
             cp_size=self.cp_size,
             cost_model=self.cost_model,
+            pipeline_stages=self.pipeline_stages,
         )
         return HDPGlobalBatch(
             plan=plan, source=IndexedTokens(self.datasets, units, vocab_size=self.vocab_size)
@@ -138,11 +146,42 @@ def hdp_forward_backward(
     """A forward/backward function for Megatron-LM's `train_step`, running HDP plans.
 
     Use it where Megatron-LM calls `get_forward_backward_func()`; the returned function is
-    collective over `runtime.group` (rings within it, one gradient sync over all of it).
+    collective over `runtime.group` (rings within it, one gradient sync over all of it), and
+    with pipeline parallelism over `runtime.pipeline_group` too.
     A rank that runs no micro-batch in a step (HDP allows it) returns `[empty_report()]`
     (default `{"lm loss": zeros(2)}`), since Megatron-LM's `train_step` reads the keys of
     the first report and all-reduces each.
     """
+
+    def zero_report() -> dict:
+        if empty_report is not None:
+            return empty_report()
+        return {"lm loss": torch.zeros(2, device=runtime.device)}
+
+    def _pipelined(step, model_chunk, forward_step_func, forward_only, force_all_reduce):
+        problems = lockstep_problems(step.plan)
+        if problems:
+            raise ValueError(f"the plan cannot run on pipelines in lock step: {problems[0]}")
+        batches = local_batches(step.plan, step.source, runtime)
+        schedule = get_forward_backward_func(pp_size=cfg.pipeline_model_parallel_size)
+        with contextlib.ExitStack() as stack:
+            if forward_only:
+                stack.enter_context(torch.no_grad())
+            reports = schedule(
+                forward_step_func=forward_step_func,
+                data_iterator=iter([megatron_batch(b, cfg, runtime) for b in batches]),
+                model=[model_chunk],
+                num_microbatches=len(batches),
+                seq_length=1,  # shapes travel with every tensor (variable_seq_lengths)
+                micro_batch_size=1,
+                forward_only=forward_only,
+                force_all_reduce=force_all_reduce,
+            )
+        last_stage = (
+            torch.distributed.get_rank(runtime.pipeline_group)
+            == torch.distributed.get_world_size(runtime.pipeline_group) - 1
+        )
+        return list(reports) or ([zero_report()] if last_stage else [])
 
     def forward_backward(
         *,
@@ -163,13 +202,17 @@ def hdp_forward_backward(
     ) -> list:
         chunks = model if isinstance(model, list) else [model]
         if len(chunks) != 1:
-            raise ValueError(f"HDP runs without pipeline parallelism; got {len(chunks)} chunks")
+            raise ValueError(
+                f"HDP runs one model chunk per rank (no virtual pipeline stages); got {len(chunks)}"
+            )
         model_chunk = chunks[0]
         config = get_model_config(model_chunk)
         if not config.calculate_per_token_loss:
             raise ValueError("HDP needs calculate_per_token_loss=True (token-level loss)")
         step = next(data_iterator)
         step.plan.check_pool(torch.distributed.get_world_size(runtime.group))
+        if cfg.pipeline_model_parallel_size > 1:
+            return _pipelined(step, model_chunk, forward_step_func, forward_only, force_all_reduce)
         reports, num_tokens = [], 0
         aux_grad_scale = 1.0
         if cfg.num_experts is not None and not forward_only:
@@ -204,11 +247,7 @@ def hdp_forward_backward(
                 reports.append(report)
                 num_tokens += int(tokens)
         if not reports:
-            reports.append(
-                empty_report()
-                if empty_report is not None
-                else {"lm loss": torch.zeros(2, device=runtime.device)}
-            )
+            reports.append(zero_report())
         if not forward_only and config.finalize_model_grads_func is not None:
             total = torch.tensor(num_tokens, dtype=torch.int64, device=runtime.device)
             config.finalize_model_grads_func(chunks, total, force_all_reduce=force_all_reduce)

@@ -27,8 +27,9 @@ from megatron_hdp.megatron.core_attention import HDPPackedSeqParams
 from megatron_hdp.megatron.engine import Engine
 from megatron_hdp.megatron.model import GPTConfig
 from megatron_hdp.megatron.moe import MoEMicroBatch, moe_micro_batch
+from megatron_hdp.megatron.pipeline import run_pipeline
 from megatron_hdp.offload.hooks import OffloadManager
-from megatron_hdp.scheduler.plan import StepPlan
+from megatron_hdp.scheduler.plan import StepPlan, lockstep_problems
 
 
 @dataclass
@@ -48,8 +49,11 @@ class StepRuntime:
             (`StepResult.nonfinite`) if it or the global loss is not finite.
         progress: Called with a short description of what this rank starts next (a
             micro-batch, the gradient sync); the stall watchdog reports it.
-        job_group: Every rank of the job (the pools of all TP ranks); None: the pool alone
-            (TP 1). Plan agreement, checkpoints and the stop agreement run over it.
+        job_group: Every rank of the job (the pools of all TP ranks and stages); None: the
+            pool alone (TP 1, PP 1). Plan agreement, checkpoints and the stop agreement run
+            over it.
+        pipeline_group: The stages of this rank's pipeline (the layout's `pp_group`); None:
+            no pipeline parallelism. Only the Megatron-LM drop-in needs it.
     """
 
     group: dist.ProcessGroup
@@ -61,6 +65,7 @@ class StepRuntime:
     check_nonfinite: bool = True
     progress: Callable[[str], None] | None = None
     job_group: dist.ProcessGroup | None = None
+    pipeline_group: dist.ProcessGroup | None = None
 
     @property
     def all_ranks(self) -> dist.ProcessGroup:
@@ -133,6 +138,13 @@ def check_plan_fits(plan: StepPlan, engine: Engine, group: dist.ProcessGroup) ->
             f"a sequence of {longest} tokens exceeds the model's {cfg.max_position_embeddings} "
             "learned position embeddings"
         )
+    if engine.pp_size > 1:
+        problems = lockstep_problems(plan)
+        if problems:
+            raise ValueError(
+                f"the {plan.policy!r} plan cannot run on pipelines in lock step: {problems[0]}"
+                + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+            )
     sync_ranks = dist.get_process_group_ranks(engine.model.dp_cp_group)
     pool_ranks = dist.get_process_group_ranks(group)
     if sorted(sync_ranks) != sorted(pool_ranks):
@@ -182,15 +194,15 @@ def sequence_parallel_pad(batch: LocalBatch, cfg: GPTConfig) -> int:
     return -batch.num_tokens % cfg.tensor_model_parallel_size if cfg.sequence_parallel else 0
 
 
-def _token_losses(
+def _model_inputs(
     engine: Engine, batch: LocalBatch, runtime: StepRuntime, global_tokens: int
-) -> tuple[torch.Tensor, float]:
-    """Per-token losses `[1, t]` of one local batch, and its MoE load-balancing loss.
+) -> tuple[tuple, dict, int, MoEMicroBatch | None]:
+    """The model's arguments for one local batch, its real token count, and its MoE info.
 
     With sequence parallelism Megatron splits the tokens evenly over the TP ranks, so they
-    are padded to a multiple of TP here (HDP attention skips the pad rows) and the pad
-    losses are cut off again. `global_tokens` (all tokens of the global batch) normalises
-    the load-balancing loss (`moe.py`); its gradient is already in the graph.
+    are padded to a multiple of TP here (HDP attention skips the pad rows); the losses of
+    the first `n` (real) tokens are the batch's. `global_tokens` (all tokens of the global
+    batch) normalises the MoE load-balancing loss (`moe.py`).
     """
     n = batch.num_tokens
     pad = sequence_parallel_pad(batch, engine.cfg)
@@ -202,15 +214,49 @@ def _token_losses(
     moe = None
     if engine.cfg.num_experts is not None:
         moe = moe_batch_info(batch, params, pad=pad, global_batch_tokens=global_tokens)
+    args = (padded(batch.tokens), padded(batch.position_ids), None)
+    kwargs = {"labels": padded(batch.labels), "packed_seq_params": params}
+    return args, kwargs, n, moe
+
+
+def _token_losses(
+    engine: Engine, batch: LocalBatch, runtime: StepRuntime, global_tokens: int
+) -> tuple[torch.Tensor, float]:
+    """Per-token losses `[1, t]` of one local batch, and its MoE load-balancing loss.
+
+    The load-balancing loss's gradient is already in the graph.
+    """
+    args, kwargs, n, moe = _model_inputs(engine, batch, runtime, global_tokens)
     with moe_micro_batch(moe) if moe is not None else contextlib.nullcontext():
-        losses = engine.model(
-            padded(batch.tokens),
-            padded(batch.position_ids),
-            None,
-            labels=padded(batch.labels),
-            packed_seq_params=params,
-        )
-    return (losses[:, :n] if pad else losses), (moe.aux_loss if moe is not None else 0.0)
+        losses = engine.model(*args, **kwargs)
+    return losses[:, :n], (moe.aux_loss if moe is not None else 0.0)
+
+
+def _pipelined(
+    engine: Engine,
+    batches: list[LocalBatch],
+    runtime: StepRuntime,
+    *,
+    loss_scale: float,
+    global_batch_tokens: int,
+    forward_only: bool = False,
+) -> float:
+    """This rank's stage of its pipeline's micro-batches (`pipeline.run_pipeline`)."""
+    if runtime.offload is not None:
+        raise ValueError("activation offloading with pipeline parallelism is not supported")
+
+    def stage_inputs(batch: LocalBatch) -> tuple[tuple, dict, int]:
+        args, kwargs, n, _ = _model_inputs(engine, batch, runtime, global_batch_tokens)
+        return args, kwargs, n
+
+    runtime.mark(f"1F1B over {len(batches)} micro-batches (stage {engine.stage})")
+    return run_pipeline(
+        engine,
+        batches,
+        stage_inputs=stage_inputs,
+        loss_scale=loss_scale,
+        forward_only=forward_only,
+    )
 
 
 def moe_batch_info(
@@ -259,10 +305,21 @@ def forward_backward(
     The objective is `sum(loss) * loss_scale` plus the MoE load-balancing loss.
     Ring micro-batches are collective over their rings. `global_batch_tokens` (every token
     of the global batch; default: these batches' tokens) normalises the load-balancing loss.
-    Returns the local token-loss sum and this rank's share of the load-balancing loss.
+    Returns the local token-loss sum and this rank's share of the load-balancing loss. With
+    pipeline parallelism the batches run through Megatron's 1F1B schedule (collective over
+    the pipeline) and only the last stage returns a loss sum (0.0 elsewhere).
     """
     if global_batch_tokens is None:
         global_batch_tokens = sum(b.num_tokens for b in batches)
+    if engine.pp_size > 1:
+        loss = _pipelined(
+            engine,
+            batches,
+            runtime,
+            loss_scale=loss_scale,
+            global_batch_tokens=global_batch_tokens,
+        )
+        return loss, 0.0
     loss_sum = aux_sum = 0.0
     for i, batch in enumerate(batches):
         runtime.mark(f"micro-batch {i + 1} of {len(batches)} (ring {batch.ring})")
@@ -278,6 +335,15 @@ def forward_backward(
         loss_sum += float(masked.detach())
         aux_sum += aux
     return loss_sum, aux_sum
+
+
+def _own_loss(engine: Engine, loss_sum: float) -> float:
+    """This rank's share of the global loss sum over all ranks of the job.
+
+    Every TP rank of the last stage computes the same (full-vocabulary) losses of its
+    replica's tokens; one of them (TP rank 0) contributes them.
+    """
+    return loss_sum if engine.is_last_stage and engine.tp_rank == 0 else 0.0
 
 
 def train_step(
@@ -326,9 +392,11 @@ def train_step(
         checked_norm = float(engine.optimizer.get_grad_norm())
     bad_norm = checked_norm is not None and not math.isfinite(checked_norm)
     totals = torch.tensor(
-        [loss_sum, 1.0 if bad_norm else 0.0], dtype=torch.float64, device=runtime.device
+        [_own_loss(engine, loss_sum), 1.0 if bad_norm else 0.0],
+        dtype=torch.float64,
+        device=runtime.device,
     )
-    dist.all_reduce(totals, group=group)
+    dist.all_reduce(totals, group=runtime.all_ranks)
     loss = totals[0].item() / global_tokens
     aux_loss = 0.0
     if engine.cfg.num_experts is not None:
@@ -361,7 +429,7 @@ def train_step(
 def evaluate(
     engine: Engine, plan: StepPlan, source: TokenSource, runtime: StepRuntime
 ) -> tuple[float, int]:
-    """Collective over `runtime.group`: forward only; return the global loss sum and tokens."""
+    """Collective over the job: forward only; return the global loss sum and loss tokens."""
     check_plan_fits(plan, engine, runtime.group)
     batches, num_tokens = read_and_count(plan, source, runtime)
     batch_tokens = sum(plan.seqlens)
@@ -369,10 +437,21 @@ def evaluate(
     engine.model.eval()
     try:
         with torch.no_grad():
-            for batch in batches:
-                losses = _token_losses(engine, batch, runtime, batch_tokens)[0].float()
-                loss_sum += (losses * batch.loss_mask).sum().double()
+            if engine.pp_size > 1:
+                loss_sum += _pipelined(
+                    engine,
+                    batches,
+                    runtime,
+                    loss_scale=1.0,
+                    global_batch_tokens=batch_tokens,
+                    forward_only=True,
+                )
+            else:
+                for batch in batches:
+                    losses = _token_losses(engine, batch, runtime, batch_tokens)[0].float()
+                    loss_sum += (losses * batch.loss_mask).sum().double()
     finally:
         engine.model.train()
-    dist.all_reduce(loss_sum, group=runtime.group)
+    loss_sum.fill_(_own_loss(engine, loss_sum.item()))
+    dist.all_reduce(loss_sum, group=runtime.all_ranks)
     return loss_sum.item(), num_tokens

@@ -94,7 +94,8 @@ class Trainer:
         profile = device_profile(args.hdp_device_profile)
         if args.hdp_host_memory_gb is not None:  # per process (device), like the profile
             profile = dataclasses.replace(profile, host_memory_bytes=args.hdp_host_memory_gb * 1e9)
-        # The planner prices HDP ranks: a replica of TP devices (DeviceProfile.replica).
+        # The planner prices HDP ranks: a replica of TP devices (DeviceProfile.replica); with
+        # PP, a pipeline whose 1F1B timeline the PP-Balance planner builds from these costs.
         profile = profile.replica(args.tensor_model_parallel_size)
         self.cost_model = CostModel(model_shape(cfg), profile)
         if args.hdp_offload:
@@ -126,6 +127,7 @@ class Trainer:
             cp_size=self.args.context_parallel_size if self.policy == "static" else None,
             cost_model=self.cost_model,
             offload=self.args.hdp_offload,
+            pipeline_stages=self.args.pipeline_model_parallel_size,
         )
 
     def resume(self) -> None:
@@ -318,6 +320,9 @@ class Trainer:
                 "skipped": result.nonfinite,
                 "tokens": result.num_loss_tokens,
                 "seconds": elapsed,
+                "max_ranks_per_sequence": stats["max_ranks_per_sequence"],
+                "micro_batches_per_rank_min": stats["micro_batches_per_rank_min"],
+                "micro_batches_per_rank_max": stats["micro_batches_per_rank_max"],
                 "offloaded_bytes": (
                     self.runtime.offload.engine.bytes_to_host
                     if self.runtime.offload is not None
@@ -380,6 +385,7 @@ def runtime_for(args, layout: ParallelLayout, device) -> StepRuntime:
     return StepRuntime(
         group=layout.pool_group,
         job_group=layout.world_group,
+        pipeline_group=layout.pp_group if layout.dims.pp > 1 else None,
         backend=args.hdp_attention_backend,
         device=device,
         check_plans=args.hdp_check_plans,

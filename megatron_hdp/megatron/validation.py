@@ -131,7 +131,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 
 _LAYOUT_FIELDS = re.compile(
-    r"\b(num_experts|moe_router_topk|expert_model_parallel_size|tensor_model_parallel_size)\b"
+    r"\b(num_experts|moe_router_topk|expert_model_parallel_size|tensor_model_parallel_size"
+    r"|pipeline_model_parallel_size|num_layers)\b"
 )
 
 
@@ -140,6 +141,8 @@ def _check_experts(args: argparse.Namespace, world_size: int) -> None:
     problems = layout_problems(
         world_size=world_size,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        num_layers=args.num_layers,
         expert_model_parallel_size=args.expert_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
         num_experts=args.num_experts,
@@ -156,12 +159,37 @@ def _check_experts(args: argparse.Namespace, world_size: int) -> None:
         )
 
 
+def _check_pipeline(args: argparse.Namespace) -> None:
+    """What pipeline parallelism does not combine with (yet), by flag."""
+    pp = args.pipeline_model_parallel_size
+    if pp == 1:
+        return
+    if args.hdp_offload:
+        raise ValueError(
+            f"--hdp-offload with --pipeline-model-parallel-size {pp} is not supported yet "
+            "(offloading runs each micro-batch's forward and backward back to back)"
+        )
+    if not uses_static_mesh(args) and args.hdp_placement == "greedy":
+        raise ValueError(
+            f"--hdp-placement greedy with --pipeline-model-parallel-size {pp}: only the "
+            "balanced placement (PP-Balance) and the static mesh plan pipelines in lock step"
+        )
+
+
 def _check_layout(args: argparse.Namespace, world_size: int) -> None:
-    tp = args.tensor_model_parallel_size
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size % tp:
         raise ValueError(
             f"--tensor-model-parallel-size {tp} does not divide the {world_size} ranks (each HDP "
             "replica is a group of TP ranks)"
+        )
+    if pp < 1:
+        raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {pp}")
+    if world_size % (tp * pp):
+        raise ValueError(
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = "
+            f"{tp * pp} does not divide the {world_size} ranks (each HDP replica is a pipeline "
+            "of PP stages of TP ranks)"
         )
     if args.num_attention_heads % tp:
         raise ValueError(
@@ -174,7 +202,7 @@ def _check_layout(args: argparse.Namespace, world_size: int) -> None:
             f"--num-query-groups {groups} and --tensor-model-parallel-size {tp}: one must divide "
             "the other"
         )
-    pool_size = world_size // tp
+    pool_size = world_size // (tp * pp)
     if args.ffn_hidden_size is not None and args.ffn_hidden_size % tp:
         raise ValueError(
             f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by "
@@ -183,6 +211,7 @@ def _check_layout(args: argparse.Namespace, world_size: int) -> None:
     if args.sequence_parallel and tp == 1:
         raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
     _check_experts(args, world_size)
+    _check_pipeline(args)
     if args.sequence_parallel and args.hidden_dropout:
         raise ValueError(
             f"--sequence-parallel with --hidden-dropout {args.hidden_dropout} is not supported "
@@ -219,7 +248,7 @@ def _check_layout(args: argparse.Namespace, world_size: int) -> None:
     if pool_size % args.context_parallel_size:
         raise ValueError(
             f"--context-parallel-size {args.context_parallel_size} does not divide the pool of "
-            f"{pool_size} replicas ({world_size} ranks / TP {tp})"
+            f"{pool_size} replicas ({world_size} ranks / (TP {tp} x PP {pp}))"
         )
     capacity = capacity_of(args)
     if uses_static_mesh(args):
@@ -406,6 +435,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> dict | None:
 #: What checkpoints written before a model field existed had (they were dense and TP 1).
 MODEL_FIELDS_BEFORE_THEY_EXISTED = {
     "tensor_model_parallel_size": 1,
+    "pipeline_model_parallel_size": 1,
     "num_experts": None,
     "moe_router_topk": 2,
     "moe_ffn_hidden_size": None,

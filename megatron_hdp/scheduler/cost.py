@@ -251,6 +251,16 @@ class CostModel:
         compute = (float(np.sum(self.linear_time(s))) + attention) / k
         return compute + float(self._exposed(float(s.sum()), attention, k))
 
+    def forward_share(self, lengths: Sequence[int]) -> float:
+        """Forward share of a micro-batch's compute: GEMMs 1/3, attention 1/3.5 (this model).
+
+        The split of `micro_batch_time` into a forward and a backward pass, as a pipeline
+        schedule needs it (`pipeline_timeline.stage_times`); exposed ring time is split in
+        the same proportion.
+        """
+        s = np.asarray(lengths, dtype=np.float64)
+        return float(forward_fraction(np.sum(self.linear_time(s)), np.sum(self.attention_time(s))))
+
     def activation_bytes_per_token(self) -> float:
         """Saved activation bytes per token, all layers (about 34 h per layer in 16-bit)."""
         m = self.model
@@ -276,6 +286,19 @@ class CostModel:
         local = np.asarray(self.time(s, 1), dtype=np.float64)
         ring = np.where(k > 1, self.time(s, k), 0.0)
         return k, local, ring
+
+
+def forward_fraction(linear, attention):
+    """Forward share of compute made of `linear` GEMM and `attention` seconds (arrays too).
+
+    GEMMs: forward 1/3 of forward + backward; attention: 1/3.5 (`CostModel` above).
+    """
+    linear = np.asarray(linear, dtype=np.float64)
+    attention = np.asarray(attention, dtype=np.float64)
+    total = linear + attention
+    safe = np.where(total > 0, total, 1.0)
+    share = (linear / 3.0 + attention / _ATTENTION_TRAIN_FACTOR) / safe
+    return np.where(total > 0, share, 1.0 / 3.0)
 
 
 def lower_bound(ring_sizes, local_cost, ring_cost, pool_size: int) -> float:

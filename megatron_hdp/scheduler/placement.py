@@ -11,6 +11,14 @@ Two policies live here:
 
 - `"balanced"` (HDP): ByteScale's balance scheduler (`balance.py`): the same rings and
   packs, placed by predicted cost so that all ranks reach the gradient sync together.
+
+With pipeline parallelism (`plan_step(..., pipeline_stages=d)`, `d > 1`) every pool rank is
+a pipeline and plans must be lock-step (`plan.lockstep_problems`): `"balanced"` runs
+PP-Balance (`pp_balance.py`), `"static"` is lock-step as it is (all members of a CP group
+run the same packs; packs too small to give every member a token are merged or refilled),
+`"greedy"` is refused (its rings sit at different positions of their members' lists, which
+deadlocks 1F1B pipelines, see `pipeline_timeline`), and so is offloading (its memory rule
+counts one micro-batch per rank, not the 1F1B warm-up's micro-batches in flight).
 """
 
 from __future__ import annotations
@@ -117,8 +125,14 @@ def plan_static(
     capacity: int,
     cp_size: int | None = None,
     cost: CostFn = simple_cost,
+    token_per_member: bool = False,
 ) -> StepPlan:
-    """The static DP x CP mesh: pack to the context `cp * capacity`, shard every pack over CP."""
+    """The static DP x CP mesh: pack to the context `cp * capacity`, shard every pack over CP.
+
+    With `token_per_member` (pipelines: a member cannot skip a position) every pack holds at
+    least `cp` tokens, so every CP member gets one (`_fill_small_packs`); ValueError if the
+    batch cannot give it.
+    """
     validate_inputs(seqlens, pool_size, capacity)
     if cp_size is None:
         cp_size = static_cp_size(seqlens, pool_size, capacity)
@@ -133,6 +147,8 @@ def plan_static(
         )
     dp_size = pool_size // cp_size
     packs = best_fit_decreasing(seqlens, range(len(seqlens)), context)
+    if token_per_member and cp_size > 1:
+        packs = _fill_small_packs(seqlens, packs, cp_size, context)
     micro_batches = []
     for n, pack in enumerate(packs):
         group = n % dp_size
@@ -142,6 +158,48 @@ def plan_static(
             MicroBatch(order=n, ring=ring, seq_indices=tuple(pack), predicted_cost=c)
         )
     return plan_from_rank_lists(seqlens, pool_size, capacity, "static", micro_batches)
+
+
+def _fill_small_packs(seqlens, packs, cp_size: int, context: int) -> list[list[int]]:
+    """Packs with fewer than `cp_size` tokens merged into others, or topped up from others.
+
+    Zigzag gives every member a token of a pack of at least `cp_size` tokens
+    (`sharding.rank_token_counts`). A small pack goes into the pack with the most room if
+    it fits there; otherwise the shortest sequences that other packs can spare (keeping
+    `cp_size` tokens) move into it. Raises ValueError when neither works.
+    """
+    packs = [list(p) for p in packs]
+
+    def tokens(p):
+        return sum(seqlens[i] for i in p)
+
+    while True:
+        small = [n for n, p in enumerate(packs) if tokens(p) < cp_size]
+        if not small:
+            return packs
+        n = small[0]
+        load = tokens(packs[n])
+        rooms = [(context - tokens(p), -m) for m, p in enumerate(packs) if m != n]
+        if rooms and max(rooms)[0] >= load:
+            m = -max(rooms)[1]
+            packs[m] = sorted(packs[m] + packs[n])
+            del packs[n]
+            continue
+        moved = False
+        donors = sorted(
+            ((seqlens[i], i, m) for m, p in enumerate(packs) if m != n for i in p),
+        )
+        for length, i, m in donors:
+            if tokens(packs[m]) - length >= cp_size and load + length <= context:
+                packs[m].remove(i)
+                packs[n] = sorted(packs[n] + [i])
+                moved = True
+                break
+        if not moved:
+            raise ValueError(
+                f"the static mesh cannot give every one of the {cp_size} CP members a token "
+                f"of every pack on pipelines: the batch holds {sum(seqlens)} tokens"
+            )
 
 
 def plan_balanced(
@@ -212,6 +270,7 @@ def plan_step(
     cp_size: int | None = None,
     cost_model=None,
     offload: bool = False,
+    pipeline_stages: int = 1,
 ) -> StepPlan:
     """Plan one step with the named policy (`"greedy"`, `"balanced"` or the `"static"` mesh).
 
@@ -221,22 +280,81 @@ def plan_step(
     `cp_size` applies to the static policy only; `cost_model` (a `cost.CostModel`) prices
     micro-batches for the balanced policy and fills every policy's `predicted_cost`;
     `offload` applies the selective-offloading capacity rule (balanced policy only).
+
+    `pipeline_stages` > 1: every pool rank is a pipeline of that many stages (Megatron's
+    1F1B); the plan is lock-step (`plan.lockstep_problems`). `"balanced"` is PP-Balance
+    (`pp_balance.plan_pp_balanced`), `"static"` the static mesh with every CP member given
+    a token; both set `predicted_start` to the forward start on the first stage in the 1F1B
+    timeline. `"greedy"` and `offload` are refused with the reason.
     """
+    if isinstance(pipeline_stages, bool) or not isinstance(pipeline_stages, (int, np.integer)):
+        raise ValueError(f"pipeline_stages must be an integer >= 1, got {pipeline_stages!r}")
+    if pipeline_stages < 1:
+        raise ValueError(f"pipeline_stages must be an integer >= 1, got {pipeline_stages!r}")
     if offload and policy != "balanced":
         raise ValueError(f"offloading is planned by the balanced policy, not {policy!r}")
     if policy != "static" and cp_size is not None:
         raise ValueError(f"cp_size {cp_size} applies to the static policy only, not {policy!r}")
+    if policy not in POLICIES:
+        raise ValueError(f"unknown placement policy {policy!r}; choose one of {POLICIES}")
     cost = cost_model.planner_cost if cost_model is not None else simple_cost
+    if pipeline_stages > 1:
+        return _plan_pipelines(
+            seqlens,
+            pool_size=pool_size,
+            capacity=capacity,
+            policy=policy,
+            cp_size=cp_size,
+            cost_model=cost_model,
+            offload=offload,
+            stages=int(pipeline_stages),
+        )
     if policy == "greedy":
         plan = plan_greedy(seqlens, pool_size=pool_size, capacity=capacity, cost=cost)
     elif policy == "balanced":
         plan = plan_balanced(
             seqlens, pool_size=pool_size, capacity=capacity, cost_model=cost_model, offload=offload
         )
-    elif policy == "static":
+    else:
         plan = plan_static(
             seqlens, pool_size=pool_size, capacity=capacity, cp_size=cp_size, cost=cost
         )
-    else:
-        raise ValueError(f"unknown placement policy {policy!r}; choose one of {POLICIES}")
     return plan
+
+
+def _plan_pipelines(
+    seqlens, *, pool_size, capacity, policy, cp_size, cost_model, offload, stages
+) -> StepPlan:
+    """`plan_step` for pool ranks that are pipelines of `stages` stages (lock-step plans)."""
+    from megatron_hdp.scheduler.pp_balance import plan_pp_balanced, with_pipeline_predictions
+
+    if offload:
+        raise ValueError(
+            f"offloading is not planned with pipeline parallelism (pipeline_stages={stages}): "
+            "the offload rule budgets one micro-batch's activations per rank, but a 1F1B "
+            "stage holds up to pipeline_stages micro-batches in flight"
+        )
+    if policy == "greedy":
+        raise ValueError(
+            f"the 'greedy' placement policy is not lock-step and cannot plan pipelines "
+            f"(pipeline_stages={stages}): its rings sit at different positions of their "
+            "members' lists, which can deadlock 1F1B; use 'balanced' (PP-Balance) or 'static'"
+        )
+    if policy == "balanced":
+        return plan_pp_balanced(
+            seqlens,
+            pool_size=pool_size,
+            capacity=capacity,
+            pipeline_stages=stages,
+            cost_model=cost_model,
+        )
+    cost = cost_model.planner_cost if cost_model is not None else simple_cost
+    plan = plan_static(
+        seqlens,
+        pool_size=pool_size,
+        capacity=capacity,
+        cp_size=cp_size,
+        cost=cost,
+        token_per_member=True,
+    )
+    return with_pipeline_predictions(plan, stages, cost_model=cost_model)

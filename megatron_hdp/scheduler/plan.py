@@ -11,6 +11,13 @@ Vocabulary:
 - *order*: a global sequence number. Every rank runs its micro-batches in increasing
   `order`; since all members of a ring agree on it, no rank can wait on a ring that one of
   its members will only reach after a ring that waits on this rank (deadlock freedom).
+- *lock step* (pipeline parallelism): with PP an HDP rank is a whole pipeline running
+  Megatron's 1F1B schedule, whose sequence of forward and backward passes on a stage depends
+  only on the number of micro-batches M. A ring must run on the same stage of all its member
+  pipelines at the same time, so a plan for pipelines must be *lock-step*: every member of a
+  ring runs the same number of micro-batches and holds the ring at the same position of its
+  list (`lockstep_problems`). Pipelines that share a ring (transitively) then execute the
+  same op sequence on every stage and behave as one wider pipeline: no deadlock.
 """
 
 from __future__ import annotations
@@ -218,6 +225,40 @@ class StepPlan:
         for i, n in enumerate(seen):
             if n != 1:
                 raise ValueError(f"sequence {i} is placed {n} times (must be exactly once)")
+
+
+def lockstep_problems(plan: StepPlan) -> list[str]:
+    """Why `plan` cannot run on pipelines in lock step (empty: it can), one line per ring.
+
+    The rule: every member of a ring runs as many micro-batches as every other member and
+    holds the ring at the same position of its micro-batch list (see the module docstring).
+    A pipeline cannot skip a position, so every member must also get at least one token of
+    the ring's sequences (zigzag split, `sharding.rank_token_counts`).
+    """
+    counts = plan.num_micro_batches_per_rank()
+    positions: dict[int, dict[int, int]] = {}
+    for rank in range(plan.pool_size):
+        for pos, mb in enumerate(plan.for_rank(rank)):
+            if not mb.is_local:
+                positions.setdefault(mb.order, {})[rank] = pos
+    problems = []
+    for mb in plan.micro_batches:
+        if not mb.is_local:
+            tokens = rank_token_counts([plan.seqlens[i] for i in mb.seq_indices], mb.cp_size)
+            if min(tokens) == 0:
+                problems.append(
+                    f"ring micro-batch {mb.order}: ring {mb.ring} gets tokens {tokens}; every "
+                    "member of a pipelined ring needs at least one"
+                )
+    for order, where in positions.items():
+        if len(set(where.values())) > 1 or len({counts[r] for r in where}) > 1:
+            problems.append(
+                f"ring micro-batch {order}: members at positions "
+                f"{dict(sorted(where.items()))} of lists of "
+                f"{ {r: counts[r] for r in sorted(where)} } micro-batches (lock step needs "
+                "equal positions and equal counts)"
+            )
+    return problems
 
 
 def _as_int(value, what: str) -> int:

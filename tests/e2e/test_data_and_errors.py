@@ -178,6 +178,13 @@ def test_every_document_once_per_epoch_across_stop_and_resume(datasets, tmp_path
         ),
         (lambda d, t: data_args([d[0]], iters=1, extra=["--fp16"]), "--fp16 is not supported here"),
         (
+            lambda d, t: data_args(
+                [d[0]], iters=1, extra=["--virtual-pipeline-model-parallel-size", "2"]
+            ),
+            "--virtual-pipeline-model-parallel-size is not supported here: virtual pipeline "
+            "stages (the interleaved 1F1B schedule) are not supported",
+        ),
+        (
             lambda d, t: data_args([d[0]], iters=1, extra=["--hdp-global-batch-tokens", "100"]),
             "--hdp-global-batch-tokens 100 is smaller than one sequence (--seq-length 256)",
         ),

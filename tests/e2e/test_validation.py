@@ -39,6 +39,28 @@ BAD = [
     (["--seed", "-1"], "--seed must be >= 0, got -1"),
     (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
     (["--tensor-model-parallel-size", "4"], "--tensor-model-parallel-size 4 does not divide"),
+    (
+        ["--pipeline-model-parallel-size", "4"],
+        "--tensor-model-parallel-size 1 x --pipeline-model-parallel-size 4 = 4 does not divide "
+        "the 2 ranks",
+    ),
+    (
+        ["--pipeline-model-parallel-size", "2"] + ["--num-layers", "3"],
+        "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2",
+    ),
+    (
+        ["--pipeline-model-parallel-size", "2"] + ["--num-layers", "1"],
+        "--pipeline-model-parallel-size 2 needs at least one layer per stage; the model has "
+        "only 1 layers",
+    ),
+    (
+        ["--pipeline-model-parallel-size", "2"] + ["--hdp-placement", "greedy"],
+        "--hdp-placement greedy with --pipeline-model-parallel-size 2",
+    ),
+    (
+        ["--pipeline-model-parallel-size", "2"] + ["--num-experts", "4"],
+        "pipeline parallelism with experts (--num-experts) is not supported yet",
+    ),
     (["--data-path", "nan", "/data/a", "1", "/data/b"], "weights must be finite and positive"),
     (["--data-path", "/nowhere/data"], "--data-path /nowhere/data.idx: no such file"),
     (

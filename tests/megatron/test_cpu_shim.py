@@ -24,16 +24,28 @@ def test_cuda_requests_land_on_cpu_inside_and_fail_outside():
         assert torch.zeros(2).type() == "torch.cuda.FloatTensor"
         assert torch.zeros(2, dtype=torch.int64).type() == "torch.LongTensor"
         assert torch.zeros(2).type(torch.float64).dtype == torch.float64
+        x = torch.zeros(2)
+        assert x.cuda() is x
     assert torch.zeros(2).type() == "torch.FloatTensor"
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.zeros(2).cuda()
     with pytest.raises((AssertionError, RuntimeError)):
         torch.cuda.current_device()
 
 
 def test_shims_are_restored_after_an_error():
-    before = (torch.cuda.current_device, torch.cuda.synchronize, torch.Tensor.type)
+    def patched():
+        return (
+            torch.cuda.current_device,
+            torch.cuda.synchronize,
+            torch.Tensor.type,
+            torch.Tensor.cuda,
+        )
+
+    before = patched()
     with pytest.raises(KeyError), cpu_shims():
         raise KeyError("boom")
-    assert (torch.cuda.current_device, torch.cuda.synchronize, torch.Tensor.type) == before
+    assert patched() == before
 
 
 def _body_ddp(rank, world_size, shimmed):

@@ -206,3 +206,60 @@ def test_dropin_with_tp2_sp_and_experts_matches_single_process():
         grads = moe_test._full(members, "grads", members[0]["layout"], 2)
         for name, want in reference["grads"].items():
             assert moe_test.relative(grads[name], want) < 1e-5, name
+
+
+def _body_dropin_pipeline(rank, world_size, cfg):
+    from tests.megatron import test_pipeline_parallel as pp_test
+
+    dims = model_parallel_dims(cfg, world_size)
+    with cpu_shims():
+        layout = dims.initialize()
+        try:
+            engine = build_engine(cfg, OPTIM, seed=pp_test.SEED)
+            config = engine.model.config
+            config.finalize_model_grads_func = finalize_model_grads
+            config.no_sync_func = engine.model.no_sync
+            plan = pp_test.make_plans(dims.pool_size)[0]
+            source = source_of(pp_test.batch_of(plan, 0))
+            runtime = StepRuntime(
+                group=layout.pool_group,
+                job_group=layout.world_group,
+                pipeline_group=layout.pp_group,
+            )
+            engine.model.zero_grad_buffer()
+            reports = hdp_forward_backward(runtime, cfg)(
+                forward_step_func=pretrain_gpt_forward_step,
+                data_iterator=iter([HDPGlobalBatch(plan=plan, source=source)]),
+                model=[engine.model],
+                num_microbatches=1,
+            )
+            named = engine.model.module.named_parameters()
+            return {
+                "stage": layout.stage,
+                "grads": {n: p.main_grad.clone() for n, p in named},
+                "reports": [r["lm loss"].tolist() for r in reports],
+            }
+        finally:
+            layout.destroy()
+
+
+def test_dropin_with_pipelines_runs_megatrons_1f1b_and_matches_single_process():
+    """PP=2 x pool 2: Megatron-Core's own 1F1B schedule and finish, a ring across the two
+    pipelines; every stage's gradients equal the single-process ones."""
+    from tests.megatron import test_pipeline_parallel as pp_test
+
+    ranks = run_ranks(_body_dropin_pipeline, 4, pp_test.CFG, timeout_s=180)
+    plan = pp_test.make_plans(2)[0]
+    single = dataclasses.replace(pp_test.CFG, pipeline_model_parallel_size=1)
+    reference = run_ranks(pp_test._body_reference_batches, 1, single, [pp_test.batch_of(plan, 0)])[
+        0
+    ]
+    last = [r for r in ranks if r["stage"] == 1]
+    assert all(r["reports"] for r in last) and not any(r["reports"] for r in ranks[:2])
+    loss_sum = sum(rep[0] for r in last for rep in r["reports"])
+    tokens = sum(rep[1] for r in last for rep in r["reports"])
+    assert loss_sum / tokens == pytest.approx(reference["losses"][0], rel=1e-5)
+    for r in ranks:
+        for name, grad in r["grads"].items():
+            want = reference["grads"][pp_test.global_name(name, r["stage"], 1)]
+            assert_close_rel(grad, want, f"stage {r['stage']} grad {name}")

@@ -1,0 +1,75 @@
+"""HDP micro-batches through Megatron-Core's 1F1B pipeline schedule (host layer).
+
+With pipeline parallelism an HDP replica is a whole pipeline. Every stage of a pipeline
+reads the same local batches (the plan is identical everywhere), so each stage knows each
+micro-batch's token layout, ring and RoPE positions; stage 0 embeds the tokens, the last
+stage computes the token losses, and the stages in between exchange hidden states through
+Megatron's P2P communication with variable shapes (micro-batches hold different token
+counts).
+
+Replicas run different numbers of micro-batches. A ring micro-batch runs on the same stage
+of all its member pipelines at once; the plan guarantees it by being lock-step
+(`scheduler.plan.lockstep_problems`): ring members run equally many micro-batches and hold
+the ring at the same position, so Megatron's 1F1B gives their stages identical sequences
+of forward and backward passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_hdp.batching import LocalBatch
+from megatron_hdp.megatron.engine import Engine
+
+
+def run_pipeline(
+    engine: Engine,
+    batches: list[LocalBatch],
+    *,
+    stage_inputs: Callable[[LocalBatch], tuple[tuple, dict, int]],
+    loss_scale: float,
+    forward_only: bool = False,
+) -> float:
+    """Collective over the pipeline (and the rings): run `batches` through 1F1B.
+
+    `stage_inputs(batch)` returns the model's positional and keyword arguments for one
+    micro-batch and the number of real tokens (the rest is sequence-parallel padding).
+    Gradients of `sum(token loss * loss mask) * loss_scale` accumulate in the model
+    (unless `forward_only`). Returns the unscaled masked loss sum of this rank's
+    micro-batches on the last stage, 0.0 on the other stages.
+    """
+    if not batches:
+        return 0.0
+    is_last = engine.is_last_stage
+    loss_sum = 0.0
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        args, kwargs, num_tokens = stage_inputs(batch)
+        if not is_last:
+            kwargs = dict(kwargs, labels=None)
+        output = model(*args, **kwargs)
+
+        def loss_func(losses: torch.Tensor):
+            nonlocal loss_sum
+            masked = (losses[:, :num_tokens].float() * batch.loss_mask).sum()
+            loss_sum += float(masked.detach())
+            count = torch.tensor(int(batch.loss_mask.sum()), dtype=torch.int)
+            return masked * loss_scale, count, {}
+
+        return output, loss_func
+
+    schedule = get_forward_backward_func(pp_size=engine.pp_size)
+    schedule(
+        forward_step_func=forward_step,
+        data_iterator=iter(batches),
+        model=[engine.model],
+        num_microbatches=len(batches),
+        seq_length=1,  # shapes travel with every tensor (variable_seq_lengths)
+        micro_batch_size=1,
+        forward_only=forward_only,
+    )
+    return loss_sum if is_last else 0.0

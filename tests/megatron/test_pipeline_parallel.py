@@ -1,0 +1,295 @@
+"""Pipeline parallelism inside HDP replicas: PP (x TP) x pool ranks equal one process, exactly.
+
+Tied embeddings too: the last stage holds a copy of the first stage's embedding as its
+output layer, as Megatron does.
+
+Each replica is a pipeline of two stages running Megatron-Core's 1F1B schedule; replicas
+run different numbers of micro-batches, and ring micro-batches span pipelines in lock step
+(same position, same count on every member). Every stage's parameters are mapped back to
+the single-process model by global layer number (and TP shards unsharded) and compared
+with the reference on the same global batches: the loss of every step, the first step's
+gradients and the weights after three AdamW steps.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_hdp.distributed.layout import ParallelDims
+from megatron_hdp.megatron.cpu_shim import cpu_shims
+from megatron_hdp.megatron.engine import build_engine
+from megatron_hdp.megatron.step import StepRuntime, evaluate, train_step
+from megatron_hdp.scheduler import plan_step
+from megatron_hdp.scheduler.plan import (
+    MicroBatch,
+    StepPlan,
+    lockstep_problems,
+    plan_from_rank_lists,
+)
+from tests.dist import run_ranks
+from tests.megatron.reference import train_reference
+from tests.megatron.test_model_equivalence import (
+    CAPACITY,
+    OPTIM,
+    VOCAB,
+    batch_lengths,
+    snapshot_grads_before_update,
+    source_of,
+)
+from tests.megatron.test_model_equivalence import CFG as EQUIVALENCE_CFG
+from tests.megatron.test_tensor_parallel import relative, unshard
+
+SEED = 7
+PP = 2
+# Untied embeddings (the last stage owns the output layer), a vocabulary divisible by TP.
+CFG = dataclasses.replace(EQUIVALENCE_CFG, vocab_size=128, pipeline_model_parallel_size=PP)
+
+# Hand-made lock-step plans, one per step: lengths, then (ring, sequence indices) in order.
+C = CAPACITY
+PLANS = {
+    # Pool 2: a ring over both pipelines (reversed ring order in step 1) among packs.
+    2: [
+        (
+            [C + 1, 16, 9, 12, 3, 5],
+            [((0, 1), (0,)), ((0,), (1,)), ((1,), (2,)), ((0,), (3, 4)), ((1,), (5,))],
+        ),
+        ([C + 4, 2 * C, 7, 11, 1], [((1, 0), (0,)), ((0, 1), (1,)), ((0,), (2, 4)), ((1,), (3,))]),
+        (
+            [9, C + 2, 6, 14, 8],
+            [((0,), (0,)), ((1,), (3,)), ((0, 1), (1,)), ((0,), (2,)), ((1,), (4,))],
+        ),
+    ],
+    # Pool 3: rings over pipelines 0 and 1 while pipeline 2 runs more micro-batches alone;
+    # step 1 has a ring over all three pipelines (then all counts are equal).
+    3: [
+        (
+            [C + 1, 20, 16, 12, 3, 9, 5, 7, 1],
+            [
+                ((0, 1), (0,)),
+                ((2,), (2,)),
+                ((0, 1), (1,)),
+                ((2,), (3, 4)),
+                ((2,), (5, 6)),
+                ((2,), (7, 8)),
+            ],
+        ),
+        (
+            [2 * C + 5, 10, 4, 13, 6],
+            [((2, 0, 1), (0,)), ((0,), (1, 2)), ((1,), (3,)), ((2,), (4,))],
+        ),
+        ([C + 9, 15, 3, 8, 2, 11], [((2,), (1,)), ((1, 0), (0,)), ((2,), (2, 3)), ((2,), (4, 5))]),
+    ],
+}
+
+
+def make_plans(pool: int, planner: str | None = None) -> list[StepPlan]:
+    """Three plans, checked valid and lock-step: hand-made, or by `planner` for two stages
+    on the equivalence test's mixed batches (rings of 2 to `pool` pipelines)."""
+    if planner is not None:
+        tables = [(batch_lengths(pool, step, "mixed"), None) for step in range(3)]
+    else:
+        tables = PLANS[pool]
+    plans = []
+    for lengths, items in tables:
+        if items is None:
+            plan = plan_step(
+                lengths, pool_size=pool, capacity=C, policy=planner, pipeline_stages=PP
+            )
+        else:
+            micro_batches = [
+                MicroBatch(order=n, ring=ring, seq_indices=seqs)
+                for n, (ring, seqs) in enumerate(items)
+            ]
+            plan = plan_from_rank_lists(lengths, pool, C, "lockstep-test", micro_batches)
+        plan.validate()
+        assert not lockstep_problems(plan), lockstep_problems(plan)
+        plans.append(plan)
+    return plans
+
+
+def batch_of(plan: StepPlan, step: int):
+    """`(tokens, labels, loss_mask)` per sequence of `plan`, the third one masked out."""
+    gen = torch.Generator().manual_seed(100 * step + plan.pool_size)
+    seqs = []
+    for i, n in enumerate(plan.seqlens):
+        ids = torch.randint(0, VOCAB, (n + 1,), generator=gen)
+        mask = (torch.rand(n, generator=gen) < 0.8).float()
+        if i == 2:
+            mask.zero_()
+        seqs.append((ids[:-1], ids[1:], mask))
+    return seqs
+
+
+def global_name(name: str, stage: int, layers_per_stage: int) -> str:
+    """The single-process parameter name of stage `stage`'s local parameter `name`."""
+    prefix = "decoder.layers."
+    if not name.startswith(prefix):
+        return name
+    local, rest = name[len(prefix) :].split(".", 1)
+    return f"{prefix}{int(local) + stage * layers_per_stage}.{rest}"
+
+
+def _tp_layout(param) -> tuple[bool, int, int]:
+    return (
+        bool(getattr(param, "tensor_model_parallel", False)),
+        getattr(param, "partition_dim", -1),
+        getattr(param, "partition_stride", 1),
+    )
+
+
+def _body_pp(rank, world_size, cfg, pool, tp, planner):
+    with cpu_shims():
+        dims = ParallelDims.of_world(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=PP,
+            num_layers=cfg.num_layers,
+        )
+        layout = dims.initialize()
+        try:
+            engine = build_engine(cfg, OPTIM, seed=SEED)
+            named = list(engine.model.module.named_parameters())
+            init = {n: p.detach().clone() for n, p in named}
+            runtime = StepRuntime(
+                group=layout.pool_group, check_plans=True, job_group=dist.group.WORLD
+            )
+            grads, losses, eval_losses, counts = {}, [], [], []
+            snapshot_grads_before_update(engine, grads)
+            for step, plan in enumerate(make_plans(pool, planner)):
+                source = source_of(batch_of(plan, step))
+                eval_losses.append(evaluate(engine, plan, source, runtime))
+                result = train_step(engine, plan, source, runtime)
+                losses.append(result.loss)
+                counts.append(result.num_micro_batches)
+            return {
+                "losses": losses,
+                "eval": eval_losses,
+                "counts": counts,
+                "grads": grads,
+                "init": init,
+                "after": {n: p.detach().clone() for n, p in named},
+                "layout": {n: _tp_layout(p) for n, p in named},
+                "stage": layout.stage,
+                "replica": layout.pool_rank,
+                "tp_rank": layout.tp_rank,
+            }
+        finally:
+            layout.destroy()
+
+
+def _body_reference_batches(rank, world_size, cfg, batches):
+    with cpu_shims():
+        layout = ParallelDims.of_world().initialize()
+        try:
+            return train_reference(cfg, seed=SEED, optim=OPTIM, batches=batches)
+        finally:
+            layout.destroy()
+
+
+def _body_reference(rank, world_size, cfg, pool, planner=None):
+    batches = [batch_of(plan, step) for step, plan in enumerate(make_plans(pool, planner))]
+    return _body_reference_batches(rank, world_size, cfg, batches)
+
+
+@pytest.mark.parametrize(
+    "pool, tp, tied, planner",
+    [
+        (2, 1, False, None),
+        (3, 1, False, None),
+        (2, 2, False, None),
+        (2, 1, True, None),
+        (3, 1, False, "balanced"),
+        (2, 1, False, "static"),
+    ],
+    ids=[
+        "pp2-pool2",
+        "pp2-pool3",
+        "pp2-tp2-pool2",
+        "pp2-pool2-tied",
+        "pp2-pool3-pp-balance",
+        "pp2-pool2-static",
+    ],
+)
+def test_pipelines_equal_one_process(pool, tp, tied, planner):
+    """Rings span pipelines; pipelines run different numbers of micro-batches."""
+    cfg = dataclasses.replace(CFG, tensor_model_parallel_size=tp, tie_embeddings=tied)
+    ranks = run_ranks(_body_pp, PP * tp * pool, cfg, pool, tp, planner, timeout_s=240)
+    reference = run_ranks(
+        _body_reference,
+        1,
+        dataclasses.replace(cfg, pipeline_model_parallel_size=1, tensor_model_parallel_size=1),
+        pool,
+        planner,
+    )[0]
+    plans = make_plans(pool, planner)
+    for rank, result in enumerate(ranks):
+        assert result["stage"] == rank // (tp * pool)
+        assert result["replica"] == (rank // tp) % pool
+        assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+        for step, (loss_sum, tokens) in enumerate(result["eval"]):
+            assert loss_sum / tokens == pytest.approx(reference["losses"][step], rel=1e-5)
+        want = [len(p.for_rank(result["replica"])) for p in plans]
+        assert result["counts"] == want
+    if pool == 3 and planner is None:
+        assert len({tuple(r["counts"]) for r in ranks}) > 1  # pipelines run different counts
+    assert any(mb.cp_size > 1 for plan in plans for mb in plan.micro_batches)
+    layers_per_stage = cfg.num_layers // PP
+    seen = set()
+    for stage in range(PP):
+        for replica in range(pool):
+            members = [r for r in ranks if r["stage"] == stage and r["replica"] == replica]
+            members.sort(key=lambda r: r["tp_rank"])
+            layout = members[0]["layout"]
+            for name in layout:
+                full_name = global_name(name, stage, layers_per_stage)
+                if tied and name == "output_layer.weight":
+                    # The last stage's copy of the tied embedding (Megatron keeps the two
+                    # copies equal: same start, gradients summed over both stages).
+                    full_name = "embedding.word_embeddings.weight"
+                seen.add(full_name)
+                init = unshard([m["init"][name] for m in members], layout[name])
+                assert torch.equal(init, reference["init"][full_name]), full_name
+                grad = unshard([m["grads"][name] for m in members], layout[name])
+                assert relative(grad, reference["grads"][full_name]) < 1e-5, full_name
+                after = unshard([m["after"][name] for m in members], layout[name])
+                assert relative(after, reference["after"][full_name]) < 1e-5, full_name
+    assert seen == set(reference["init"])  # every parameter lives on exactly one stage
+
+
+def _body_not_lockstep(rank, world_size, plan):
+    with cpu_shims():
+        layout = ParallelDims.of_world(
+            pipeline_model_parallel_size=PP, num_layers=CFG.num_layers
+        ).initialize()
+        try:
+            engine = build_engine(CFG, OPTIM, seed=SEED)
+            runtime = StepRuntime(group=layout.pool_group, job_group=dist.group.WORLD)
+            with pytest.raises(ValueError) as err:
+                train_step(engine, plan, source_of(batch_of(plan, 0)), runtime)
+            return str(err.value)
+        finally:
+            layout.destroy()
+
+
+def test_a_plan_that_is_not_lockstep_is_refused_on_every_rank_before_any_ring():
+    """Pipeline 1 runs a pack before the shared ring, pipeline 0 after: 1F1B would run the
+    ring's forward on different slots of the two pipelines (a deadlock), so it is refused."""
+    lengths = [C + 1, 9, 5]
+    items = [((0, 1), (0,)), ((0,), (1,)), ((1,), (2,))]
+    mbs = [MicroBatch(order=n, ring=r, seq_indices=s) for n, (r, s) in enumerate(items)]
+    good = plan_from_rank_lists(lengths, 2, C, "test", mbs)
+    assert not lockstep_problems(good)
+    bad_items = [((1,), (2,)), ((0, 1), (0,)), ((0,), (1,))]
+    bad = plan_from_rank_lists(
+        lengths,
+        2,
+        C,
+        "test",
+        [MicroBatch(order=n, ring=r, seq_indices=s) for n, (r, s) in enumerate(bad_items)],
+    )
+    bad.validate()  # a fine plan without pipelines
+    messages = run_ranks(_body_not_lockstep, 4, bad, timeout_s=120)
+    for message in messages:
+        assert "cannot run on pipelines in lock step" in message
+        assert "ring micro-batch 1" in message and "positions {0: 0, 1: 1}" in message
