@@ -137,6 +137,30 @@ class ParallelDims:
         first = rank % (self.tp * self.pool_size)
         return list(range(first, self.world_size, self.tp * self.pool_size))
 
+    def check_initialized(self) -> None:
+        """Raise RuntimeError if Megatron's parallel state was set up for another layout.
+
+        A model built for these dims in another layout would silently get other shards
+        (for example all experts on every rank when Megatron's EP size is 1).
+        """
+        from megatron.core import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            raise RuntimeError(
+                "Megatron's parallel state is not initialised (ParallelDims.initialize)"
+            )
+        found = {
+            "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+            "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+            "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
+        }
+        wrong = {k: v for k, v in found.items() if getattr(self, k) != v}
+        if wrong:
+            detail = ", ".join(
+                f"{k} {v} (the model wants {getattr(self, k)})" for k, v in wrong.items()
+            )
+            raise RuntimeError(f"Megatron's parallel state was initialised with {detail}")
+
     def initialize(self, *, timeout_minutes: float = 10.0) -> ParallelLayout:
         """Collective over the world: set up Megatron's groups; return this rank's layout.
 
@@ -202,7 +226,7 @@ def layout_problems(
             f"the world size {world} is not divisible by tensor_model_parallel_size {tp} x "
             f"pipeline_model_parallel_size {pp} = {tp * pp}"
         )
-    problems += pipeline_problems(num_layers=num_layers, pp=pp, num_experts=num_experts)
+    problems += pipeline_problems(num_layers=num_layers, pp=pp)
     if sequence_parallel and tp == 1:
         problems.append("sequence_parallel needs tensor_model_parallel_size > 1")
     problems += moe_problems(
@@ -215,7 +239,7 @@ def layout_problems(
     return problems
 
 
-def pipeline_problems(*, num_layers: int | None, pp: int, num_experts: int | None) -> list[str]:
+def pipeline_problems(*, num_layers: int | None, pp: int) -> list[str]:
     """What is wrong with splitting `num_layers` layers into `pp` pipeline stages."""
     if pp == 1:
         return []
@@ -231,11 +255,6 @@ def pipeline_problems(*, num_layers: int | None, pp: int, num_experts: int | Non
                 f"num_layers {num_layers} is not divisible by pipeline_model_parallel_size {pp} "
                 "(every stage holds the same number of layers)"
             )
-    if num_experts is not None:
-        problems.append(
-            "pipeline parallelism with experts (num_experts) is not supported yet: the "
-            "per-sequence load-balancing loss has not been verified under the 1F1B schedule"
-        )
     return problems
 
 

@@ -126,6 +126,7 @@ def build_engine(cfg: GPTConfig, optim: OptimConfig, *, seed: int = 1234) -> Eng
     parameters), so it is part of the engine even for a constant learning rate.
     """
     dims = model_parallel_dims(cfg, dist.get_world_size())
+    dims.check_initialized()
     rank = dist.get_rank()
     tp_rank, stage = dims.tp_rank_of(rank), dims.stage_of(rank)
     torch.manual_seed(seed)

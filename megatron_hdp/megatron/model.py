@@ -136,11 +136,19 @@ class GPTConfig:
                 f"{tp} (pad it: make_vocab_size_divisible_by x TP)"
             )
         for problem in pipeline_problems(
-            num_layers=self.num_layers,
-            pp=self.pipeline_model_parallel_size,
-            num_experts=self.num_experts,
+            num_layers=self.num_layers, pp=self.pipeline_model_parallel_size
         ):
             raise ValueError(problem)
+        if (
+            self.pipeline_model_parallel_size > 1
+            and self.num_experts is not None
+            and self.moe_token_dispatcher_type != "alltoall"
+        ):
+            raise ValueError(
+                "experts with pipeline parallelism need moe_token_dispatcher_type 'alltoall': "
+                "Megatron's allgather dispatcher refuses the variable sequence lengths that "
+                "pipelined HDP micro-batches have"
+            )
         for problem in moe_problems(
             num_experts=self.num_experts,
             topk=self.moe_router_topk,

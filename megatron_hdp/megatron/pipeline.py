@@ -17,6 +17,7 @@ of forward and backward passes.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -29,14 +30,15 @@ def run_pipeline(
     engine: Engine,
     batches: list[LocalBatch],
     *,
-    stage_inputs: Callable[[LocalBatch], tuple[tuple, dict, int]],
+    stage_inputs: Callable[[LocalBatch], tuple[tuple, dict, int, AbstractContextManager]],
     loss_scale: float,
     forward_only: bool = False,
 ) -> float:
     """Collective over the pipeline (and the rings): run `batches` through 1F1B.
 
     `stage_inputs(batch)` returns the model's positional and keyword arguments for one
-    micro-batch and the number of real tokens (the rest is sequence-parallel padding).
+    micro-batch, the number of real tokens (the rest is sequence-parallel padding) and a
+    context to run its forward pass in (the MoE routers' micro-batch).
     Gradients of `sum(token loss * loss mask) * loss_scale` accumulate in the model
     (unless `forward_only`). Returns the unscaled masked loss sum of this rank's
     micro-batches on the last stage, 0.0 on the other stages.
@@ -48,10 +50,11 @@ def run_pipeline(
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        args, kwargs, num_tokens = stage_inputs(batch)
+        args, kwargs, num_tokens, context = stage_inputs(batch)
         if not is_last:
             kwargs = dict(kwargs, labels=None)
-        output = model(*args, **kwargs)
+        with context:
+            output = model(*args, **kwargs)
 
         def loss_func(losses: torch.Tensor):
             nonlocal loss_sum

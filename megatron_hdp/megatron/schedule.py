@@ -159,6 +159,11 @@ def hdp_forward_backward(
         return {"lm loss": torch.zeros(2, device=runtime.device)}
 
     def _pipelined(step, model_chunk, forward_step_func, forward_only, force_all_reduce):
+        if cfg.num_experts is not None:
+            raise ValueError(
+                "the drop-in schedule does not run experts with pipeline parallelism yet "
+                "(pretrain_hdp.py does)"
+            )
         problems = lockstep_problems(step.plan)
         if problems:
             raise ValueError(f"the plan cannot run on pipelines in lock step: {problems[0]}")

@@ -240,23 +240,32 @@ def _pipelined(
     loss_scale: float,
     global_batch_tokens: int,
     forward_only: bool = False,
-) -> float:
-    """This rank's stage of its pipeline's micro-batches (`pipeline.run_pipeline`)."""
+) -> tuple[float, float]:
+    """This rank's stage of its pipeline's micro-batches (`pipeline.run_pipeline`).
+
+    Returns the loss sum (last stage; 0.0 elsewhere) and this stage's share of the MoE
+    load-balancing loss (its own layers' terms).
+    """
     if runtime.offload is not None:
         raise ValueError("activation offloading with pipeline parallelism is not supported")
+    routed: list[MoEMicroBatch] = []
 
-    def stage_inputs(batch: LocalBatch) -> tuple[tuple, dict, int]:
-        args, kwargs, n, _ = _model_inputs(engine, batch, runtime, global_batch_tokens)
-        return args, kwargs, n
+    def stage_inputs(batch: LocalBatch):
+        args, kwargs, n, moe = _model_inputs(engine, batch, runtime, global_batch_tokens)
+        if moe is None:
+            return args, kwargs, n, contextlib.nullcontext()
+        routed.append(moe)
+        return args, kwargs, n, moe_micro_batch(moe)
 
     runtime.mark(f"1F1B over {len(batches)} micro-batches (stage {engine.stage})")
-    return run_pipeline(
+    loss = run_pipeline(
         engine,
         batches,
         stage_inputs=stage_inputs,
         loss_scale=loss_scale,
         forward_only=forward_only,
     )
+    return loss, sum(moe.aux_loss for moe in routed)
 
 
 def moe_batch_info(
@@ -312,14 +321,13 @@ def forward_backward(
     if global_batch_tokens is None:
         global_batch_tokens = sum(b.num_tokens for b in batches)
     if engine.pp_size > 1:
-        loss = _pipelined(
+        return _pipelined(
             engine,
             batches,
             runtime,
             loss_scale=loss_scale,
             global_batch_tokens=global_batch_tokens,
         )
-        return loss, 0.0
     loss_sum = aux_sum = 0.0
     for i, batch in enumerate(batches):
         runtime.mark(f"micro-batch {i + 1} of {len(batches)} (ring {batch.ring})")
@@ -445,7 +453,7 @@ def evaluate(
                     loss_scale=1.0,
                     global_batch_tokens=batch_tokens,
                     forward_only=True,
-                )
+                )[0]
             else:
                 for batch in batches:
                     losses = _token_losses(engine, batch, runtime, batch_tokens)[0].float()

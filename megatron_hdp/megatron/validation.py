@@ -164,6 +164,12 @@ def _check_pipeline(args: argparse.Namespace) -> None:
     pp = args.pipeline_model_parallel_size
     if pp == 1:
         return
+    if args.num_experts is not None and args.moe_token_dispatcher_type != "alltoall":
+        raise ValueError(
+            f"--num-experts with --pipeline-model-parallel-size {pp} needs "
+            "--moe-token-dispatcher-type alltoall (Megatron's allgather dispatcher refuses "
+            "the variable sequence lengths of pipelined HDP micro-batches)"
+        )
     if args.hdp_offload:
         raise ValueError(
             f"--hdp-offload with --pipeline-model-parallel-size {pp} is not supported yet "

@@ -59,7 +59,8 @@ BAD = [
     ),
     (
         ["--pipeline-model-parallel-size", "2"] + ["--num-experts", "4"],
-        "pipeline parallelism with experts (--num-experts) is not supported yet",
+        "--num-experts with --pipeline-model-parallel-size 2 needs --moe-token-dispatcher-type "
+        "alltoall",
     ),
     (["--data-path", "nan", "/data/a", "1", "/data/b"], "weights must be finite and positive"),
     (["--data-path", "/nowhere/data"], "--data-path /nowhere/data.idx: no such file"),

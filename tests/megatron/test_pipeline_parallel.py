@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron_hdp.distributed.layout import ParallelDims
 from megatron_hdp.megatron.cpu_shim import cpu_shims
 from megatron_hdp.megatron.engine import build_engine
+from megatron_hdp.megatron.model import model_parallel_dims
 from megatron_hdp.megatron.step import StepRuntime, evaluate, train_step
 from megatron_hdp.scheduler import plan_step
 from megatron_hdp.scheduler.plan import (
@@ -39,7 +40,9 @@ from tests.megatron.test_model_equivalence import (
     source_of,
 )
 from tests.megatron.test_model_equivalence import CFG as EQUIVALENCE_CFG
-from tests.megatron.test_tensor_parallel import relative, unshard
+from tests.megatron.test_moe import CFG as MOE_CFG
+from tests.megatron.test_moe import _full as moe_full
+from tests.megatron.test_tensor_parallel import relative
 
 SEED = 7
 PP = 2
@@ -141,12 +144,7 @@ def _tp_layout(param) -> tuple[bool, int, int]:
 
 def _body_pp(rank, world_size, cfg, pool, tp, planner):
     with cpu_shims():
-        dims = ParallelDims.of_world(
-            tensor_model_parallel_size=tp,
-            pipeline_model_parallel_size=PP,
-            num_layers=cfg.num_layers,
-        )
-        layout = dims.initialize()
+        layout = model_parallel_dims(cfg, world_size).initialize()
         try:
             engine = build_engine(cfg, OPTIM, seed=SEED)
             named = list(engine.model.module.named_parameters())
@@ -154,16 +152,18 @@ def _body_pp(rank, world_size, cfg, pool, tp, planner):
             runtime = StepRuntime(
                 group=layout.pool_group, check_plans=True, job_group=dist.group.WORLD
             )
-            grads, losses, eval_losses, counts = {}, [], [], []
+            grads, losses, eval_losses, counts, aux = {}, [], [], [], []
             snapshot_grads_before_update(engine, grads)
             for step, plan in enumerate(make_plans(pool, planner)):
                 source = source_of(batch_of(plan, step))
                 eval_losses.append(evaluate(engine, plan, source, runtime))
                 result = train_step(engine, plan, source, runtime)
                 losses.append(result.loss)
+                aux.append(result.moe_aux_loss)
                 counts.append(result.num_micro_batches)
             return {
                 "losses": losses,
+                "aux": aux,
                 "eval": eval_losses,
                 "counts": counts,
                 "grads": grads,
@@ -182,7 +182,9 @@ def _body_reference_batches(rank, world_size, cfg, batches):
     with cpu_shims():
         layout = ParallelDims.of_world().initialize()
         try:
-            return train_reference(cfg, seed=SEED, optim=OPTIM, batches=batches)
+            return train_reference(
+                cfg, seed=SEED, optim=OPTIM, batches=batches, aux_coeff=cfg.moe_aux_loss_coeff
+            )
         finally:
             layout.destroy()
 
@@ -201,6 +203,8 @@ def _body_reference(rank, world_size, cfg, pool, planner=None):
         (2, 1, True, None),
         (3, 1, False, "balanced"),
         (2, 1, False, "static"),
+        (3, 1, "moe", None),
+        (2, 2, "moe", None),
     ],
     ids=[
         "pp2-pool2",
@@ -209,16 +213,35 @@ def _body_reference(rank, world_size, cfg, pool, planner=None):
         "pp2-pool2-tied",
         "pp2-pool3-pp-balance",
         "pp2-pool2-static",
+        "pp2-pool3-moe",
+        "pp2-tp2-sp-ep2-pool2-moe",
     ],
 )
 def test_pipelines_equal_one_process(pool, tp, tied, planner):
     """Rings span pipelines; pipelines run different numbers of micro-batches."""
-    cfg = dataclasses.replace(CFG, tensor_model_parallel_size=tp, tie_embeddings=tied)
+    if tied == "moe":  # 4 experts, top-2, a large load-balancing loss (test_moe's model)
+        tied = False
+        cfg = dataclasses.replace(
+            MOE_CFG,
+            pipeline_model_parallel_size=PP,
+            moe_token_dispatcher_type="alltoall",
+            tensor_model_parallel_size=tp,
+            sequence_parallel=tp > 1,
+            expert_model_parallel_size=tp,
+        )
+    else:
+        cfg = dataclasses.replace(CFG, tensor_model_parallel_size=tp, tie_embeddings=tied)
     ranks = run_ranks(_body_pp, PP * tp * pool, cfg, pool, tp, planner, timeout_s=240)
     reference = run_ranks(
         _body_reference,
         1,
-        dataclasses.replace(cfg, pipeline_model_parallel_size=1, tensor_model_parallel_size=1),
+        dataclasses.replace(
+            cfg,
+            pipeline_model_parallel_size=1,
+            tensor_model_parallel_size=1,
+            sequence_parallel=False,
+            expert_model_parallel_size=1,
+        ),
         pool,
         planner,
     )[0]
@@ -227,6 +250,9 @@ def test_pipelines_equal_one_process(pool, tp, tied, planner):
         assert result["stage"] == rank // (tp * pool)
         assert result["replica"] == (rank // tp) % pool
         assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+        if cfg.num_experts is not None:
+            assert result["aux"] == pytest.approx(reference["aux"], rel=1e-5)
+            assert min(reference["aux"]) > 0
         for step, (loss_sum, tokens) in enumerate(result["eval"]):
             assert loss_sum / tokens == pytest.approx(reference["losses"][step], rel=1e-5)
         want = [len(p.for_rank(result["replica"])) for p in plans]
@@ -241,19 +267,18 @@ def test_pipelines_equal_one_process(pool, tp, tied, planner):
             members = [r for r in ranks if r["stage"] == stage and r["replica"] == replica]
             members.sort(key=lambda r: r["tp_rank"])
             layout = members[0]["layout"]
-            for name in layout:
+            ep = cfg.expert_model_parallel_size
+            full = {key: moe_full(members, key, layout, ep) for key in ("init", "grads", "after")}
+            for name in full["init"]:
                 full_name = global_name(name, stage, layers_per_stage)
                 if tied and name == "output_layer.weight":
                     # The last stage's copy of the tied embedding (Megatron keeps the two
                     # copies equal: same start, gradients summed over both stages).
                     full_name = "embedding.word_embeddings.weight"
                 seen.add(full_name)
-                init = unshard([m["init"][name] for m in members], layout[name])
-                assert torch.equal(init, reference["init"][full_name]), full_name
-                grad = unshard([m["grads"][name] for m in members], layout[name])
-                assert relative(grad, reference["grads"][full_name]) < 1e-5, full_name
-                after = unshard([m["after"][name] for m in members], layout[name])
-                assert relative(after, reference["after"][full_name]) < 1e-5, full_name
+                assert torch.equal(full["init"][name], reference["init"][full_name]), full_name
+                assert relative(full["grads"][name], reference["grads"][full_name]) < 1e-5
+                assert relative(full["after"][name], reference["after"][full_name]) < 1e-5
     assert seen == set(reference["init"])  # every parameter lives on exactly one stage
 
 

@@ -47,10 +47,6 @@ def test_ranks_enumerate_stage_then_replica_then_tp_rank(tp, pp, pool):
             "needs at least one layer per stage; the model has only 2 layers",
         ),
         (dict(world_size=4, pipeline_model_parallel_size=0), "must be >= 1, got 0"),
-        (
-            dict(world_size=4, pipeline_model_parallel_size=2, num_layers=2, num_experts=4),
-            "pipeline parallelism with experts",
-        ),
     ],
 )
 def test_bad_pipeline_layouts_are_named(kwargs, message):
