@@ -138,6 +138,8 @@ class Execution:
         stuck: On deadlock, one line per blocked stage queue (at most 20): the op it waits
             at. Empty when completed.
         num_ops: Ops executed (forward and backward passes, all stages, rings counted once).
+        starts: Start of every op, shape `(micro-batches, stages, 2)` (last axis: forward,
+            backward; `nan` where it never ran).
     """
 
     completed: bool
@@ -147,6 +149,7 @@ class Execution:
     backward_end: np.ndarray
     stuck: tuple[str, ...] = ()
     num_ops: int = 0
+    starts: np.ndarray | None = None
 
     @property
     def step_time(self) -> float:
@@ -314,6 +317,7 @@ def execute(
         backward_end=backward_end,
         stuck=stuck,
         num_ops=int(listed.sum()),
+        starts=np.where(processed, start, np.nan).reshape(num_mb, d, 2),
     )
 
 

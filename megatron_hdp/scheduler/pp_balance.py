@@ -3,58 +3,69 @@
 With pipeline parallelism every HDP rank is a pipeline of `d` stages running Megatron's 1F1B
 schedule, and a plan must be *lock-step* (`plan.lockstep_problems`): the members of a ring
 run equally many micro-batches and hold the ring at the same position. DP-Balance
-(`balance.py`) is not: it lets ranks take rings at different positions. This module plans
+(`balance.py`) is not: it lets ranks take rings at different positions, which deadlocks
+1F1B pipelines in a large share of batches (`pipeline_timeline`). This module plans
 pipelines directly in lock-step form. The paper gives Insight 1 and no algorithm; decided
 here (bytescale-paper.md, section 7, items 7 and 8):
 
 1. *Items.* As in DP-Balance: a sequence longer than the capacity `C` is a ring item of at
    least its minimal `k = ceil(s / C)` pipelines (or the given ring size, e.g. offloading's);
    shorter ones are packed best-fit decreasing into packs of at most `C` tokens (one local
-   micro-batch each). Costs come from the cost model (`c`, the per-member forward +
-   backward time of the whole model on one stage's devices; `c / d` per stage, see
-   `pipeline_timeline`).
+   micro-batch each). Costs come from the cost model: `c`, the per-member forward +
+   backward time of the whole model on one stage's devices, so `t = c / d` per stage
+   (`pipeline_timeline`).
 2. *The estimate.* A pipeline whose micro-batches run heaviest first, with per-stage times
-   `t_1 >= t_2 >= ...`, is priced `E = sum(t) + (d - 1) max(t)`: the 1F1B step of `M`
-   equal micro-batches, `(M + d - 1) t`, generalised. For non-increasing lists it is an
-   upper bound of the exact 1F1B step, within about 10% of it (checked by the tests
-   against `pipeline_timeline`); for other orders it is not (a heavy micro-batch among
-   light ones stalls the pipeline for `(d - 1)` times the difference, once per such
-   micro-batch). So every list runs heaviest first, and the `(d - 1) max(t)` term is why
-   heavy items go together (Insight 1): a pipeline pays its heaviest micro-batch's fill and
-   drain once, whatever else it runs.
-3. *Lock-step groups* ("length levels to groups of pipelines"). A group is `W` consecutive
-   pipelines that run the same number of rows; a row is one micro-batch per member. Ring
-   rows ("shelves") hold rings side by side (one sequence each, on consecutive members);
-   pack rows hold one pack per member. Rings are taken by decreasing width, then cost
-   (next-fit decreasing): a ring joins the current shelf if it fits, else opens a new shelf
-   in the current group if the group's estimate stays within the target, else opens a new
-   group as wide as the ring. Each shelf's free members are then given to its rings
-   (proportionally to their widths, never past `s` members so every member holds a token,
+   `t_1 >= t_2 >= ...`, is priced `E = sum(t) + (d - 1) max(t)`, the 1F1B step of `M` equal
+   micro-batches, `(M + d - 1) t`, generalised. With one forward share for all its
+   micro-batches, `E` bounds the exact 1F1B step from above (the tests check it against
+   `pipeline_timeline`); with the cost model's shares (1/3.5 to 1/3 per micro-batch) it can
+   be a few percent short. For other orders it is no bound at all: a heavy micro-batch
+   among light ones stalls the pipeline for about `(d - 1)` times the difference, once per
+   such micro-batch. So every list runs heaviest first, and the `(d - 1) max(t)` term is
+   the point of Insight 1: a pipeline pays its heaviest micro-batch's fill and drain once,
+   whatever else it runs, so heavy items belong together.
+3. *Lock-step groups* ("length levels to groups of pipelines"). A group is consecutive
+   pipelines that run the same rows; a row is one micro-batch per member. Rings are taken
+   heaviest first (cost at the minimal width). A ring joins the current group if the
+   group's estimate stays within the target: on a row of its own spanning the whole group
+   when that costs at most `WIDEN_INFLATION` (10%) more work than its minimal ring (ring
+   communication grows with the width), else side by side with other rings on a shelf row,
+   as narrow as keeps the row within the group's heaviest row. Otherwise it opens a new
+   group as wide as it runs efficiently (the widest width within the 10%), so the next
+   rings of its level stack on rows of their own in it: a group of `m` stacked rings pays
+   `(m + d - 1)` rows for `m` rings. Each shelf's free members are then given to its rings
+   (in proportion to their widths, never past `s` members so every member holds a token,
    and only where that makes the ring faster); members still free get packs.
 4. *Ring widths.* A ring may be wider than its minimal `k` (the paper keeps `k`; we allow
-   more): for a target step `S` a ring takes the narrowest width of a ladder
-   (`k x {1, 1.125, ..., 2, 3, 4, ...}`, at most `min(N, s)`) whose cost fits `S` alone. A
-   long sequence on `k` pipelines takes its whole forward and backward time `c` from start
-   to end (its stages run one after another); a wider ring is the only way to go below it.
+   more): a long sequence on `w` pipelines takes its whole `c(s, w)` from the start of its
+   forward to the end of its backward (its stages run one after another), so a step is at
+   least that long, and a wider ring is the only way below it. For a target `S` every ring
+   is at least the narrowest width of a ladder (`k x {1, 1.125, ..., 2, 3, 4, ...}`, at
+   most `min(N, s)`) whose cost fits `S` alone.
 5. *Packs* (pipelines with heavier micro-batches get fewer): heaviest first into the free
    ring slots, then as pack rows into the groups while their estimate stays within `S`,
-   then next-fit into the remaining single pipelines, each filled up to `S` before the
-   next: the first single pipelines get the heaviest packs and few of them, the last many
-   light ones. Extra bubbles appear only where a list steps down from one level to the next.
+   then next-fit into the pipelines no ring uses, each filled up to `S` before the next:
+   the first of them get the heaviest packs and few, the last many light ones. Extra
+   bubbles appear only where a list steps down from one level to the next.
 6. *Target.* `S` is the smallest target (bisection, relative tolerance 1e-3, from the lower
-   bound up) for which all items fit. The single pipelines are then re-filled for the
-   least target that holds their own packs, so none is left empty needlessly.
+   bound up) for which all items fit. The pipelines without rings are then re-filled for
+   the least target that holds their own packs, so none is left empty needlessly.
 7. *Order.* Micro-batches are ordered by (position in the lists, first member): every
    member of a ring holds it at the same position, lists follow the global order, and
    members of a group run equally many micro-batches, so the plan is lock-step.
    `predicted_cost` is the per-member cost `c`; `predicted_start` is when the micro-batch's
    forward starts on the first stage in the exact 1F1B timeline (`pipeline_timeline`).
-8. *Corner cases.* If the free slots of ring rows outnumber the packs, packs are split into
-   single sequences. If no single pipeline is left and the last packs do not fill a whole
-   row of a group, they are packed as one ring micro-batch over the narrowest group (at
-   least one token per member). A batch for which none of this gives every position of a
-   group a micro-batch (a few very short sequences and rings that cannot widen, only with
-   tiny capacities) is refused with a ValueError.
+8. *Corner cases.* A pipeline cannot skip a position, so every position of a group needs a
+   micro-batch with a token for every member. Free ring slots without packs are taken by
+   widening rings, faster or not. When every pipeline belongs to a group and fewer packs
+   are left than a row needs, the narrowest group takes them as one more row made whole by
+   splitting packs of several sequences in two; else they go into ring micro-batches with
+   room (a ring of `w` holds up to `w C` tokens; offloading rings take nothing); else they
+   become ring micro-batches over a whole group. If none of this fits (tiny capacities),
+   the plan is the static mesh's layout (`placement.plan_static`, lock-step by
+   construction); if that fails too, no lock-step plan gives every member a token (e.g.
+   81 tokens filling all 9 x 9 slots of a 9-pipeline pool next to a 1-token sequence) and a
+   ValueError says so.
 
 Deterministic: every sort has an index tie-break and the arithmetic is numpy float64 in a
 fixed order.
@@ -112,12 +123,6 @@ class _Costs:
         if self.cm is not None:
             return float(self.cm.micro_batch_time(lengths, w))
         return float(sum(s + s * s / (2.0 * self.capacity) for s in lengths)) / w
-
-    def forward_share(self, lengths: Sequence[int]) -> float:
-        """Forward share of a micro-batch's time."""
-        if self.cm is not None:
-            return float(self.cm.forward_share(lengths))
-        return DEFAULT_FORWARD_SHARE
 
 
 @dataclass
@@ -192,7 +197,6 @@ class _Planner:
         self.ladder = ladder.astype(np.int64)
         self.ladder_cost = costs.ring(rs[:, None], ladder) if len(rs) else np.zeros((0, 1))
         self.ring_s = rs
-        self.ring_k = k[self.ring_seq]
         base = costs.ring(rs, rk) if len(rs) else np.zeros(0)
         self.work_min = base * rk  # a ring's work at its minimal width
         self.wide = self._widest_efficient(rs, rk, self.cap, self.work_min)
@@ -582,10 +586,10 @@ class _Planner:
 
     def lower_bound(self) -> float:
         """max(best chain of any ring, per-stage work / N + fill): see `pipeline_lower_bound`."""
-        return pipeline_bound_parts(self)["bound"]
+        return _bound_parts(self)["bound"]
 
 
-def pipeline_bound_parts(planner: _Planner) -> dict:
+def _bound_parts(planner: _Planner) -> dict:
     """The parts of the lower bound of `pipeline_lower_bound` for a prepared batch."""
     c, d, n = planner.costs, planner.d, planner.n
     s = np.asarray(planner.seqlens, dtype=np.float64)
@@ -654,7 +658,7 @@ def pipeline_lower_bound(
         ring_sizes,
         split_packs=False,
     )
-    return pipeline_bound_parts(planner)
+    return _bound_parts(planner)
 
 
 def _best_layout(planner: _Planner) -> _Layout | None:
@@ -864,8 +868,8 @@ def _assemble(planner: _Planner, layout: _Layout, policy, offload_ratios, num_la
     return with_pipeline_predictions(plan, d, cost_model=planner.costs.cm)
 
 
-def _flat(plan: StepPlan):
-    """Sequence ids of all micro-batches, concatenated, and the micro-batch of each."""
+def micro_batch_sequences(plan: StepPlan):
+    """Sequence ids of all micro-batches concatenated, the micro-batch of each, and counts."""
     counts = np.fromiter((len(mb.seq_indices) for mb in plan.micro_batches), dtype=np.int64)
     ids = np.fromiter(
         (i for mb in plan.micro_batches for i in mb.seq_indices), dtype=np.int64, count=counts.sum()
@@ -879,7 +883,7 @@ def forward_shares(plan: StepPlan, cost_model=None) -> np.ndarray:
     n = len(plan.micro_batches)
     if cost_model is None:
         return np.full(n, DEFAULT_FORWARD_SHARE)
-    ids, owner, _ = _flat(plan)
+    ids, owner, _ = micro_batch_sequences(plan)
     s = np.asarray(plan.seqlens, dtype=np.float64)[ids]
     linear = np.bincount(owner, cost_model.linear_time(s), minlength=n)
     attention = np.bincount(owner, cost_model.attention_time(s), minlength=n)
@@ -892,7 +896,7 @@ def micro_batch_costs(plan: StepPlan, cost_model=None) -> np.ndarray:
     Without a cost model: `placement.simple_cost`'s formula.
     """
     n = len(plan.micro_batches)
-    ids, owner, counts = _flat(plan)
+    ids, owner, counts = micro_batch_sequences(plan)
     s = np.asarray(plan.seqlens, dtype=np.float64)[ids]
     k = np.fromiter((mb.cp_size for mb in plan.micro_batches), dtype=np.float64, count=n)
     costs = _Costs(cost_model, plan.capacity)
@@ -953,6 +957,7 @@ __all__ = [
     "WIDTH_LADDER",
     "forward_shares",
     "micro_batch_costs",
+    "micro_batch_sequences",
     "pipeline_execution",
     "pipeline_lower_bound",
     "plan_pp_balanced",

@@ -1,8 +1,9 @@
 """`python -m megatron_hdp.sim`: the cluster simulator's command line (see `--help`).
 
 Writes `<out>/sim.json` (configuration, models, every run averaged over the steps, the
-scale check), `<out>/sim.md` (tables), PNG charts (throughput vs context, speedup over
-the static mesh, ablation bars, per-rank Gantt charts of one step), and the claims table
+scale check, the Fig. 5 case), `<out>/sim.md` (tables), PNG charts (throughput vs context,
+speedup over the static mesh, ablation bars, per-rank Gantt charts of one step, the Fig. 5
+per-stage Gantt chart `fig5.png`), and the claims table
 computed from the JSON by `sim.claims`: `<out>/claims.json` and the markdown document
 (`--claims-doc`; by default `docs/claims.md` when `--out` is the default `results/sim`,
 else `<out>/claims.md`), so the committed document always matches the committed results.
@@ -22,6 +23,7 @@ import numpy as np
 
 from megatron_hdp.scheduler.cost import CostModel
 from megatron_hdp.sim import claims as claims_mod
+from megatron_hdp.sim import pipelines as pipelines_mod
 from megatron_hdp.sim.clusters import CLUSTERS
 from megatron_hdp.sim.distributions import GENERATORS
 from megatron_hdp.sim.models import MODELS, PAPER_CAPACITY, memory_capacity
@@ -142,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="scale check: one step of llama-7b at 1M context (byted) on this many GPUs, "
         "timed (0 = skip)",
     )
+    p.add_argument(
+        "--fig5-model",
+        default="mixtral-8x7b",
+        help="model whose cost model prices the Fig. 5 case (two 4-stage pipelines, 8 "
+        "micro-batches each); '' to skip",
+    )
     p.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
     p.add_argument(
         "--claims-doc",
@@ -160,7 +168,7 @@ def batch(dataset: str, seed: int, ds_index: int, context: int, step: int, token
 
 def run_cell(model, cluster, dataset, ds_index, context, args, capacity, gpus, keep=False):
     """All systems on `args.steps` batches of one (model, dataset, context)."""
-    cm = CostModel(model.shape, cluster.rank_profile(model.tp, model.pp))
+    cm = CostModel(model.shape, cluster.rank_profile(model.tp))
     pool = model.pool_size(gpus or None)
     per_system: dict[str, list[StepResult]] = {s: [] for s in args.systems}
     for step in range(args.steps):
@@ -176,6 +184,7 @@ def run_cell(model, cluster, dataset, ds_index, context, args, capacity, gpus, k
                 params=model.total_params,
                 megatron=args.megatron,
                 megatron_max_ranks=args.megatron_max_ranks,
+                pipeline_stages=model.pp,
             )
             per_system[system].append(r)
     rows = []
@@ -193,6 +202,9 @@ def run_cell(model, cluster, dataset, ds_index, context, args, capacity, gpus, k
             context=context,
             system=system,
             implementation=sums[0]["implementation"],
+            pipeline_schedule="+".join(
+                sorted({x for s in sums for x in s["pipeline_schedule"].split("+")})
+            ),
             pool_size=pool,
             gpus=pool * model.gpus_per_rank,
             capacity=capacity,
@@ -293,7 +305,8 @@ def charts(rows, systems, out: Path, gantt_results, gantt_ranks: int, gantt_cell
             plt.close(fig)
             files.append("ablation.png")
     for res in (gantt_results or {}).values():
-        files.append(gantt(res, out, gantt_ranks, plt))
+        if res.pipeline_stages == 1:  # per-rank bars; pipelines have fig5.png's stage view
+            files.append(gantt(res, out, gantt_ranks, plt))
     return files
 
 
@@ -341,7 +354,7 @@ def scale_check(args, cluster) -> dict:
     """One step of llama-7b, 1M context, Byted-like, on `args.scale_gpus` GPUs, timed."""
     model = MODELS["llama-7b"]
     pool = model.pool_size(args.scale_gpus)
-    cm = CostModel(model.shape, cluster.rank_profile(model.tp, model.pp))
+    cm = CostModel(model.shape, cluster.rank_profile(model.tp))
     t0 = time.perf_counter()
     lens = batch("byted_like", args.seed, 1, 1024 * K, 0, args.tokens)
     gen = time.perf_counter() - t0
@@ -366,6 +379,31 @@ def scale_check(args, cluster) -> dict:
             "implementation": r.implementation,
         }
     return out
+
+
+def fig5_case(args, cluster, out: Path) -> dict | None:
+    """ByteScale's Fig. 5 on the 1F1B simulator (`sim.pipelines`), with its Gantt chart."""
+    if not args.fig5_model:
+        return None
+    model = MODELS[args.fig5_model]
+    cm = CostModel(model.shape, cluster.rank_profile(model.tp))
+    plan, ex, constructed = pipelines_mod.constructed_case(cm)
+    result = {
+        "model": model.name,
+        "constructed": constructed,
+        "random": pipelines_mod.random_case(cm),
+    }
+    if not args.no_charts:
+        pipelines_mod.gantt(
+            plan,
+            ex,
+            cm,
+            out / "fig5.png",
+            f"Fig. 5 on the 1F1B simulator ({model.name}, 4 stages, 8 micro-batches each): "
+            f"DP bubble {100 * constructed['dp_bubble_share']:.1f}% of the step (grey)",
+        )
+    _say(f"fig5: DP bubble {100 * constructed['dp_bubble_share']:.1f}%")
+    return result
 
 
 def main(argv=None) -> int:
@@ -417,6 +455,7 @@ def main(argv=None) -> int:
                     + f"  [{time.perf_counter() - t0:.1f}s]"
                 )
     scale = scale_check(args, cluster) if args.scale_gpus else None
+    fig5 = fig5_case(args, cluster, out)
     if scale:
         _say("scale check:", json.dumps(scale))
     total = time.perf_counter() - t_start
@@ -434,12 +473,14 @@ def main(argv=None) -> int:
                 "gpus": args.gpus or m.gpus,
                 "pool_size": m.pool_size(args.gpus or None),
                 "layers_per_stage": m.layers_per_stage,
+                "pipeline": "1F1B timeline per stage" if m.pp > 1 else "none",
                 "memory_capacity_estimate": memory_capacity(m),
             }
             for m in models
         },
         "runs": rows,
         "scale_check": scale,
+        "fig5": fig5,
         "wall_seconds": total,
     }
     (out / "sim.json").write_text(json.dumps(result, indent=1))
@@ -450,6 +491,29 @@ def main(argv=None) -> int:
             "HDP ranks), one step; wall seconds to plan and simulate: "
             + ", ".join(f"{s} {scale[s]['wall_seconds']:.2f}" for s in args.systems)
             + "\n"
+        )
+    if fig5:
+        c, r = fig5["constructed"], fig5["random"]
+        md += (
+            f"\nFig. 5 ({fig5['model']}, static assignment, {c['stages']} stages, "
+            f"{c['micro_batches']} micro-batches per pipeline, two pipelines): DP bubble "
+            f"{100 * c['dp_bubble_share']:.1f}% of the step (constructed: "
+            f"{c['tokens'] // K}K-token micro-batches, {c['short'] // K}K documents "
+            "against whole ones; paper > 30%), "
+            f"GitHub-like random packing over {r['seeds']} seeds median "
+            f"{100 * r['dp_bubble_share_median']:.1f}%, "
+            f"p90 {100 * r['dp_bubble_share_p90']:.1f}%.\n"
+        )
+    pp_rows = [r for r in rows if r.get("pipeline_schedule") not in (None, "-")]
+    flushed = sorted(
+        {(r["model"], r["system"]) for r in pp_rows if "flush" in r["pipeline_schedule"]}
+    )
+    if pp_rows:
+        md += (
+            "\nPP models run every plan through the 1F1B simulator; DP plans that are not "
+            "lock-step and deadlock 1F1B ran with a flush around every ring in: "
+            + (", ".join(f"{m} {s}" for m, s in flushed) or "none")
+            + ".\n"
         )
     md += f"\nTotal run time: {total:.0f} s.\n"
     (out / "sim.md").write_text(md)

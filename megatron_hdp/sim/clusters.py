@@ -14,16 +14,21 @@ A profile describes one HDP rank: a model replica of TP x PP GPUs. Per-GPU const
   share (128 GB) for offloaded activations (`cost.H100`).
 
 Scaling to an HDP rank of TP x PP GPUs (stated assumptions):
-- FLOP/s x TP x PP x `tp_efficiency` x `pp_efficiency`. `tp_efficiency` = 0.9 for TP > 1
-  (TP all-reduces over NVLink partly exposed; our choice, not fitted), `pp_efficiency` =
-  0.9 for PP > 1 (1F1B bubble and stage imbalance; our choice, not fitted).
-- Ring link = InfiniBand per GPU x TP x PP: each GPU of the replica sends its own shard of
-  the ring's K/V (its TP slice of heads, its stage's layers) over its own NIC to the same
-  GPU of the neighbour replica, so the replica's links add up. Rings cross nodes (a ring
-  neighbour is another replica, in general on another node).
-- Host link = PCIe per GPU x TP x PP; device memory and host budget likewise scale.
-- The gradient sync is a ring all-reduce of the replica's gradients over the pool on the
-  same links: `2 (N - 1) / N x gradient bytes / ring bandwidth + 2 (N - 1) x latency`.
+- The cost model prices a micro-batch on ONE pipeline stage's TP group (`rank_profile`):
+  FLOP/s x TP x `tp_efficiency` (0.9 for TP > 1: TP all-reduces over NVLink partly
+  exposed; our choice, not fitted), ring link = InfiniBand per GPU x TP, host link = PCIe
+  per GPU x TP, device and host memory x TP. Its time `c` is then the whole model's forward
+  + backward on those devices, and a stage of a PP replica takes `c / PP` (uniform stages:
+  `scheduler.pipeline_timeline`). Each stage's GPUs send their own layers' K/V over their
+  own NICs, so per layer the ring time is the stage's, exactly as priced.
+- Pipeline parallelism is not an efficiency factor: every simulated step of a PP model
+  runs the plan's micro-batch lists through Megatron's 1F1B schedule stage by stage
+  (`pipeline_timeline.execute`), with rings synchronised on every stage, so fill and drain
+  bubbles, stalls behind heavy micro-batches and ring waits are all explicit.
+- Rings cross nodes (a ring neighbour is another replica, in general on another node).
+- The gradient sync is a ring all-reduce of each stage's gradients (the replica's over PP)
+  over the pool on that stage's links, all stages at once:
+  `2 (N - 1) / N x gradient bytes / PP / ring bandwidth + 2 (N - 1) x latency`.
 """
 
 from __future__ import annotations
@@ -49,7 +54,6 @@ class Cluster:
     gpu_memory: float = 80e9
     host_memory_per_gpu: float = 128e9
     tp_efficiency: float = 0.9
-    pp_efficiency: float = 0.9
 
     def gpu_profile(self) -> DeviceProfile:
         """The `DeviceProfile` of one GPU of this cluster."""
@@ -65,14 +69,16 @@ class Cluster:
             bytes_per_element=2,
         )
 
-    def rank_profile(self, tp: int, pp: int = 1) -> DeviceProfile:
-        """The `DeviceProfile` of one HDP rank of `tp x pp` GPUs (`DeviceProfile.replica`)."""
+    def rank_profile(self, tp: int) -> DeviceProfile:
+        """The `DeviceProfile` the cost model prices with: one pipeline stage of `tp` GPUs.
+
+        For a model without PP that is the whole HDP rank; with PP, a stage of the replica
+        (see the module docstring: stages are priced by the 1F1B timeline, not here).
+        """
         if tp > self.gpus_per_node:
             raise ValueError(f"TP {tp} exceeds the {self.gpus_per_node} GPUs of an NVLink node")
-        profile = self.gpu_profile().replica(
-            tp, pp, tp_efficiency=self.tp_efficiency, pp_efficiency=self.pp_efficiency
-        )
-        return replace(profile, name=f"{self.name}-tp{tp}pp{pp}")
+        profile = self.gpu_profile().replica(tp, tp_efficiency=self.tp_efficiency)
+        return replace(profile, name=f"{self.name}-tp{tp}")
 
     def scaled(self, **changes) -> Cluster:
         """A copy with some constants changed (e.g. `ib_bandwidth` for sensitivity runs)."""

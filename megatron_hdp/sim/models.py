@@ -25,9 +25,10 @@ other constant below is either a published config or a stated choice:
   pool 512 HDP ranks, the case study's d_hdp; Mixtral-8x22B uses 16,384 GPUs (the SIGCOMM
   title; the paper says "> 12K").
 
-An HDP rank is one model replica: TP x PP GPUs. The cost model sees it as one device whose
-speeds are the GPU's times TP x PP (see `clusters.py`); the pipeline runs all
-`layers_per_stage` layers of each stage concurrently on its own GPUs.
+An HDP rank is one model replica: TP x PP GPUs. The cost model prices micro-batches on one
+stage's TP group (the GPU's speeds times TP, `clusters.py`); with PP > 1 each stage takes
+`1 / PP` of that time for its `layers_per_stage` layers, and the simulator runs the stages
+through Megatron's 1F1B schedule (`scheduler.pipeline_timeline`).
 """
 
 from __future__ import annotations

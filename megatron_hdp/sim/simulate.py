@@ -32,6 +32,22 @@ Systems (the paper's ablation order first):
 
 The cost model prices offloading at zero extra time (its D2H copies hide under compute
 by construction of the ratio); that is the cost model's claim, not re-checked here.
+
+Pipeline parallelism (`pipeline_stages > 1`, the PP models): every pool rank is a pipeline
+and a step runs the plan's lists through Megatron's 1F1B schedule stage by stage
+(`scheduler.pipeline_timeline.execute`, rings synchronised on every stage), with the cost
+model pricing one stage's TP group (`clusters.py`). The systems then are:
+
+- `static`: `plan_step(policy="static", pipeline_stages=PP)`: lock-step as it is.
+- `hdp_balance`: PP-Balance (`plan_step(policy="balanced", pipeline_stages=PP)`).
+- `hdp_offload_balance`: PP-Balance with the offload rule's ring sizes and ratios, the rule's
+  ring-time limit being the per-stage work per pipeline (`pp_balance.plan_pp_balanced`
+  takes them; the planner itself refuses offloading with PP, so this is the simulator's
+  own composition, as `hdp_offload` is).
+- `hdp_greedy`, `hdp_offload`, `megatron_dcp`: their DP plans, run on pipelines as they
+  are ("applied blindly"): 1F1B with ring synchronisation when that completes, else (a
+  ring sits at positions that deadlock 1F1B) 1F1B segments with a pipeline flush around
+  every ring, which any plan survives. `pipeline_schedule` in the results says which.
 """
 
 from __future__ import annotations
@@ -45,9 +61,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron_hdp.scheduler.cost import CostModel
-from megatron_hdp.scheduler.offload_rule import planned_offload
+from megatron_hdp.scheduler.offload_rule import offload_rule, planned_offload
+from megatron_hdp.scheduler.pipeline_timeline import simulate_plan
 from megatron_hdp.scheduler.placement import plan_greedy, plan_step
 from megatron_hdp.scheduler.plan import MicroBatch, StepPlan, plan_from_rank_lists
+from megatron_hdp.scheduler.pp_balance import (
+    forward_shares,
+    micro_batch_costs,
+    micro_batch_sequences,
+    plan_pp_balanced,
+)
 from megatron_hdp.sim.timeline import timeline
 
 SYSTEMS = (
@@ -93,6 +116,9 @@ class StepResult:
     finish: np.ndarray
     plan_seconds: float
     implementation: str = "planner"
+    pipeline_stages: int = 1
+    schedules: list[str] = field(default_factory=list)
+    bubble_share: float = 0.0
     segments: list[Segment] = field(default_factory=list, repr=False)
     starts: list[list[float]] = field(default_factory=list, repr=False)
     offsets: list[float] = field(default_factory=list, repr=False)
@@ -126,6 +152,10 @@ class StepResult:
             "micro_batches": int(sum(len(s.plan.micro_batches) for s in self.segments)),
             "barrier_groups": len(self.segments),
             "plan_seconds": self.plan_seconds,
+            "pipeline_stages": self.pipeline_stages,
+            "pipeline_schedule": "+".join(sorted(set(self.schedules))) or "-",
+            "flushed_segments": sum(s == "flush" for s in self.schedules),
+            "bubble_share": self.bubble_share,
         }
 
 
@@ -286,14 +316,45 @@ def plan_system(
     cost_model: CostModel,
     megatron: str = "auto",
     megatron_max_ranks: int = MEGATRON_MAX_RANKS,
+    pipeline_stages: int = 1,
 ) -> tuple[list[StepPlan], str]:
     """The plans (barrier-separated groups; one for all but Megatron's) and the implementation.
 
     `megatron`: "auto" (Megatron-Core when installed and the pool is at most
     `megatron_max_ranks`, else the re-implementation), "core" (always Megatron-Core) or
-    "reimpl" (always the re-implementation).
+    "reimpl" (always the re-implementation). `pipeline_stages > 1`: see the module
+    docstring.
     """
     kw = {"pool_size": pool_size, "capacity": capacity}
+    pp = pipeline_stages
+    if pp > 1 and system in ("static", "hdp_balance", "hdp_offload_balance"):
+        if system == "static":
+            cp = static_cp(context, pool_size, capacity)
+            plan = plan_step(
+                seqlens,
+                policy="static",
+                cp_size=cp,
+                cost_model=cost_model,
+                pipeline_stages=pp,
+                **kw,
+            )
+            return [plan], f"planner (cp={cp})"
+        if system == "hdp_balance":
+            plan = plan_step(
+                seqlens, policy="balanced", cost_model=cost_model, pipeline_stages=pp, **kw
+            )
+            return [plan], "planner (PP-Balance)"
+        sizes, ratios = pipeline_offload(seqlens, pool_size, capacity, cost_model, pp)
+        plan = plan_pp_balanced(
+            seqlens,
+            pipeline_stages=pp,
+            cost_model=cost_model,
+            ring_sizes=sizes,
+            offload_ratios=ratios,
+            num_layers=cost_model.model.num_layers,
+            **kw,
+        )
+        return [plan], "PP-Balance + the offload rule's ring sizes"
     if system == "static":
         cp = static_cp(context, pool_size, capacity)
         return [plan_step(seqlens, policy="static", cp_size=cp, cost_model=cost_model, **kw)], (
@@ -326,6 +387,39 @@ def plan_system(
     raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
 
 
+def pipeline_offload(seqlens, pool_size: int, capacity: int, cost_model: CostModel, stages: int):
+    """The offload rule for pipelines: ring time limited to the per-stage work per pipeline.
+
+    `offload_rule.planned_offload`'s limit (total work / pool) divided by the stages: a ring
+    runs its whole time `c` from its first stage's forward to its backward there, and a
+    pipeline's step is about its per-stage work, so no ring made smaller by offloading
+    outlasts that.
+    """
+    s = np.asarray(seqlens, dtype=np.float64)
+    base = np.maximum(1, np.ceil(s / capacity))
+    _, local, ring = cost_model.cost_arrays(seqlens, capacity)
+    work = float(np.where(base > 1, ring * base, local).sum()) / pool_size / stages
+    return offload_rule(seqlens, capacity, cost_model, max_ring_time=work)
+
+
+def compute_costs(plan: StepPlan, cost_model: CostModel) -> np.ndarray:
+    """Per micro-batch per-member compute seconds with free communication (vectorised)."""
+    ids, owner, _ = micro_batch_sequences(plan)
+    s = np.asarray(plan.seqlens, dtype=np.float64)[ids]
+    n = len(plan.micro_batches)
+    work = np.bincount(owner, cost_model.linear_time(s) + cost_model.attention_time(s), minlength=n)
+    k = np.fromiter((mb.cp_size for mb in plan.micro_batches), dtype=np.float64, count=n)
+    return work / k
+
+
+def run_on_pipelines(plan: StepPlan, stages: int, costs, shares):
+    """1F1B with ring synchronisation; a pipeline flush around every ring if that deadlocks."""
+    ex = simulate_plan(plan, stages, costs=costs, forward_share=shares)
+    if ex.completed:
+        return ex, "1f1b"
+    return simulate_plan(plan, stages, costs=costs, forward_share=shares, schedule="flush"), "flush"
+
+
 def score(
     system: str,
     plans: list[StepPlan],
@@ -334,8 +428,18 @@ def score(
     params: float,
     implementation: str = "planner",
     plan_seconds: float = 0.0,
+    pipeline_stages: int = 1,
 ) -> StepResult:
-    """Run the plans' timelines back to back (barriers between them) and add the sync."""
+    """Run the plans' timelines back to back (barriers between them) and add the sync.
+
+    With `pipeline_stages > 1` every plan runs through the 1F1B pipeline simulator; a
+    rank's `busy` is then its stages' mean busy time, and the gradient sync moves each
+    stage's share of the parameters.
+    """
+    if pipeline_stages > 1:
+        return _score_pipelines(
+            system, plans, cost_model, params, implementation, plan_seconds, pipeline_stages
+        )
     pool = plans[0].pool_size
     busy = np.zeros(pool)
     finish = np.zeros(pool)
@@ -371,6 +475,49 @@ def score(
     )
 
 
+def _score_pipelines(system, plans, cost_model, params, implementation, plan_seconds, stages):
+    """`score` for PP replicas (see the module docstring)."""
+    pool = plans[0].pool_size
+    busy = np.zeros(pool)
+    finish = np.zeros(pool)
+    offset = compute_offset = idle = 0.0
+    segments, starts, offsets, schedules = [], [], [], []
+    for plan in plans:
+        costs = micro_batch_costs(plan, cost_model)
+        compute = compute_costs(plan, cost_model)
+        shares = forward_shares(plan, cost_model)
+        ex, schedule = run_on_pipelines(plan, stages, costs, shares)
+        ex_c, _ = run_on_pipelines(plan, stages, compute, shares)
+        busy += ex.busy.mean(axis=1)
+        finish = offset + ex.finish
+        idle += float(ex.idle.sum())
+        segments.append(Segment(plan, costs.tolist(), compute.tolist()))
+        starts.append(ex.forward_start.tolist())
+        offsets.append(offset)
+        schedules.append(schedule)
+        offset += ex.step_time
+        compute_offset += ex_c.step_time
+    dev = cost_model.device
+    sync = grad_sync_time(params / stages, pool, dev.p2p_bandwidth, dev.p2p_latency)
+    return StepResult(
+        system=system,
+        step_time=offset + sync,
+        compute_time=compute_offset,
+        grad_sync=sync,
+        tokens=int(sum(plans[0].seqlens)),
+        busy=busy,
+        finish=finish,
+        plan_seconds=plan_seconds,
+        implementation=implementation,
+        pipeline_stages=stages,
+        schedules=schedules,
+        bubble_share=idle / (offset * pool * stages) if offset > 0 else 0.0,
+        segments=segments,
+        starts=starts,
+        offsets=offsets,
+    )
+
+
 def simulate_step(
     system: str,
     seqlens: Sequence[int],
@@ -382,6 +529,7 @@ def simulate_step(
     params: float,
     megatron: str = "auto",
     megatron_max_ranks: int = MEGATRON_MAX_RANKS,
+    pipeline_stages: int = 1,
 ) -> StepResult:
     """Plan and score one step of `system` on the global batch `seqlens`."""
     t0 = time.perf_counter()
@@ -394,10 +542,17 @@ def simulate_step(
         cost_model=cost_model,
         megatron=megatron,
         megatron_max_ranks=megatron_max_ranks,
+        pipeline_stages=pipeline_stages,
     )
     elapsed = time.perf_counter() - t0
     return score(
-        system, plans, cost_model, params=params, implementation=impl, plan_seconds=elapsed
+        system,
+        plans,
+        cost_model,
+        params=params,
+        implementation=impl,
+        plan_seconds=elapsed,
+        pipeline_stages=pipeline_stages,
     )
 
 

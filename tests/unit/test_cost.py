@@ -115,17 +115,18 @@ def test_balanced_plan_is_close_to_the_lower_bound_on_a_mixed_batch():
 
 
 def test_a_replica_profile_adds_up_its_devices():
-    """TP x PP devices per HDP rank, by the stated formula (the simulator's and the job's)."""
+    """A simulator rank profile is one pipeline stage of TP devices, by the stated formula."""
     import pytest
 
     from megatron_hdp.sim.clusters import H100_CLUSTER
 
-    tp4pp2 = H100_CLUSTER.rank_profile(4, 2)
-    assert tp4pp2.linear_flops == pytest.approx(0.6 * 989e12 * 8 * 0.9 * 0.9, rel=1e-12)
-    assert tp4pp2.attention_flops == pytest.approx(0.4 * 989e12 * 8 * 0.9 * 0.9, rel=1e-12)
-    assert tp4pp2.p2p_bandwidth == pytest.approx(50e9 * 8)
-    assert tp4pp2.memory_bytes == pytest.approx(80e9 * 8)
-    assert tp4pp2.p2p_latency == 10e-6 and tp4pp2.name == "h100-tp4pp2"
+    tp4 = H100_CLUSTER.rank_profile(4)
+    assert tp4.linear_flops == pytest.approx(0.6 * 989e12 * 4 * 0.9, rel=1e-12)
+    assert tp4.attention_flops == pytest.approx(0.4 * 989e12 * 4 * 0.9, rel=1e-12)
+    assert tp4.p2p_bandwidth == pytest.approx(50e9 * 4)
+    assert tp4.memory_bytes == pytest.approx(80e9 * 4)
+    assert tp4.p2p_latency == 10e-6 and tp4.name == "h100-tp4"
+    assert not hasattr(H100_CLUSTER, "pp_efficiency")  # PP is a 1F1B timeline now
     tp2 = H100_CLUSTER.gpu_profile().replica(2)
     assert tp2.linear_flops == pytest.approx(0.6 * 989e12 * 2 * 0.9, rel=1e-12)
     assert H100_CLUSTER.gpu_profile().replica(1) == H100_CLUSTER.gpu_profile()

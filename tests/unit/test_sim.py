@@ -24,7 +24,7 @@ POOL = 32
 
 
 def _cm(cluster=H100_CLUSTER):
-    return CostModel(MODEL.shape, cluster.rank_profile(MODEL.tp, MODEL.pp))
+    return CostModel(MODEL.shape, cluster.rank_profile(MODEL.tp))
 
 
 def _run(system, lens, *, pool=POOL, context=None, cm=None, megatron="reimpl"):
@@ -199,3 +199,72 @@ def test_claims_table_from_a_small_simulation(tmp_path):
         for c in (128 * K, 256 * K)
     )
     assert by["13-best-hdp_balance"]["ours"][0] == pytest.approx(best)
+
+
+# ------------------------------------------------------------------ pipelines (PP models)
+
+PP_MODEL = MODELS["mixtral-8x7b"]
+
+
+def _pp_run(system, lens, *, pool=16, context=None):
+    cm = CostModel(PP_MODEL.shape, H100_CLUSTER.rank_profile(PP_MODEL.tp))
+    r = simulate_step(
+        system,
+        lens,
+        pool_size=pool,
+        capacity=C,
+        context=context or max(lens),
+        cost_model=cm,
+        params=PP_MODEL.total_params,
+        megatron="reimpl",
+        pipeline_stages=PP_MODEL.pp,
+    )
+    return r, cm
+
+
+PP_BATCH = byted_like(11, 16 * 8 * C, 128 * K)
+
+
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_pp_cells_run_stage_by_stage_and_add_up(system):
+    from megatron_hdp.scheduler.plan import lockstep_problems
+
+    d = PP_MODEL.pp
+    r, cm = _pp_run(system, PP_BATCH, context=128 * K)
+    assert placed_once(r)
+    assert r.pipeline_stages == d and r.schedules and set(r.schedules) <= {"1f1b", "flush"}
+    for seg in r.segments:
+        seg.plan.validate()
+    # busy is each pipeline's mean stage busy: every micro-batch costs c / d per stage.
+    assert r.busy.sum() == pytest.approx(total_cost(r, cm) / d, rel=1e-9)
+    assert r.step_time >= r.busy.max() + r.grad_sync - 1e-9
+    assert 0.0 < r.bubble_share < 1.0
+    # The gradient sync moves one stage's parameters over one stage's links.
+    dev = cm.device
+    n = 16
+    expected = 2 * (n - 1) / n * 4 * PP_MODEL.total_params / d / dev.p2p_bandwidth
+    assert r.grad_sync == pytest.approx(expected + 2 * (n - 1) * dev.p2p_latency)
+    if system in ("static", "hdp_balance", "hdp_offload_balance"):
+        assert r.schedules == ["1f1b"]
+        assert lockstep_problems(r.segments[0].plan) == []
+
+
+def test_pp_balance_beats_the_static_mesh_on_pipelines():
+    static, _ = _pp_run("static", PP_BATCH, context=128 * K)
+    balance, _ = _pp_run("hdp_balance", PP_BATCH, context=128 * K)
+    assert balance.step_time < static.step_time
+
+
+def test_fig5_dp_bubble_matches_the_uniform_1f1b_formula_and_exceeds_30_percent():
+    from megatron_hdp.sim.pipelines import constructed_case, random_case
+
+    cm = CostModel(PP_MODEL.shape, H100_CLUSTER.rank_profile(PP_MODEL.tp))
+    _, ex, out = constructed_case(cm, stages=4, micro_batches=8)
+    # Each pipeline runs 8 equal micro-batches: (8 + 4 - 1) (f + b) with f + b = c / 4.
+    light = cm.micro_batch_time([4 * K] * 8, 1)
+    heavy = cm.micro_batch_time([32 * K], 1)
+    assert out["finish_s"] == pytest.approx([11 * light / 4, 11 * heavy / 4])
+    assert out["dp_bubble_share"] == pytest.approx(1 - light / heavy)
+    assert out["dp_bubble_share"] > 0.30  # the paper's "> 30%"
+    rnd = random_case(cm, seeds=5)
+    assert 0.0 <= rnd["dp_bubble_share_median"] <= rnd["dp_bubble_share_max"] < 1.0
