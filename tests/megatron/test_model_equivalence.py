@@ -84,11 +84,16 @@ def batch_lengths(pool_size: int, step: int, kind: str) -> list[int]:
 
 
 def make_batch(pool_size: int, step: int, kind: str = "mixed"):
-    """`(tokens, labels, loss_mask)` per sequence: random 0/1 masks, the third sequence
+    """`(tokens, labels, loss_mask)` per sequence of `batch_lengths`."""
+    return batch_of_lengths(batch_lengths(pool_size, step, kind), seed=1000 * step + pool_size)
+
+
+def batch_of_lengths(lengths, *, seed: int):
+    """`(tokens, labels, loss_mask)` per length: random 0/1 masks, the third sequence
     (where there is one) masked out entirely."""
-    gen = torch.Generator().manual_seed(1000 * step + pool_size)
+    gen = torch.Generator().manual_seed(seed)
     seqs = []
-    for i, n in enumerate(batch_lengths(pool_size, step, kind)):
+    for i, n in enumerate(lengths):
         ids = torch.randint(0, VOCAB, (n + 1,), generator=gen)
         mask = (torch.rand(n, generator=gen) < 0.8).float()
         if i == 2:

@@ -34,8 +34,8 @@ from tests.megatron.reference import train_reference
 from tests.megatron.test_model_equivalence import (
     CAPACITY,
     OPTIM,
-    VOCAB,
     batch_lengths,
+    batch_of_lengths,
     snapshot_grads_before_update,
     source_of,
 )
@@ -114,15 +114,7 @@ def make_plans(pool: int, planner: str | None = None) -> list[StepPlan]:
 
 def batch_of(plan: StepPlan, step: int):
     """`(tokens, labels, loss_mask)` per sequence of `plan`, the third one masked out."""
-    gen = torch.Generator().manual_seed(100 * step + plan.pool_size)
-    seqs = []
-    for i, n in enumerate(plan.seqlens):
-        ids = torch.randint(0, VOCAB, (n + 1,), generator=gen)
-        mask = (torch.rand(n, generator=gen) < 0.8).float()
-        if i == 2:
-            mask.zero_()
-        seqs.append((ids[:-1], ids[1:], mask))
-    return seqs
+    return batch_of_lengths(plan.seqlens, seed=100 * step + plan.pool_size)
 
 
 def global_name(name: str, stage: int, layers_per_stage: int) -> str:
