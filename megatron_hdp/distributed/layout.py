@@ -241,6 +241,8 @@ def layout_problems(
 
 def pipeline_problems(*, num_layers: int | None, pp: int) -> list[str]:
     """What is wrong with splitting `num_layers` layers into `pp` pipeline stages."""
+    if pp < 1:
+        return [f"pipeline_model_parallel_size must be >= 1, got {pp}"]
     if pp == 1:
         return []
     problems = []
@@ -265,7 +267,8 @@ class ParallelLayout:
     Attributes:
         dims: The job's shape.
         rank: This process's global rank.
-        pool_group: The HDP pool of this rank's TP rank (Megatron's data-parallel group):
+        pool_group: The HDP pool of this rank's (stage, TP rank) (Megatron's data-parallel
+            group):
             rings, the loss-token count and the gradient sync run in it.
         tp_group: The TP ranks of this rank's replica.
         pp_group: The stages of this rank's pipeline (this rank alone without PP).

@@ -119,7 +119,11 @@ class Engine:
 
 
 def build_engine(cfg: GPTConfig, optim: OptimConfig, *, seed: int = 1234) -> Engine:
-    """Collective over the pool: the HDP GPT in Megatron DDP, its optimizer and LR schedule.
+    """Collective over the job: the HDP GPT in Megatron DDP, its optimizer and LR schedule.
+
+    (Megatron's DDP and optimizer set-up use the pool and model-parallel groups; a tied
+    embedding with PP is copied from the first to the last stage over Megatron's embedding
+    group.)
 
     Every rank seeds torch with `seed` first, so all replicas start from equal weights.
     Megatron's scheduler also applies the weight-decay groups (no decay on biases and 1-D

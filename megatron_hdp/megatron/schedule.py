@@ -16,7 +16,10 @@ cannot be run here; these pieces follow its contracts and are tested against a
   and the token count over the pool and divides by it. Needs `calculate_per_token_loss`.
   With pipeline parallelism it hands this rank's micro-batches to Megatron-Core's own 1F1B
   schedule instead (every stage gets the same batch dicts; the plan must be lock-step,
-  `scheduler.plan.lockstep_problems`), which calls the finish itself.
+  `scheduler.plan.lockstep_problems`), which calls the finish itself. Your `forward_step`
+  must pass `packed_seq_params` to the model on every stage (HDP attention needs the
+  token layout and the ring on each), unlike Megatron-LM's stock `get_batch`, which
+  returns nothing on the middle stages.
 """
 
 from __future__ import annotations
@@ -163,6 +166,11 @@ def hdp_forward_backward(
             raise ValueError(
                 "the drop-in schedule does not run experts with pipeline parallelism yet "
                 "(pretrain_hdp.py does)"
+            )
+        if runtime.pipeline_group is None:
+            raise ValueError(
+                "with pipeline parallelism the StepRuntime needs pipeline_group (the layout's "
+                "pp_group): the last stage must know it is last to report a loss"
             )
         problems = lockstep_problems(step.plan)
         if problems:

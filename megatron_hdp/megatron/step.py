@@ -345,6 +345,19 @@ def forward_backward(
     return loss_sum, aux_sum
 
 
+def _check_job_group(engine: Engine, runtime: StepRuntime) -> None:
+    """ValueError unless the runtime's job group holds every rank of a TP or PP job.
+
+    The loss is summed over the job (one contribution per replica), so with TP or PP the
+    pool alone would see only part of it.
+    """
+    if engine.tp_size * engine.pp_size > 1 and runtime.job_group is None:
+        raise ValueError(
+            f"with tensor_model_parallel_size {engine.tp_size} and pipeline_model_parallel_size "
+            f"{engine.pp_size} the StepRuntime needs job_group (every rank of the job)"
+        )
+
+
 def _own_loss(engine: Engine, loss_sum: float) -> float:
     """This rank's share of the global loss sum over all ranks of the job.
 
@@ -357,7 +370,7 @@ def _own_loss(engine: Engine, loss_sum: float) -> float:
 def train_step(
     engine: Engine, plan: StepPlan, source: TokenSource, runtime: StepRuntime
 ) -> StepResult:
-    """Collective over `runtime.group` (the HDP pool): one optimizer step on the global batch.
+    """Collective over the job (`runtime.all_ranks`): one optimizer step on the global batch.
 
     The plan is checked against the pool and the model before any communication. This
     rank reads only its own tokens from `source`. The LR schedule advances by one step
@@ -365,10 +378,12 @@ def train_step(
     gradient norm is not finite applies no update and returns `nonfinite=True` on every rank.
     """
     group = runtime.group
-    check_plan_fits(plan, engine, group)
+    _check_job_group(engine, runtime)
     if runtime.check_plans:
-        # Over every rank, so that the TP ranks of a replica are compared too.
+        # Over every rank, so that the TP ranks and stages of a replica are compared too;
+        # first, so that ranks with different plans fail together here.
         check_plan_agreement(plan, runtime.all_ranks, runtime.device)
+    check_plan_fits(plan, engine, group)
     bytes_before = runtime.stats.bytes_sent
     batches, global_tokens = read_and_count(plan, source, runtime)
     if global_tokens == 0:
@@ -438,6 +453,7 @@ def evaluate(
     engine: Engine, plan: StepPlan, source: TokenSource, runtime: StepRuntime
 ) -> tuple[float, int]:
     """Collective over the job: forward only; return the global loss sum and loss tokens."""
+    _check_job_group(engine, runtime)
     check_plan_fits(plan, engine, runtime.group)
     batches, num_tokens = read_and_count(plan, source, runtime)
     batch_tokens = sum(plan.seqlens)

@@ -65,7 +65,8 @@ PLANS = {
         ),
     ],
     # Pool 3: rings over pipelines 0 and 1 while pipeline 2 runs more micro-batches alone;
-    # step 1 has a ring over all three pipelines (then all counts are equal).
+    # step 1 has a ring over all three pipelines (then all counts are equal); step 2 leaves
+    # pipeline 2 without micro-batches.
     3: [
         (
             [C + 1, 20, 16, 12, 3, 9, 5, 7, 1],
@@ -82,7 +83,11 @@ PLANS = {
             [2 * C + 5, 10, 4, 13, 6],
             [((2, 0, 1), (0,)), ((0,), (1, 2)), ((1,), (3,)), ((2,), (4,))],
         ),
-        ([C + 9, 15, 3, 8, 2, 11], [((2,), (1,)), ((1, 0), (0,)), ((2,), (2, 3)), ((2,), (4, 5))]),
+        # Pipeline 2 runs no micro-batch at all (it still joins the gradient sync).
+        (
+            [C + 9, 15, 3, 8, 2, 11],
+            [((1, 0), (0,)), ((0,), (1,)), ((1,), (2,)), ((0,), (4, 5)), ((1,), (3,))],
+        ),
     ],
 }
 

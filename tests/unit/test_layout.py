@@ -54,3 +54,11 @@ def test_bad_pipeline_layouts_are_named(kwargs, message):
     assert problems and message in problems[0]
     with pytest.raises(ValueError, match=message.split(";")[0]):
         ParallelDims(**kwargs)
+
+
+@pytest.mark.parametrize("pp", [0, -1])
+def test_a_model_config_refuses_a_stage_count_below_one(pp):
+    from megatron_hdp.megatron.model import GPTConfig
+
+    with pytest.raises(ValueError, match=f"pipeline_model_parallel_size must be >= 1, got {pp}"):
+        GPTConfig(pipeline_model_parallel_size=pp)
