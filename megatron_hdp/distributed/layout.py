@@ -33,6 +33,7 @@ def moe_problems(
     tp: int,
     sequence_parallel: bool,
     dispatcher: str = "allgather",
+    pp: int = 1,
 ) -> list[str]:
     """What is wrong with an MoE set-up (empty: nothing), one message per bad value."""
     problems = []
@@ -66,6 +67,12 @@ def moe_problems(
         )
     if dispatcher not in DISPATCHERS:
         problems.append(f"moe_token_dispatcher_type {dispatcher!r} is not one of {DISPATCHERS}")
+    elif pp > 1 and dispatcher != "alltoall":
+        problems.append(
+            f"num_experts with pipeline_model_parallel_size {pp} needs "
+            "moe_token_dispatcher_type alltoall (Megatron's allgather dispatcher refuses the "
+            "variable sequence lengths of pipelined HDP micro-batches)"
+        )
     return problems
 
 
@@ -82,6 +89,7 @@ class ParallelDims:
     sequence_parallel: bool = False
     num_experts: int | None = None
     moe_router_topk: int = 2
+    moe_token_dispatcher_type: str = "allgather"
 
     def __post_init__(self) -> None:
         problems = layout_problems(**dataclasses.asdict(self))
@@ -211,6 +219,7 @@ def layout_problems(
     sequence_parallel: bool = False,
     num_experts: int | None = None,
     moe_router_topk: int = 2,
+    moe_token_dispatcher_type: str = "allgather",
 ) -> list[str]:
     """What is wrong with a layout (empty: nothing), one message per bad value."""
     tp, pp, world = tensor_model_parallel_size, pipeline_model_parallel_size, world_size
@@ -235,6 +244,8 @@ def layout_problems(
         ep=expert_model_parallel_size,
         tp=tp,
         sequence_parallel=sequence_parallel,
+        dispatcher=moe_token_dispatcher_type,
+        pp=pp,
     )
     return problems
 

@@ -139,16 +139,6 @@ class GPTConfig:
             num_layers=self.num_layers, pp=self.pipeline_model_parallel_size
         ):
             raise ValueError(problem)
-        if (
-            self.pipeline_model_parallel_size > 1
-            and self.num_experts is not None
-            and self.moe_token_dispatcher_type != "alltoall"
-        ):
-            raise ValueError(
-                "experts with pipeline parallelism need moe_token_dispatcher_type 'alltoall': "
-                "Megatron's allgather dispatcher refuses the variable sequence lengths that "
-                "pipelined HDP micro-batches have"
-            )
         for problem in moe_problems(
             num_experts=self.num_experts,
             topk=self.moe_router_topk,
@@ -156,6 +146,7 @@ class GPTConfig:
             tp=tp,
             sequence_parallel=self.sequence_parallel,
             dispatcher=self.moe_token_dispatcher_type,
+            pp=self.pipeline_model_parallel_size,
         ):
             raise ValueError(problem)
         if self.moe_aux_loss_coeff < 0:
@@ -198,6 +189,7 @@ def model_parallel_dims(cfg: GPTConfig, world_size: int) -> ParallelDims:
         sequence_parallel=cfg.sequence_parallel,
         num_experts=cfg.num_experts,
         moe_router_topk=cfg.moe_router_topk,
+        moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
     )
 
 

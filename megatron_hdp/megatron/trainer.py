@@ -385,7 +385,6 @@ def runtime_for(args, layout: ParallelLayout, device) -> StepRuntime:
     return StepRuntime(
         group=layout.pool_group,
         job_group=layout.world_group,
-        pipeline_group=layout.pp_group if layout.dims.pp > 1 else None,
         backend=args.hdp_attention_backend,
         device=device,
         check_plans=args.hdp_check_plans,

@@ -132,7 +132,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 _LAYOUT_FIELDS = re.compile(
     r"\b(num_experts|moe_router_topk|expert_model_parallel_size|tensor_model_parallel_size"
-    r"|pipeline_model_parallel_size|num_layers)\b"
+    r"|pipeline_model_parallel_size|num_layers|moe_token_dispatcher_type)\b"
 )
 
 
@@ -147,6 +147,7 @@ def _check_experts(args: argparse.Namespace, world_size: int) -> None:
         sequence_parallel=args.sequence_parallel,
         num_experts=args.num_experts,
         moe_router_topk=args.moe_router_topk,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
     )
     if problems:
         raise ValueError(_LAYOUT_FIELDS.sub(lambda m: flag(m.group(1)), problems[0]))
@@ -164,12 +165,6 @@ def _check_pipeline(args: argparse.Namespace) -> None:
     pp = args.pipeline_model_parallel_size
     if pp == 1:
         return
-    if args.num_experts is not None and args.moe_token_dispatcher_type != "alltoall":
-        raise ValueError(
-            f"--num-experts with --pipeline-model-parallel-size {pp} needs "
-            "--moe-token-dispatcher-type alltoall (Megatron's allgather dispatcher refuses "
-            "the variable sequence lengths of pipelined HDP micro-batches)"
-        )
     if args.hdp_offload:
         raise ValueError(
             f"--hdp-offload with --pipeline-model-parallel-size {pp} is not supported yet "

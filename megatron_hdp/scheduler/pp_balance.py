@@ -283,13 +283,7 @@ class _Planner:
                 if key not in self._memo:
                     self._memo[key] = float(self.costs.ring(self.ring_s[r], float(big)))
                 t = self._memo[key] / d
-            est = g.estimate + t + (d - 1) * max(0.0, t - top)
-            if est <= target:
-                g.shelves.append([(r, big)])
-                g.shelf_used.append(big)
-                g.shelf_tau.append(t)
-                g.estimate = est
-                g.top = max(top, t)
+            if self._new_shelf(g, r, big, t, target):
                 return True
         # Side by side: the narrowest width from `need` that keeps the row within the top.
         ok = (lad >= need) & (lad <= big) & (cost <= top * d)
@@ -306,15 +300,19 @@ class _Planner:
                 g.estimate = est
                 g.top = max(top, new_tau)
                 return True
-        est = g.estimate + t + (d - 1) * max(0.0, t - top)
-        if est <= target:
-            g.shelves.append([(r, w)])
-            g.shelf_used.append(w)
-            g.shelf_tau.append(t)
-            g.estimate = est
-            g.top = max(top, t)
-            return True
-        return False
+        return self._new_shelf(g, r, w, t, target)
+
+    def _new_shelf(self, g: _Group, r: int, width: int, t: float, target: float) -> bool:
+        """Open a row for ring `r` (`width` members, per-stage time `t`) if `target` allows."""
+        est = g.estimate + t + (self.d - 1) * max(0.0, t - g.top)
+        if est > target:
+            return False
+        g.shelves.append([(r, width)])
+        g.shelf_used.append(width)
+        g.shelf_tau.append(t)
+        g.estimate = est
+        g.top = max(g.top, t)
+        return True
 
     def _widen(self, groups: list[_Group], widths: np.ndarray) -> None:
         """Give each shelf's free members to its rings where that makes them faster.

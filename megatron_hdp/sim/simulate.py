@@ -436,69 +436,46 @@ def score(
     rank's `busy` is then its stages' mean busy time, and the gradient sync moves each
     stage's share of the parameters.
     """
-    if pipeline_stages > 1:
-        return _score_pipelines(
-            system, plans, cost_model, params, implementation, plan_seconds, pipeline_stages
-        )
-    pool = plans[0].pool_size
-    busy = np.zeros(pool)
-    finish = np.zeros(pool)
-    offset = 0.0
-    compute_offset = 0.0
-    segments, starts, offsets = [], [], []
-    for plan in plans:
-        seg = price(plan, cost_model)
-        t = timeline(plan, seg.durations)
-        tc = timeline(plan, seg.compute)
-        busy += np.asarray(t.busy)
-        finish = offset + np.asarray(t.finish)
-        segments.append(seg)
-        starts.append(list(t.starts))
-        offsets.append(offset)
-        offset += t.step_time
-        compute_offset += tc.step_time
-    dev = cost_model.device
-    sync = grad_sync_time(params, pool, dev.p2p_bandwidth, dev.p2p_latency)
-    return StepResult(
-        system=system,
-        step_time=offset + sync,
-        compute_time=compute_offset,
-        grad_sync=sync,
-        tokens=int(sum(plans[0].seqlens)),
-        busy=busy,
-        finish=finish,
-        plan_seconds=plan_seconds,
-        implementation=implementation,
-        segments=segments,
-        starts=starts,
-        offsets=offsets,
-    )
-
-
-def _score_pipelines(system, plans, cost_model, params, implementation, plan_seconds, stages):
-    """`score` for PP replicas (see the module docstring)."""
+    stages = pipeline_stages
     pool = plans[0].pool_size
     busy = np.zeros(pool)
     finish = np.zeros(pool)
     offset = compute_offset = idle = 0.0
     segments, starts, offsets, schedules = [], [], [], []
     for plan in plans:
-        costs = micro_batch_costs(plan, cost_model)
-        compute = compute_costs(plan, cost_model)
-        shares = forward_shares(plan, cost_model)
-        ex, schedule = run_on_pipelines(plan, stages, costs, shares)
-        ex_c, _ = run_on_pipelines(plan, stages, compute, shares)
-        busy += ex.busy.mean(axis=1)
-        finish = offset + ex.finish
-        idle += float(ex.idle.sum())
-        segments.append(Segment(plan, costs.tolist(), compute.tolist()))
-        starts.append(ex.forward_start.tolist())
+        if stages > 1:
+            costs = micro_batch_costs(plan, cost_model)
+            compute = compute_costs(plan, cost_model)
+            shares = forward_shares(plan, cost_model)
+            ex, schedule = run_on_pipelines(plan, stages, costs, shares)
+            ex_c, _ = run_on_pipelines(plan, stages, compute, shares)
+            busy += ex.busy.mean(axis=1)
+            finish = offset + ex.finish
+            idle += float(ex.idle.sum())
+            segments.append(Segment(plan, costs.tolist(), compute.tolist()))
+            starts.append(ex.forward_start.tolist())
+            schedules.append(schedule)
+            step, compute_step = ex.step_time, ex_c.step_time
+        else:
+            seg = price(plan, cost_model)
+            t = timeline(plan, seg.durations)
+            busy += np.asarray(t.busy)
+            finish = offset + np.asarray(t.finish)
+            segments.append(seg)
+            starts.append(list(t.starts))
+            step, compute_step = t.step_time, timeline(plan, seg.compute).step_time
         offsets.append(offset)
-        schedules.append(schedule)
-        offset += ex.step_time
-        compute_offset += ex_c.step_time
+        offset += step
+        compute_offset += compute_step
     dev = cost_model.device
     sync = grad_sync_time(params / stages, pool, dev.p2p_bandwidth, dev.p2p_latency)
+    pipelined = {}
+    if stages > 1:
+        pipelined = {
+            "pipeline_stages": stages,
+            "schedules": schedules,
+            "bubble_share": idle / (offset * pool * stages) if offset > 0 else 0.0,
+        }
     return StepResult(
         system=system,
         step_time=offset + sync,
@@ -509,12 +486,10 @@ def _score_pipelines(system, plans, cost_model, params, implementation, plan_sec
         finish=finish,
         plan_seconds=plan_seconds,
         implementation=implementation,
-        pipeline_stages=stages,
-        schedules=schedules,
-        bubble_share=idle / (offset * pool * stages) if offset > 0 else 0.0,
         segments=segments,
         starts=starts,
         offsets=offsets,
+        **pipelined,
     )
 
 

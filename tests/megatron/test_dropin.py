@@ -52,14 +52,20 @@ def pretrain_gpt_forward_step(data_iterator, model):
     return output, loss_func
 
 
+def megatron_lm_engine(cfg, *, seed):
+    """The engine as Megatron-LM's `train_step` sees it: its own finish, DDP's no_sync."""
+    engine = build_engine(cfg, OPTIM, seed=seed)
+    config = engine.model.config
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = engine.model.no_sync
+    return engine
+
+
 def _body_dropin(rank, world_size):
     with cpu_shims():
         layout = ParallelDims.of_world().initialize()
         try:
-            engine = build_engine(CFG, OPTIM, seed=SEED)
-            config = engine.model.config
-            config.finalize_model_grads_func = finalize_model_grads
-            config.no_sync_func = engine.model.no_sync
+            engine = megatron_lm_engine(CFG, seed=SEED)
             source = source_of(make_batch(world_size, 0))
             plan = plan_step(source.seqlens, pool_size=world_size, capacity=CAPACITY)
             runtime = StepRuntime(group=dist.group.WORLD)
@@ -121,10 +127,7 @@ def _body_empty_rank(rank, world_size):
     with cpu_shims():
         layout = ParallelDims.of_world().initialize()
         try:
-            engine = build_engine(CFG, OPTIM, seed=SEED)
-            config = engine.model.config
-            config.finalize_model_grads_func = finalize_model_grads
-            config.no_sync_func = engine.model.no_sync
+            engine = megatron_lm_engine(CFG, seed=SEED)
             source = source_of(make_batch(world_size, 0, "few"))  # 2 sequences, 4 ranks
             plan = plan_step(source.seqlens, pool_size=world_size, capacity=CAPACITY)
             schedule = hdp_forward_backward(StepRuntime(group=dist.group.WORLD), CFG)
@@ -157,10 +160,7 @@ def _body_dropin_moe(rank, world_size, cfg):
     with cpu_shims():
         layout = dims.initialize()
         try:
-            engine = build_engine(cfg, OPTIM, seed=MOE_SEED)
-            config = engine.model.config
-            config.finalize_model_grads_func = finalize_model_grads
-            config.no_sync_func = engine.model.no_sync
+            engine = megatron_lm_engine(cfg, seed=MOE_SEED)
             pool = dims.pool_size
             source = source_of(make_batch(pool, 0))
             plan = plan_step(source.seqlens, pool_size=pool, capacity=CAPACITY)
@@ -215,10 +215,7 @@ def _body_dropin_pipeline(rank, world_size, cfg):
     with cpu_shims():
         layout = dims.initialize()
         try:
-            engine = build_engine(cfg, OPTIM, seed=pp_test.SEED)
-            config = engine.model.config
-            config.finalize_model_grads_func = finalize_model_grads
-            config.no_sync_func = engine.model.no_sync
+            engine = megatron_lm_engine(cfg, seed=pp_test.SEED)
             plan = pp_test.make_plans(dims.pool_size)[0]
             source = source_of(pp_test.batch_of(plan, 0))
             runtime = StepRuntime(
