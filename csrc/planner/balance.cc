@@ -92,6 +92,36 @@ void validate(const std::vector<int64_t>& lengths, const std::vector<int64_t>& r
   }
 }
 
+void validate_widths(const RingWidths& w, const std::vector<int64_t>& ring_sizes,
+                     int64_t pool_size) {
+  if (w.empty()) return;
+  const size_t n = ring_sizes.size();
+  if (w.low.size() != n || w.offsets.size() != n + 1 || w.offsets[0] != 0 ||
+      w.offsets[n] != static_cast<int64_t>(w.costs.size())) {
+    fail("widths must be (low, offsets, costs) with one low per sequence and n + 1 offsets "
+         "from 0 to len(costs)");
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t first = w.offsets[i];
+    const int64_t last = w.offsets[i + 1];
+    if (last < first) fail("widths offsets decrease at sequence " + std::to_string(i));
+    if (last == first) continue;
+    const int64_t lo = w.low[i];
+    const int64_t hi = lo + last - first - 1;
+    if (ring_sizes[i] <= 1 || lo < 2 || hi > pool_size) {
+      fail("sequence " + std::to_string(i) + " (ring size " + std::to_string(ring_sizes[i]) +
+           ") lists widths " + std::to_string(lo) + ".." + std::to_string(hi) +
+           "; widths need a ring sequence and must lie in [2, " + std::to_string(pool_size) +
+           "]");
+    }
+    for (int64_t j = first; j < last; ++j) {
+      if (!std::isfinite(w.costs[static_cast<size_t>(j)])) {
+        fail("sequence " + std::to_string(i) + " lists a non-finite width cost");
+      }
+    }
+  }
+}
+
 // `indices` sorted by (length desc, index asc): a stable LSD radix sort (8-bit digits) of
 // the key `capacity - length` in [0, capacity] after ordering the indices ascending. O(n)
 // per digit; only the digits that `capacity` needs are sorted.
@@ -640,8 +670,10 @@ std::vector<Item> sorted_items(const Bins& packs, const std::vector<int64_t>& ri
 
 PlanArrays balance_core_arrays(std::vector<int64_t> lengths, std::vector<int64_t> ring_sizes,
                                std::vector<double> local_cost, std::vector<double> ring_cost,
-                               int64_t pool_size, int64_t capacity, double delta) {
+                               int64_t pool_size, int64_t capacity, double delta,
+                               RingWidths widths) {
   validate(lengths, ring_sizes, local_cost, ring_cost, pool_size, capacity, delta);
+  validate_widths(widths, ring_sizes, pool_size);
   const int64_t n = static_cast<int64_t>(lengths.size());
 
   const Bins packs = pack_short_sequences(lengths, ring_sizes, capacity);
@@ -652,19 +684,17 @@ PlanArrays balance_core_arrays(std::vector<int64_t> lengths, std::vector<int64_t
   std::vector<double>().swap(local_cost);
   std::vector<double>().swap(ring_cost);
   const size_t m = items.size();
-  int64_t max_k = 1;
   size_t members = 0;  // ranks over all items
-  for (const Item& item : items) {
-    max_k = std::max(max_k, item.k);
-    members += static_cast<size_t>(item.k);
-  }
+  for (const Item& item : items) members += static_cast<size_t>(item.k);
   std::vector<uint64_t> keys(m);
+  std::vector<int64_t> width(m);      // each item's ring size as placed
+  std::vector<double> item_cost(m);   // and its per-member cost at that size
 
   // store: the ranks 0..pool_size-1, then each item's ring (ascending) in item order.
   std::vector<int64_t> store;
   store.reserve(static_cast<size_t>(pool_size) + members);
   FreeRanks free_at(pool_size, store);
-  std::vector<int64_t> ring_begin(m + 1);
+  std::vector<int64_t> ring_begin(m);
   std::vector<double> starts(m);
   GapSet gaps;
 
@@ -672,6 +702,8 @@ PlanArrays balance_core_arrays(std::vector<int64_t> lengths, std::vector<int64_t
   for (size_t position = 0; position < m; ++position) {
     const Item& item = items[position];
     ring_begin[position] = static_cast<int64_t>(store.size());
+    width[position] = item.k;
+    item_cost[position] = item.cost;
     if (item.k == 1) {
       const GapSet::Position it = gaps.first_fit(item.cost);  // shortest gap that holds it
       if (gaps.found(it)) {
@@ -687,25 +719,64 @@ PlanArrays balance_core_arrays(std::vector<int64_t> lengths, std::vector<int64_t
             free_at.pop_and_push_back(item.cost, static_cast<int64_t>(store.size()) - 1);
       }
     } else {
-      // The k earliest ranks; the ring starts when the last of them is free.
+      // The k earliest ranks; the ring starts when the last of them is free. With a
+      // range of widths, k is the width whose ring finishes first (ties: the narrower).
       const size_t begin = store.size();
       member_times.clear();
-      free_at.pop_many(item.k, member_times);
-      double start = member_times[0];  // max() keeps the first of equal maxima
-      for (const double t : member_times) {
-        if (t > start) start = t;
+      int64_t k = item.k;
+      double cost = item.cost;
+      const size_t seq = static_cast<size_t>(item.source);
+      const bool ranged = !widths.empty() && widths.offsets[seq + 1] > widths.offsets[seq];
+      if (ranged) {
+        const int64_t first = widths.offsets[seq];
+        const int64_t count = widths.offsets[seq + 1] - first;
+        const int64_t low = widths.low[seq];
+        free_at.pop_many(low + count - 1, member_times);
+        double finish = 0.0;
+        for (int64_t j = 0; j < count; ++j) {
+          const double c = widths.costs[static_cast<size_t>(first + j)];
+          const double end = member_times[static_cast<size_t>(low + j - 1)] + c;
+          if (j == 0 || end < finish) {
+            k = low + j;
+            cost = c;
+            finish = end;
+          }
+        }
+      } else {
+        free_at.pop_many(k, member_times);
       }
-      for (size_t j = 0; j < member_times.size(); ++j) {
+      const size_t taken = begin + static_cast<size_t>(k);
+      double start = member_times[0];  // max() keeps the first of equal maxima
+      for (size_t j = 0; j < static_cast<size_t>(k); ++j) {
+        if (member_times[j] > start) start = member_times[j];
+      }
+      for (size_t j = 0; j < static_cast<size_t>(k); ++j) {
         const double t = member_times[j];
         if (start - t > delta) gaps.insert({start - t, t, store[begin + j]});
       }
-      std::sort(store.begin() + static_cast<std::ptrdiff_t>(begin), store.end());
-      free_at.push(start + item.cost, static_cast<int64_t>(begin),
-                   static_cast<int64_t>(store.size()));
+      // Ranks popped but not taken go back as free as they were, one group per free time
+      // (they left in (time, rank) order, so each run is ascending).
+      for (size_t j = static_cast<size_t>(k); j < member_times.size();) {
+        size_t e = j + 1;
+        while (e < member_times.size() && member_times[e] == member_times[j]) ++e;
+        free_at.push(member_times[j], static_cast<int64_t>(begin + j),
+                     static_cast<int64_t>(begin + e));
+        j = e;
+      }
+      std::sort(store.begin() + static_cast<std::ptrdiff_t>(begin),
+                store.begin() + static_cast<std::ptrdiff_t>(taken));
+      free_at.push(start + cost, static_cast<int64_t>(begin), static_cast<int64_t>(taken));
       starts[position] = start;
+      width[position] = k;
+      item_cost[position] = cost;
     }
   }
-  ring_begin[m] = static_cast<int64_t>(store.size());
+  int64_t max_k = 1;
+  size_t ring_ranks = 0;
+  for (size_t p = 0; p < m; ++p) {
+    max_k = std::max(max_k, width[p]);
+    ring_ranks += static_cast<size_t>(width[p]);
+  }
 
   // Global order: (start, larger ring first, lowest rank, item position): stable sorts of
   // the positions by lowest rank, then by the larger ring, then by start.
@@ -715,7 +786,7 @@ PlanArrays balance_core_arrays(std::vector<int64_t> lengths, std::vector<int64_t
     keys[p] = static_cast<uint64_t>(store[static_cast<size_t>(ring_begin[p])]);
   }
   stable_sort_by_key(order, keys);
-  for (size_t p = 0; p < m; ++p) keys[p] = static_cast<uint64_t>(max_k - items[p].k);
+  for (size_t p = 0; p < m; ++p) keys[p] = static_cast<uint64_t>(max_k - width[p]);
   stable_sort_by_key(order, keys);
   for (size_t p = 0; p < m; ++p) keys[p] = ascending_key(starts[p]);
   stable_sort_by_key(order, keys);
@@ -725,7 +796,7 @@ PlanArrays balance_core_arrays(std::vector<int64_t> lengths, std::vector<int64_t
   out.costs.resize(m);
   out.ring_offsets.resize(m + 1);
   out.seq_offsets.resize(m + 1);
-  out.ring_ranks.resize(store.size() - static_cast<size_t>(pool_size));
+  out.ring_ranks.resize(ring_ranks);
   out.seq_indices.resize(static_cast<size_t>(n));
   int64_t ring_at = 0;
   int64_t seq_at = 0;
@@ -733,8 +804,8 @@ PlanArrays balance_core_arrays(std::vector<int64_t> lengths, std::vector<int64_t
     const size_t p = static_cast<size_t>(order[q]);
     const Item& item = items[p];
     out.starts[q] = starts[p];
-    out.costs[q] = item.cost;
-    for (int64_t j = ring_begin[p]; j < ring_begin[p + 1]; ++j) {
+    out.costs[q] = item_cost[p];
+    for (int64_t j = ring_begin[p]; j < ring_begin[p] + width[p]; ++j) {
       out.ring_ranks[static_cast<size_t>(ring_at++)] = store[static_cast<size_t>(j)];
     }
     if (item.k == 1) {
@@ -755,9 +826,9 @@ std::vector<Placement> balance_core(const std::vector<int64_t>& lengths,
                                     const std::vector<int64_t>& ring_sizes,
                                     const std::vector<double>& local_cost,
                                     const std::vector<double>& ring_cost, int64_t pool_size,
-                                    int64_t capacity, double delta) {
-  const PlanArrays plan =
-      balance_core_arrays(lengths, ring_sizes, local_cost, ring_cost, pool_size, capacity, delta);
+                                    int64_t capacity, double delta, const RingWidths& widths) {
+  const PlanArrays plan = balance_core_arrays(lengths, ring_sizes, local_cost, ring_cost,
+                                              pool_size, capacity, delta, widths);
   std::vector<Placement> out(plan.size());
   for (size_t q = 0; q < plan.size(); ++q) {
     Placement& p = out[q];

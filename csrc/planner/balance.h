@@ -37,6 +37,16 @@ struct PlanArrays {
   size_t size() const { return starts.size(); }
 };
 
+// Widths a ring sequence may run on (balance.py rule 7): sequence i may take any width
+// low[i] + j for j < offsets[i + 1] - offsets[i], at per-member cost costs[offsets[i] + j].
+// Empty (no offsets): every ring keeps its ring size. An empty range keeps it too.
+struct RingWidths {
+  std::vector<int64_t> low;
+  std::vector<int64_t> offsets;
+  std::vector<double> costs;
+  bool empty() const { return offsets.empty(); }
+};
+
 // Bins of a packing as flat arrays: bin b holds items[offsets[b]:offsets[b+1]].
 struct Bins {
   std::vector<int64_t> offsets{0};
@@ -65,23 +75,28 @@ std::vector<std::vector<int64_t>> best_fit_decreasing(const std::vector<int64_t>
 // lengths: tokens of each sequence; ring_sizes: ranks each sequence needs (1 = packed);
 // local_cost: cost of a sequence alone on one rank (summed for packs); ring_cost: per-member
 // cost on its ring (used when the ring size is > 1); pool_size: ranks in the pool;
-// capacity: tokens per rank per micro-batch; delta: idle gaps at most this long stay idle.
+// capacity: tokens per rank per micro-batch; delta: idle gaps at most this long stay idle;
+// widths: the widths each ring sequence may run on (chosen at placement: the width whose
+// ring finishes first, ties to the narrower; nominal ring_sizes/ring_cost set the order).
 //
 // The inputs are taken by value: move them in and they are freed as soon as they are read.
 //
 // Throws std::invalid_argument for: arrays of unequal length, pool_size < 1, capacity <= 0,
 // a negative length, a ring size outside [1, pool_size], a ring-size-1 sequence longer than
-// the capacity, a non-finite cost that the plan would use, or a NaN delta.
+// the capacity, a non-finite cost that the plan would use, a NaN delta, or widths that are
+// malformed, outside [2, pool_size] or given to a sequence of ring size 1.
 PlanArrays balance_core_arrays(std::vector<int64_t> lengths, std::vector<int64_t> ring_sizes,
                                std::vector<double> local_cost, std::vector<double> ring_cost,
-                               int64_t pool_size, int64_t capacity, double delta = 0.0);
+                               int64_t pool_size, int64_t capacity, double delta = 0.0,
+                               RingWidths widths = {});
 
 // The same plan as one Placement per item, in the global order.
 std::vector<Placement> balance_core(const std::vector<int64_t>& lengths,
                                     const std::vector<int64_t>& ring_sizes,
                                     const std::vector<double>& local_cost,
                                     const std::vector<double>& ring_cost, int64_t pool_size,
-                                    int64_t capacity, double delta = 0.0);
+                                    int64_t capacity, double delta = 0.0,
+                                    const RingWidths& widths = {});
 
 }  // namespace planner
 }  // namespace megatron_hdp

@@ -101,16 +101,35 @@ std::vector<T> read_input(py::handle obj, const char* name) {
   return py::detail::cast_op<std::vector<T>&&>(std::move(caster));
 }
 
+// `widths`: None or a (low, offsets, costs) sequence of three arrays.
+megatron_hdp::planner::RingWidths read_widths(py::handle widths) {
+  megatron_hdp::planner::RingWidths out;
+  if (widths.is_none()) return out;
+  const auto parts = py::reinterpret_borrow<py::sequence>(widths);
+  if (parts.size() != 3) {
+    throw py::value_error("widths must be None or (low, offsets, costs), got " +
+                          std::to_string(parts.size()) + " parts");
+  }
+  out.low = read_input<int64_t>(parts[0], "widths low");
+  out.offsets = read_input<int64_t>(parts[1], "widths offsets");
+  out.costs = read_input<double>(parts[2], "widths costs");
+  if (out.offsets.empty()) throw py::value_error("widths offsets must hold n + 1 entries");
+  return out;
+}
+
 megatron_hdp::planner::PlanArrays plan(py::handle lengths, py::handle ring_sizes,
                                        py::handle local_cost, py::handle ring_cost,
-                                       int64_t pool_size, int64_t capacity, double delta) {
+                                       int64_t pool_size, int64_t capacity, double delta,
+                                       py::handle widths) {
   std::vector<int64_t> l = read_input<int64_t>(lengths, "lengths");
   std::vector<int64_t> k = read_input<int64_t>(ring_sizes, "ring_sizes");
   std::vector<double> lc = read_input<double>(local_cost, "local_cost");
   std::vector<double> rc = read_input<double>(ring_cost, "ring_cost");
+  megatron_hdp::planner::RingWidths w = read_widths(widths);
   py::gil_scoped_release release;  // the inputs are copies: other threads may run freely
   return megatron_hdp::planner::balance_core_arrays(std::move(l), std::move(k), std::move(lc),
-                                                    std::move(rc), pool_size, capacity, delta);
+                                                    std::move(rc), pool_size, capacity, delta,
+                                                    std::move(w));
 }
 
 // ------------------------------------------------------------------------------ outputs
@@ -255,10 +274,11 @@ py::object steal(PyObject* obj) {
 }
 
 py::list balance_core(py::handle lengths, py::handle ring_sizes, py::handle local_cost,
-                      py::handle ring_cost, int64_t pool_size, int64_t capacity, double delta) {
+                      py::handle ring_cost, int64_t pool_size, int64_t capacity, double delta,
+                      py::handle widths) {
   const PlacementMaker& maker = placement_maker();
   const megatron_hdp::planner::PlanArrays placed =
-      plan(lengths, ring_sizes, local_cost, ring_cost, pool_size, capacity, delta);
+      plan(lengths, ring_sizes, local_cost, ring_cost, pool_size, capacity, delta, widths);
   const size_t m = placed.size();
   GcPause pause;
   RankInts ranks(pool_size, placed.ring_ranks.size());
@@ -300,9 +320,9 @@ py::array_t<T> to_numpy(std::vector<T>&& values) {
 
 py::tuple balance_core_arrays(py::handle lengths, py::handle ring_sizes, py::handle local_cost,
                               py::handle ring_cost, int64_t pool_size, int64_t capacity,
-                              double delta) {
+                              double delta, py::handle widths) {
   megatron_hdp::planner::PlanArrays placed =
-      plan(lengths, ring_sizes, local_cost, ring_cost, pool_size, capacity, delta);
+      plan(lengths, ring_sizes, local_cost, ring_cost, pool_size, capacity, delta, widths);
   return py::make_tuple(to_numpy(std::move(placed.starts)), to_numpy(std::move(placed.costs)),
                         to_numpy(std::move(placed.ring_offsets)),
                         to_numpy(std::move(placed.ring_ranks)),
@@ -318,14 +338,14 @@ PYBIND11_MODULE(_planner, m) {
       "megatron_hdp.scheduler.balance.balance_core (identical plans).";
   m.def("balance_core", &balance_core, py::arg("lengths"), py::arg("ring_sizes"),
         py::arg("local_cost"), py::arg("ring_cost"), py::kw_only(), py::arg("pool_size"),
-        py::arg("capacity"), py::arg("delta") = 0.0,
+        py::arg("capacity"), py::arg("delta") = 0.0, py::arg("widths") = py::none(),
         "Place every sequence; return Placement objects sorted into the global order.\n\n"
         "Same contract as megatron_hdp.scheduler.balance.balance_core; raises ValueError "
         "for invalid input. The inputs may be sequences or 1-d numpy arrays. The GIL is "
         "released while the plan is computed.");
   m.def("balance_core_arrays", &balance_core_arrays, py::arg("lengths"), py::arg("ring_sizes"),
         py::arg("local_cost"), py::arg("ring_cost"), py::kw_only(), py::arg("pool_size"),
-        py::arg("capacity"), py::arg("delta") = 0.0,
+        py::arg("capacity"), py::arg("delta") = 0.0, py::arg("widths") = py::none(),
         "The plan of balance_core as flat numpy arrays, without a Python object per "
         "placement.\n\n"
         "Returns (starts, costs, ring_offsets, ring_ranks, seq_offsets, seq_indices): "

@@ -28,6 +28,13 @@ The paper leaves most of Alg. 2 open (bytescale-paper.md, section 7, item 7). De
    order and no schedule can deadlock.
 6. *End of the batch.* Nothing is left over: every item is placed, and the predicted step
    time is the latest finish.
+7. *Ring widths chosen at placement* (optional `widths`). A ring sequence may list the
+   widths it can run on, a contiguous range `low .. low + m - 1` with the per-member cost
+   of each. It is still ordered by its nominal `ring_sizes`/`ring_cost`, but placed on the
+   width whose ring finishes first: with the ranks taken earliest-free first, width `w`
+   starts when the `w`-th of them is free, and `start_w + cost_w` is minimal (ties: the
+   narrower width). The ranks it does not take stay free as they were. Which widths are
+   worth listing is the caller's decision (`ring_sizing.py`).
 
 Float arithmetic is plain IEEE double in a fixed order, so the C++ core reproduces the
 same starts bit for bit.
@@ -37,6 +44,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -84,6 +92,7 @@ def balance_core(
     pool_size: int,
     capacity: int,
     delta: float = 0.0,
+    widths=None,
 ) -> list[Placement]:
     """Place every sequence; return placements sorted into the global order.
 
@@ -95,8 +104,12 @@ def balance_core(
         pool_size: Ranks in the pool.
         capacity: Tokens per rank per micro-batch (the packing limit).
         delta: Idle gaps at most this long are not back-filled.
+        widths: None, or `(low, offsets, costs)`: ring sequence i (ring size > 1) may run
+            on any width `low[i] + j` for `j < offsets[i + 1] - offsets[i]`, at per-member
+            cost `costs[offsets[i] + j]` (rule 7); an empty range keeps `ring_sizes[i]`.
     """
     n = len(lengths)
+    options = _width_options(widths, ring_sizes, ring_cost, pool_size)
     short = [i for i in range(n) if ring_sizes[i] == 1]
     items = []  # (cost, k, first index, seq indices)
     for pack in best_fit_decreasing(lengths, short, capacity):
@@ -125,7 +138,16 @@ def balance_core(
                 heapq.heappush(free, (start + cost, rank))
             ring = (rank,)
         else:
-            members = [heapq.heappop(free) for _ in range(k)]
+            choices = options.get(seqs[0], ((k, cost),))
+            popped = [heapq.heappop(free) for _ in range(choices[-1][0])]
+            k, cost, finish = choices[0][0], choices[0][1], None
+            for width, width_cost in choices:
+                end = popped[width - 1][0] + width_cost
+                if finish is None or end < finish:
+                    k, cost, finish = width, width_cost, end
+            members = popped[:k]
+            for t, rank in popped[k:]:
+                heapq.heappush(free, (t, rank))
             start = max(t for t, _ in members)
             for t, rank in members:
                 if start - t > delta:
@@ -135,6 +157,41 @@ def balance_core(
         placed.append((start, -k, ring[0], position, Placement(start, cost, ring, seqs)))
     placed.sort(key=lambda p: p[:4])
     return [p[4] for p in placed]
+
+
+def _width_options(widths, ring_sizes, ring_cost, pool_size) -> dict:
+    """{sequence: ((width, cost), ...) ascending} from `balance_core`'s `widths` argument.
+
+    Raises ValueError for ranges outside [2, pool_size], for non-finite costs and for a
+    range given to a sequence of ring size 1.
+    """
+    if widths is None:
+        return {}
+    low, offsets, costs = widths
+    n = len(ring_sizes)
+    if len(low) != n or len(offsets) != n + 1 or offsets[0] != 0 or offsets[n] != len(costs):
+        raise ValueError(
+            "widths must be (low, offsets, costs) with one low per sequence and n + 1 offsets "
+            "from 0 to len(costs)"
+        )
+    options = {}
+    for i in range(n):
+        first, last = int(offsets[i]), int(offsets[i + 1])
+        if last < first:
+            raise ValueError(f"widths offsets decrease at sequence {i}")
+        if last == first:
+            continue
+        lo, hi = int(low[i]), int(low[i]) + last - first - 1
+        if ring_sizes[i] <= 1 or lo < 2 or hi > pool_size:
+            raise ValueError(
+                f"sequence {i} (ring size {ring_sizes[i]}) lists widths {lo}..{hi}; widths "
+                f"need a ring sequence and must lie in [2, {pool_size}]"
+            )
+        choice = tuple((lo + j, float(costs[first + j])) for j in range(last - first))
+        if not all(math.isfinite(c) for _, c in choice):
+            raise ValueError(f"sequence {i} lists a non-finite width cost")
+        options[i] = choice
+    return options
 
 
 def plan_from_placements(

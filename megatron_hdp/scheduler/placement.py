@@ -32,6 +32,12 @@ import numpy as np
 from megatron_hdp.scheduler.balance import best_fit_decreasing, plan_from_placements
 from megatron_hdp.scheduler.offload_rule import planned_offload
 from megatron_hdp.scheduler.plan import MicroBatch, StepPlan, plan_from_rank_lists, validate_inputs
+from megatron_hdp.scheduler.ring_sizing import (
+    RingCosts,
+    offload_ratios_for,
+    plan_ring_sizes,
+    step_lower_bound,
+)
 
 POLICIES = ("greedy", "balanced", "static")
 
@@ -211,20 +217,24 @@ def plan_balanced(
     delta: float = 0.0,
     core=None,
     offload: bool = False,
+    size_rings: bool = True,
 ) -> StepPlan:
     """HDP with the balance scheduler; costs from `cost_model` (a `cost.CostModel`).
 
-    Without a cost model the costs are `simple_cost`'s. `core` is the placement core with
-    `balance.balance_core`'s signature (the C++ core by default). With `offload`, long
-    sequences get the smaller rings and offload ratios of `offload_rule` (needs a cost
-    model); the plan then records the model's layer count for its memory check.
+    Without a cost model the costs are `simple_cost`'s and every sequence keeps its
+    minimal ring. With one (and `size_rings`), ring sizes are a decision
+    (`ring_sizing.plan_ring_sizes`): a sequence gets at least its minimal ring and more
+    where that shortens the predicted step. `core` is the placement core with
+    `balance.balance_core`'s signature (the C++ core by default). With `offload`, the
+    minimal rings are the offload rule's (needs a cost model) and each ring offloads the
+    least share that fits its placed width; the plan then records the model's layer count
+    for its memory check.
     """
     validate_inputs(seqlens, pool_size, capacity)
-    ratios = None
     if offload:
         if cost_model is None:
             raise ValueError("offloading needs a cost model (bandwidths and activation sizes)")
-        ring_sizes, ratios = planned_offload(
+        ring_sizes, _ = planned_offload(
             seqlens, pool_size=pool_size, capacity=capacity, cost_model=cost_model
         )
         ring_sizes, local, ring = cost_model.cost_arrays(seqlens, capacity, ring_sizes=ring_sizes)
@@ -241,15 +251,29 @@ def plan_balanced(
         from megatron_hdp.scheduler.planner import default_core
 
         core = default_core()
-    placements = core(
-        np.asarray(seqlens, dtype=np.int64),
-        ring_sizes,
-        local,
-        ring,
-        pool_size=pool_size,
-        capacity=capacity,
-        delta=delta,
-    )
+    lengths = np.asarray(seqlens, dtype=np.int64)
+    if cost_model is not None and size_rings:
+        costs = RingCosts(
+            seqlens, cost_model, pool_size, ring_sizes, np.where(ring_sizes > 1, ring, local)
+        )
+        bound = step_lower_bound(costs)
+        pack_tokens = pack_limit(cost_model, capacity, bound.value)
+        runner = _CoreRunner(core, lengths, local, costs, pack_tokens, delta)
+        best = plan_ring_sizes(costs, runner, bound=bound)
+        placements = best.placements
+        if placements is None:
+            placements = runner.place(best.widths, best.ranges)
+    else:
+        placements = core(
+            lengths, ring_sizes, local, ring, pool_size=pool_size, capacity=capacity, delta=delta
+        )
+    ratios = None
+    if offload:
+        placed = np.ones(len(lengths), dtype=np.int64)
+        for p in placements:
+            if len(p.ring) > 1:
+                placed[p.seq_indices[0]] = len(p.ring)
+        ratios = offload_ratios_for(lengths, placed, capacity, cost_model.model.num_layers)
     return plan_from_placements(
         placements,
         seqlens,
@@ -259,6 +283,84 @@ def plan_balanced(
         offload_ratios=ratios,
         num_layers=cost_model.model.num_layers if offload else 0,
     )
+
+
+#: Packs cost at most this share of the step's lower bound (where the capacity allows less).
+PACK_SHARE = 0.25
+
+
+def pack_limit(cost_model, capacity: int, bound: float) -> int:
+    """Tokens per pack: the capacity, or fewer where a full pack would take long.
+
+    Fewer where a full pack costs more than `PACK_SHARE` of the step's lower bound.
+    Small batches balance better with finer packs; large ones keep full packs.
+    """
+    full = float(cost_model.micro_batch_time([capacity], 1))
+    if full <= PACK_SHARE * bound:
+        return int(capacity)
+    return max(1, int(capacity * PACK_SHARE * bound / full))
+
+
+class _CoreRunner:
+    """Runs the balance core for `plan_ring_sizes`.
+
+    The first run places objects (it is usually the plan taken); later runs of the C++
+    core use its array form (no Python object per placement); any other core (the
+    reference) runs as given.
+    """
+
+    def __init__(self, core, lengths, local, costs: RingCosts, pack_tokens: int, delta) -> None:
+        self.lengths, self.local, self.costs = lengths, local, costs
+        self.pack_tokens, self.delta = pack_tokens, delta
+        self.core = core
+        self.runs = 0
+        self.arrays = None
+        try:
+            from megatron_hdp import _planner
+
+            if core is _planner.balance_core:
+                self.arrays = _planner.balance_core_arrays
+        except ImportError:  # the reference core runs without the extension
+            pass
+
+    def _args(self, widths, ranges):
+        """The core's arguments for these widths.
+
+        Packs hold at most `pack_tokens` tokens (more where a packed sequence is longer).
+        """
+        ring = np.where(widths > 1, self.costs.times(widths), 0.0)
+        packed = self.lengths[widths == 1]
+        capacity = max(self.pack_tokens, int(packed.max()) if len(packed) else 1)
+        kwargs = dict(
+            pool_size=self.costs.pool_size, capacity=capacity, delta=self.delta, widths=ranges
+        )
+        return (self.lengths, widths, self.local, ring), kwargs
+
+    def place(self, widths, ranges):
+        """The placements (objects) of these widths."""
+        args, kwargs = self._args(widths, ranges)
+        return self.core(*args, **kwargs)
+
+    def __call__(self, widths, ranges):
+        args, kwargs = self._args(widths, ranges)
+        self.runs += 1
+        if self.arrays is not None and self.runs > 1:
+            starts, costs, ring_off, _, seq_off, seqs = self.arrays(*args, **kwargs)
+            ends = starts + costs
+            last = int(np.argmax(ends))
+            item = (
+                seqs[seq_off[last] : seq_off[last + 1]],
+                int(ring_off[last + 1] - ring_off[last]),
+            )
+            return float(ends[last]), item, None
+        placements = self.core(*args, **kwargs)
+        ends = [p.start + p.cost for p in placements]
+        last = int(np.argmax(ends))
+        return (
+            float(ends[last]),
+            (placements[last].seq_indices, len(placements[last].ring)),
+            placements,
+        )
 
 
 def plan_step(

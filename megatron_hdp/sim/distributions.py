@@ -66,9 +66,12 @@ __all__ = [
     "GITHUB",
     "Mixture",
     "Piece",
+    "BENCH_MIXES",
     "byted_like",
     "describe",
+    "first_sequences",
     "github_like",
+    "pareto_like",
     "stdlib_lengths",
     "stdlib_like",
 ]
@@ -286,12 +289,52 @@ def stdlib_like(rng, total_tokens: int, max_len: int) -> list[int]:
     return _fill(rng, lambda g, n: g.choice(lengths, size=n), mean, total_tokens, max_len)
 
 
+#: The heavy-tailed mix's Pareto shape and smallest length.
+PARETO_SHAPE = 1.1
+PARETO_MIN = 256
+
+
+def pareto_like(rng, total_tokens: int, max_len: int) -> list[int]:
+    """A global batch of exactly `total_tokens` tokens with Pareto-tailed lengths.
+
+    Not from the paper: lengths `floor(256 / U^(1 / 1.1))`, `U` uniform on (0, 1], clipped
+    at `max_len`; a tail as heavy as long-context fine-tuning and RL batches (half the
+    sequences under 480 tokens, one in a thousand over 137K before clipping).
+    """
+    rng = np.random.default_rng(rng)
+
+    def draw(g, n):
+        u = 1.0 - g.random(n)  # (0, 1]
+        return np.floor(PARETO_MIN / u ** (1.0 / PARETO_SHAPE)).astype(np.int64)
+
+    mean = float(np.minimum(draw(np.random.default_rng(0), 200_000), max_len).mean())
+    return _fill(rng, draw, mean, total_tokens, max_len)
+
+
+def first_sequences(gen, rng, count: int, max_len: int) -> list[int]:
+    """The first `count` lengths `gen` draws (independent draws, none trimmed).
+
+    For batches sized by their number of sequences rather than tokens.
+    """
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count!r}")
+    budget = count * 64 * 1024
+    while True:
+        lengths = gen(np.random.default_rng(rng), budget, max_len)
+        if len(lengths) > count:
+            return lengths[:count]
+        budget *= 4
+
+
 GENERATORS: dict[str, Callable[..., list[int]]] = {
     "github_like": github_like,
     "byted_like": byted_like,
     "stdlib_like": stdlib_like,
 }
-"""The generators by name."""
+"""The generators of the paper's mixes and the embedded corpus, by name."""
+
+BENCH_MIXES: dict[str, Callable[..., list[int]]] = {**GENERATORS, "pareto_like": pareto_like}
+"""`GENERATORS` and the heavy-tailed mix of our own, for the planner benchmark."""
 
 #: Byted token-share buckets: [128K, 256K), [256K, 512K), [512K, 1M), [1M, 2M), [2M, inf).
 _BUCKETS = (("128k", 128 * K), ("256k", 256 * K), ("512k", 512 * K), ("1m", 1 * M), ("2m", 2 * M))

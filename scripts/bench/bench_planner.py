@@ -1,20 +1,26 @@
 """Planner benchmark: plan time (C++ vs Python core) and plan quality vs a lower bound.
 
-For each length mix (`megatron_hdp.sim.distributions`) and HDP pool size N, one global
-batch of `8 * N * C` tokens (about 8 micro-batches of capacity per rank, C = 8192 tokens
-per rank per micro-batch) with lengths clipped at the context `min(N * C, 2M)` is planned
-and scored under the cost model of a LLaMA-7B-like GQA model (32 layers, h 4096, 32 heads,
-8 query groups, ffn 11008, vocab 32000) on the H100 profile:
+For each length mix (`megatron_hdp.sim.distributions.BENCH_MIXES`: the paper's GitHub-like
+and Byted-like mixes, the embedded corpus' stdlib-like lengths and our Pareto-tailed mix),
+HDP pool size N and batch size, one global batch with lengths clipped at the context
+`min(N * C, 2M)` (C = 8192 tokens per rank per micro-batch) is planned and scored under the
+cost model of a LLaMA-7B-like GQA model (32 layers, h 4096, 32 heads, 8 query groups, ffn
+11008, vocab 32000) on the H100 profile. Batch sizes: `large`, `8 * N * C` tokens (about 8
+micro-batches of capacity per rank); `small`, `1.5 N` sequences (fewer than 2 per rank, as
+long-context fine-tuning and RL batches are).
 
 - plan time, median of `--repeats` runs on one core (`time.perf_counter`), of the balance
   core alone (C++ `megatron_hdp._planner.balance_core` and the Python reference
   `balance.balance_core`, inputs prepared beforehand) and of the whole balanced
   `plan_step` (cost arrays + packing + placement + plan building + validation);
-- plan quality: predicted step time over the cost-model lower bound `cost.lower_bound`
-  (max(total work / N, longest item)), for `balanced`, `greedy`, the `static` DP x CP mesh
-  (smallest CP that holds the longest sequence and divides N) and Megatron-Core 0.16.1's
-  `BalancedCPScheduler` (barrier-separated groups; scored under our cost model with its
-  actual CP per sequence and under its own s^2/cp measure).
+- plan quality: predicted step time over the lower bound `ring_sizing.step_lower_bound`
+  (no plan that runs each sequence on its own ring or packs it on one rank can be
+  shorter: the widths a step time forces, their work, and the longest sequence at its
+  best ring), for `balanced` (ring sizes decided), `balanced_min_rings` (the balance
+  scheduler with every ring at its minimal size, as before ring sizing), `greedy`, the
+  `static` DP x CP mesh (smallest CP that holds the longest sequence and divides N) and
+  Megatron-Core 0.16.1's `BalancedCPScheduler` (barrier-separated groups; scored under our
+  cost model with its actual CP per sequence and under its own s^2/cp measure).
 
 Writes JSON and a PNG, and prints a markdown table. Run from the repository root:
 
@@ -46,13 +52,15 @@ import numpy as np  # noqa: E402
 from megatron_hdp.provenance import environment, git_revision  # noqa: E402
 from megatron_hdp.scheduler import plan_step  # noqa: E402
 from megatron_hdp.scheduler.balance import balance_core as python_core  # noqa: E402
-from megatron_hdp.scheduler.cost import (  # noqa: E402
-    H100,
-    CostModel,
-    lower_bound,
-)
+from megatron_hdp.scheduler.cost import H100, CostModel  # noqa: E402
 from megatron_hdp.scheduler.placement import plan_balanced  # noqa: E402
-from megatron_hdp.sim.distributions import GENERATORS, M, describe  # noqa: E402
+from megatron_hdp.scheduler.ring_sizing import RingCosts, step_lower_bound  # noqa: E402
+from megatron_hdp.sim.distributions import (  # noqa: E402
+    BENCH_MIXES,
+    M,
+    describe,
+    first_sequences,
+)
 from megatron_hdp.sim.models import MODELS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,7 +68,9 @@ CAPACITY = 8192
 MICRO_BATCHES_PER_RANK = 8
 MAX_CONTEXT = 2 * M
 MODEL = MODELS["llama-7b"].shape  # the paper's LLaMA-7B (Table 1)
-SYSTEMS = ("balanced", "greedy", "static", "mcore_0_16_1")
+SMALL_SEQUENCES_PER_RANK = 1.5
+SIZES = ("large", "small")
+SYSTEMS = ("balanced", "balanced_min_rings", "greedy", "static", "mcore_0_16_1")
 #: Seconds per (sequence x rank) of the 0.16.1 scheduler, measured on this machine
 #: (GitHub-like mix, 2,048 ranks, 15K sequences: 13 s); used to skip runs over the limit.
 MCORE_SECONDS_PER_SEQ_RANK = 5e-7
@@ -71,14 +81,25 @@ def parse_args(argv=None):
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
-        "--pools", type=int, nargs="+", default=[64, 512, 2048, 16384], help="HDP pool sizes N"
+        "--pools",
+        type=int,
+        nargs="+",
+        default=[8, 16, 64, 509, 1024, 2048, 16384],
+        help="HDP pool sizes N",
     )
     p.add_argument(
         "--mixes",
         nargs="+",
-        default=list(GENERATORS),
-        choices=list(GENERATORS),
-        help="length mixes (megatron_hdp.sim.distributions)",
+        default=list(BENCH_MIXES),
+        choices=list(BENCH_MIXES),
+        help="length mixes (megatron_hdp.sim.distributions.BENCH_MIXES)",
+    )
+    p.add_argument(
+        "--sizes",
+        nargs="+",
+        default=list(SIZES),
+        choices=list(SIZES),
+        help="batch sizes: large (8 micro-batches of tokens per rank), small (1.5 N sequences)",
     )
     p.add_argument(
         "--repeats", type=int, default=5, help="timed runs per plan-time figure (median reported)"
@@ -164,12 +185,16 @@ class _StubGroup:
 # ------------------------------------------------------------------------- plans
 
 
-def whole_plan(seqlens, pool, cost_model, core):
+def whole_plan(seqlens, pool, cost_model, core, size_rings=True):
     """The balanced `plan_step` path with a given core (cost arrays, packing, placement, plan)."""
-    plan = plan_balanced(
-        seqlens, pool_size=pool, capacity=CAPACITY, cost_model=cost_model, core=core
+    return plan_balanced(
+        seqlens,
+        pool_size=pool,
+        capacity=CAPACITY,
+        cost_model=cost_model,
+        core=core,
+        size_rings=size_rings,
     )
-    return plan
 
 
 def score_plan(plan, lb: float, lb_s2: float) -> dict:
@@ -211,6 +236,13 @@ def score_plan(plan, lb: float, lb_s2: float) -> dict:
     }
     if plan.policy == "balanced":
         out["planner_predicted_step_time_s"] = planned_end
+        out["sequences_above_minimal_ring"] = int(
+            sum(
+                1
+                for i, k in enumerate(ring_of)
+                if k > max(1, math.ceil(seqlens[i] / plan.capacity))
+            )
+        )
     return out
 
 
@@ -264,28 +296,36 @@ def score_mcore(seqlens, sample_id_groups, pool, cost_model, lb, lb_s2, capacity
 # ------------------------------------------------------------------------- one case
 
 
-def run_case(mix, pool, args, cost_model, cpp_core, mcore_cls) -> dict:
+def batch(mix, pool, size, seed):
+    """The lengths of one benchmark batch and its context."""
     max_len = min(pool * CAPACITY, MAX_CONTEXT)
-    total = MICRO_BATCHES_PER_RANK * pool * CAPACITY
-    seed = [args.seed, pool, list(GENERATORS).index(mix)]
-    seqlens = GENERATORS[mix](np.random.default_rng(seed), total, max_len)
+    rng = np.random.default_rng([seed, pool, list(BENCH_MIXES).index(mix), SIZES.index(size)])
+    if size == "large":
+        total = MICRO_BATCHES_PER_RANK * pool * CAPACITY
+        return BENCH_MIXES[mix](rng, total, max_len), max_len
+    count = max(2, round(SMALL_SEQUENCES_PER_RANK * pool))
+    return first_sequences(BENCH_MIXES[mix], rng, count, max_len), max_len
+
+
+def run_case(mix, pool, size, args, cost_model, cpp_core, mcore_cls) -> dict:
+    seqlens, max_len = batch(mix, pool, size, args.seed)
     k, local, ring = cost_model.cost_arrays(seqlens, CAPACITY)
-    lb = lower_bound(k, local, ring, pool)
-    work = np.where(k > 1, ring * k, local)
-    longest = float(np.max(np.where(k > 1, ring, local)))
+    bound = step_lower_bound(RingCosts(seqlens, cost_model, pool, k, np.where(k > 1, ring, local)))
+    lb = bound.value
     lb_s2 = float(sum(x * x for x in seqlens)) / pool
     core_inputs = (np.asarray(seqlens, dtype=np.int64), k, local, ring)
     case = {
         "mix": mix,
         "pool": pool,
+        "size": size,
         "max_len": max_len,
-        "total_tokens": total,
+        "total_tokens": int(sum(seqlens)),
         "num_sequences": len(seqlens),
-        "seed": seed,
+        "seed": args.seed,
         "batch": describe(seqlens),
         "lower_bound_s": lb,
-        "lower_bound_work_over_n_s": float(work.sum()) / pool,
-        "lower_bound_longest_item_s": longest,
+        "lower_bound_work_at_min_rings_s": bound.work_at_min_rings,
+        "lower_bound_longest_at_best_ring_s": bound.longest_at_best_ring,
         "lower_bound_s2": lb_s2,
         "plan_time": {},
         "quality": {},
@@ -295,7 +335,7 @@ def run_case(mix, pool, args, cost_model, cpp_core, mcore_cls) -> dict:
     def core_call(core):
         return lambda: core(*core_inputs, pool_size=pool, capacity=CAPACITY)
 
-    # Python reference: core alone, then the whole plan_step path.
+    # Python reference: core alone (minimal rings), then the whole plan_step path.
     py_core, py_placements = timed(core_call(python_core), args.repeats, args.python_limit)
     py_whole, balanced = timed(
         lambda: whole_plan(seqlens, pool, cost_model, python_core), args.repeats, args.python_limit
@@ -312,21 +352,33 @@ def run_case(mix, pool, args, cost_model, cpp_core, mcore_cls) -> dict:
             ),
             args.repeats,
         )
-        t["cpp"] = {"core": cpp_c, "core_arrays": cpp_arrays, "plan_step": cpp_whole}
+        cpp_min, min_rings = timed(
+            lambda: whole_plan(seqlens, pool, cost_model, cpp_core, size_rings=False),
+            args.repeats,
+        )
+        t["cpp"] = {
+            "core": cpp_c,
+            "core_arrays": cpp_arrays,
+            "plan_step": cpp_whole,
+            "plan_step_min_rings": cpp_min,
+        }
+        t["ring_sizing_time_growth"] = cpp_whole["median_s"] / cpp_min["median_s"]
         case["cpp_plan_identical_to_python"] = bool(
             cpp_placements == py_placements and cpp_plan == balanced
         )
     else:
         t["cpp"] = None
+        min_rings = whole_plan(seqlens, pool, cost_model, python_core, size_rings=False)
 
     q = case["quality"]
-    q["balanced"] = score_plan(balanced, lb, lb_s2)
     greedy, static = (
         plan_step(seqlens, pool_size=pool, capacity=CAPACITY, policy=name, cost_model=cost_model)
         for name in ("greedy", "static")
     )
-    for plan in (balanced, greedy, static):
+    for plan in (balanced, min_rings, greedy, static):
         plan.validate(pool_size=pool)  # every invariant, untimed
+    q["balanced"] = score_plan(balanced, lb, lb_s2)
+    q["balanced_min_rings"] = score_plan(min_rings, lb, lb_s2)
     q["greedy"] = score_plan(greedy, lb, lb_s2)
     q["static"] = score_plan(static, lb, lb_s2)
     q["static"]["cp"] = static.micro_batches[0].cp_size
@@ -342,10 +394,14 @@ def run_case(mix, pool, args, cost_model, cpp_core, mcore_cls) -> dict:
     else:
         sched = mcore_cls(CAPACITY, _StubGroup(pool))
         t0 = time.perf_counter()
-        _, groups = sched.get_groups_and_subsamples(list(enumerate(seqlens)), None)
-        elapsed = time.perf_counter() - t0
-        q["mcore_0_16_1"] = score_mcore(seqlens, groups, pool, cost_model, lb, lb_s2, CAPACITY)
-        t["mcore_0_16_1"] = {"one_run_s": elapsed}
+        try:
+            _, groups = sched.get_groups_and_subsamples(list(enumerate(seqlens)), None)
+        except Exception as err:  # noqa: BLE001 (its failure on a batch is a result)
+            q["mcore_0_16_1"] = {"failed": f"{type(err).__name__}: {err}"}
+        else:
+            elapsed = time.perf_counter() - t0
+            q["mcore_0_16_1"] = score_mcore(seqlens, groups, pool, cost_model, lb, lb_s2, CAPACITY)
+            t["mcore_0_16_1"] = {"one_run_s": elapsed}
     return case
 
 
@@ -359,96 +415,121 @@ def plot(results, mixes, path: Path) -> None:
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
+    colors = {
+        "balanced": "tab:blue",
+        "balanced_min_rings": "tab:cyan",
+        "greedy": "tab:green",
+        "static": "tab:gray",
+        "mcore_0_16_1": "tab:red",
+    }
+    styles = {"large": "-", "small": "--"}
     fig, axes = plt.subplots(3, len(mixes), figsize=(5 * len(mixes), 12), squeeze=False)
     for col, mix in enumerate(mixes):
-        cases = sorted((c for c in results if c["mix"] == mix), key=lambda c: c["pool"])
-        pools = [c["pool"] for c in cases]
-        ax = axes[0][col]
-        for impl, style in (("cpp", "-"), ("python", "--")):
-            for what, marker in (("core", "o"), ("plan_step", "s")):
-                ys = [
-                    c["plan_time"][impl][what]["median_s"] if c["plan_time"].get(impl) else None
+        for size, style in styles.items():
+            cases = sorted(
+                (c for c in results if c["mix"] == mix and c["size"] == size),
+                key=lambda c: c["pool"],
+            )
+            if not cases:
+                continue
+            ax = axes[0][col]
+            for impl, key, marker in (
+                ("cpp", "plan_step", "o"),
+                ("cpp", "plan_step_min_rings", "x"),
+                ("python", "plan_step", "s"),
+            ):
+                pts = [
+                    (c["pool"], c["plan_time"][impl][key]["median_s"])
                     for c in cases
+                    if c["plan_time"].get(impl) and key in c["plan_time"][impl]
                 ]
-                pts = [(x, y) for x, y in zip(pools, ys) if y is not None]
                 if pts:
-                    ax.plot(*zip(*pts), style, marker=marker, label=f"{impl} {what}")
-        pts = [
-            (c["pool"], c["plan_time"]["mcore_0_16_1"]["one_run_s"])
-            for c in cases
-            if "mcore_0_16_1" in c["plan_time"]
-        ]
-        if pts:
-            ax.plot(*zip(*pts), ":", marker="x", color="gray", label="MCore 0.16.1 (1 run)")
-        ax.set(
+                    ax.plot(*zip(*pts), style, marker=marker, label=f"{impl} {key} ({size})")
+            for row, key in ((1, "ratio_to_lower_bound"), (2, "s2_ratio_to_lower_bound")):
+                ax = axes[row][col]
+                for system in SYSTEMS:
+                    pts = [
+                        (c["pool"], c["quality"][system][key])
+                        for c in cases
+                        if key in c["quality"][system]
+                    ]
+                    if pts:
+                        ax.plot(
+                            *zip(*pts),
+                            style,
+                            marker="o",
+                            markersize=3,
+                            color=colors[system],
+                            label=f"{system} ({size})",
+                        )
+        axes[0][col].set(
             xscale="log",
             yscale="log",
             title=f"{mix}: plan time",
             xlabel="pool size N",
             ylabel="seconds (median)",
         )
-        ax.legend(fontsize=7)
-        for row, key, label in (
-            (1, "ratio_to_lower_bound", "step time / lower bound (our cost model)"),
-            (2, "s2_ratio_to_lower_bound", "step / lower bound (s^2/cp measure)"),
+        axes[0][col].legend(fontsize=6)
+        for row, label in (
+            (1, "step / lower bound (our cost model)"),
+            (2, "step / lower bound (s^2/cp measure)"),
         ):
             ax = axes[row][col]
-            for system in SYSTEMS:
-                pts = [
-                    (c["pool"], c["quality"][system][key])
-                    for c in cases
-                    if key in c["quality"][system]
-                ]
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", label=system)
             ax.axhline(1.0, color="black", linewidth=0.5)
+            if row == 1:
+                ax.axhline(1.03, color="black", linewidth=0.5, linestyle=":")
             ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
             ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.set(
                 xscale="log",
                 yscale="log",
                 title=f"{mix}: {label}",
-                xlabel="pool size N",
+                xlabel="pool size N (solid: large batch, dashed: small)",
                 ylabel="ratio (1 = lower bound)",
             )
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 def _ms(entry, what):
-    if not entry:
+    if not entry or what not in entry:
         return "-"
     return f"{entry[what]['median_s'] * 1e3:.1f}"
 
 
+def _mcore(q, key):
+    mc = q["mcore_0_16_1"]
+    if key in mc:
+        return f"{mc[key]:.3f}"
+    return "skipped" if "skipped" in mc else "failed"
+
+
 def markdown(results) -> str:
     lines = [
-        "| mix | N | seqs | C++ core ms (arrays) | Py core ms | C++ plan_step ms "
-        "| Py plan_step ms | balanced | greedy | static (cp) | MCore ours | MCore s2 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mix | size | N | seqs | C++ core ms | C++ plan_step ms (min rings) | Py plan_step ms "
+        "| balanced | min rings | greedy | static (cp) | MCore ours | balanced s2 | MCore s2 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in results:
         t, q = c["plan_time"], c["quality"]
-        mc = q["mcore_0_16_1"]
         lines.append(
-            f"| {c['mix']} | {c['pool']} | {c['num_sequences']} | {_ms(t['cpp'], 'core')} "
-            f"({_ms(t['cpp'], 'core_arrays')}) "
-            f"| {_ms(t['python'], 'core')} | {_ms(t['cpp'], 'plan_step')} "
+            f"| {c['mix']} | {c['size']} | {c['pool']} | {c['num_sequences']} "
+            f"| {_ms(t['cpp'], 'core')} "
+            f"| {_ms(t['cpp'], 'plan_step')} ({_ms(t['cpp'], 'plan_step_min_rings')}) "
             f"| {_ms(t['python'], 'plan_step')} "
             f"| {q['balanced']['ratio_to_lower_bound']:.3f} "
+            f"| {q['balanced_min_rings']['ratio_to_lower_bound']:.3f} "
             f"| {q['greedy']['ratio_to_lower_bound']:.3f} "
             f"| {q['static']['ratio_to_lower_bound']:.2f} ({q['static']['cp']}) "
-            + (
-                f"| {mc['ratio_to_lower_bound']:.3f} | {mc['s2_ratio_to_lower_bound']:.3f} |"
-                if "skipped" not in mc
-                else "| skipped | skipped |"
-            )
+            f"| {_mcore(q, 'ratio_to_lower_bound')} "
+            f"| {q['balanced']['s2_ratio_to_lower_bound']:.3f} "
+            f"| {_mcore(q, 's2_ratio_to_lower_bound')} |"
         )
     lines.append(
-        "\nQuality = predicted step time / cost-model lower bound (1.0 is optimal); "
-        "MCore s2 = its own s^2/cp measure over sum(s^2)/N."
+        "\nQuality = predicted step time / lower bound (1.0 is optimal); s2 = Megatron-Core's "
+        "own s^2/cp measure over sum(s^2)/N."
     )
     return "\n".join(lines)
 
@@ -461,10 +542,15 @@ def main(argv=None) -> int:
     results = []
     t_start = time.perf_counter()
     for mix in args.mixes:
-        for pool in args.pools:
-            t0 = time.perf_counter()
-            results.append(run_case(mix, pool, args, cost_model, cpp_core, mcore_cls))
-            print(f"[{time.perf_counter() - t0:6.1f} s] {mix} N={pool}", file=sys.stderr)
+        for size in args.sizes:
+            for pool in args.pools:
+                t0 = time.perf_counter()
+                results.append(run_case(mix, pool, size, args, cost_model, cpp_core, mcore_cls))
+                print(
+                    f"[{time.perf_counter() - t0:6.1f} s] {mix} {size} N={pool}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     versions = environment()
     for pkg in ("numpy", "matplotlib"):
         versions[pkg] = metadata.version(pkg)
@@ -473,7 +559,9 @@ def main(argv=None) -> int:
         "config": {
             "capacity": CAPACITY,
             "micro_batches_per_rank": MICRO_BATCHES_PER_RANK,
-            "total_tokens": "micro_batches_per_rank * pool * capacity",
+            "total_tokens": "large: micro_batches_per_rank * pool * capacity; small: "
+            f"{SMALL_SEQUENCES_PER_RANK} * pool sequences (distributions.first_sequences)",
+            "sizes": args.sizes,
             "max_len": f"min(pool * capacity, {MAX_CONTEXT}) (the context; lengths clipped)",
             "model": asdict(MODEL),
             "device": asdict(H100),
@@ -493,8 +581,14 @@ def main(argv=None) -> int:
                 "placement, StepPlan (C++: plan_step itself; Python: "
                 "plan_balanced(core=balance.balance_core)); plans are validated once, untimed",
                 "plan_time.mcore_0_16_1": "get_groups_and_subsamples, one run",
-                "lower_bound_s": "cost.lower_bound: max(total work / N, longest item), "
-                "work at the minimal ring ceil(s / C); same bound for every system",
+                "lower_bound_s": "ring_sizing.step_lower_bound: least T with every sequence "
+                "fitting some ring within T and the work of the widths T forces fitting in "
+                "N T; at least max(longest item at its best ring, total work at minimal "
+                "rings / N); same bound for every system",
+                "balanced_min_rings": "the balanced policy with every ring at ceil(s / C) "
+                "(plan_balanced(size_rings=False)), the planner before ring sizing",
+                "plan_time.ring_sizing_time_growth": "C++ plan_step / plan_step with "
+                "minimal rings, same run",
                 "step_time_s (ours)": "ranks run micro-batches in plan order, a ring starts "
                 "when all members are free; max finish over ranks",
                 "step_time_s (mcore)": "sum over barrier-separated groups of max over ranks "

@@ -57,6 +57,8 @@ class Case:
     cfg: GPTConfig = CFG
     batch: str = "mixed"
     offload: bool = False
+    wide_rings: bool = False
+    """Plan with free ring communication, so the planner gives rings more ranks than needed."""
 
 
 def batch_lengths(pool_size: int, step: int, kind: str) -> list[int]:
@@ -134,6 +136,10 @@ def _body_train(rank, world_size, case: Case):
                 runtime.offload = offload_manager(
                     engine, 1e12, torch.device("cpu"), min_offload_bytes=0
                 )
+            if case.wide_rings:
+                profile = dataclasses.replace(CPU, p2p_latency=0.0, p2p_bandwidth=1e18)
+                cost_model = CostModel(model_shape(case.cfg), profile)
+            widened = []
             groups_before = len(dist.distributed_c10d._world.pg_map)
             results = []
             for step in range(NUM_STEPS):
@@ -147,6 +153,11 @@ def _body_train(rank, world_size, case: Case):
                     cost_model=cost_model,
                     offload=case.offload,
                 )
+                widened += [
+                    mb.cp_size
+                    for mb in plan.micro_batches
+                    if mb.cp_size > -(-sum(plan.seqlens[i] for i in mb.seq_indices) // CAPACITY)
+                ]
                 if case.offload:
                     offloaded.append(
                         sorted(
@@ -163,6 +174,8 @@ def _body_train(rank, world_size, case: Case):
             params = {n: p.detach().clone() for n, p in engine.model.module.named_parameters()}
             new_groups = len(dist.distributed_c10d._world.pg_map) - groups_before
             assert new_groups == 0, f"{new_groups} process groups were created during training"
+            if case.wide_rings:
+                assert widened, "no ring got more ranks than its sequence needs"
             if case.offload:
                 moved = runtime.offload.engine.bytes_to_host
                 assert all(offloaded) and moved > 0, (offloaded, moved)
@@ -252,6 +265,13 @@ def test_ranks_without_micro_batches_match_single_process():
 
 def test_distributed_optimizer_matches_single_process():
     check_case(Case(pool_size=3, distributed_optimizer=True))
+
+
+@pytest.mark.parametrize("pool_size", [3, 4])
+def test_rings_wider_than_needed_match_single_process(pool_size):
+    """Ring sizes are a decision: rings with more ranks than their sequence needs (short
+    sequences on rings too) give the single-process loss, gradients and parameters."""
+    check_case(Case(pool_size=pool_size, policy="balanced", wide_rings=True))
 
 
 def test_offloading_plans_match_single_process():

@@ -1,0 +1,312 @@
+"""Ring sizes as a decision, and the step-time bound no plan can beat (pure: numpy).
+
+A sequence needs at least `k_min` ranks for its activations (`ceil(s / C)`, or Eq. 3's
+count with offloading) and may get more: a wider ring finishes sooner but moves more K/V
+(`CostModel.time(s, k)` prices it). Wider rings pay off when one ring would set the step's
+length, or when ranks would otherwise idle. Everything here is deterministic: every rank
+derives the same sizes from the same inputs.
+
+**The bound.** Let `t_i(k)` be sequence i's per-member time on `k` ranks and `W_i(k) =
+k t_i(k)` its work. `W_i` never falls as `k` grows (compute is fixed and `k` times the
+exposed ring time grows with `k`, `cost.CostModel`), and `t_i(k) >= A_i / k` with
+`A_i` the compute of the whole sequence. A plan with step time `T` runs every sequence on
+some `k_i` ranks with `t_i(k_i) <= T`, so `k_i >= max(k_min_i, A_i / T)`, and the ranks'
+busy time `sum_i W_i(k_i)` fits in `N T`. The bound is the least `T` with
+
+    T >= max_i min_{k_min_i <= k <= N} t_i(k)       (every sequence fits on some ring)
+    N T >= sum_i W_i(max(k_min_i, ceil(A_i / T)))   (the work at the widths T forces)
+
+found by bisection (the right side falls as `T` grows). It is at least the classic
+`max(longest item at its best ring, total work at minimal rings / N)` and, like it,
+assumes the cost model prices each sequence on its own ring (as every HDP plan and
+Megatron-Core's scheduler do; packs of several documents on one ring, as the static mesh
+builds, share ring messages and are bounded by their compute alone).
+
+**The sizes.** `target_widths(T)` gives each sequence the fewest ranks that finish it
+within `T` (at least `k_min`); at the bound that is the allotment the bound itself uses.
+`plan_ring_sizes` then searches a few candidates with the balance core and keeps the one
+with the shortest predicted step (`balance.py` rule 7 for widths chosen at placement):
+
+1. fixed widths `target_widths(T_bound)`: accepted at once within 0.5% of the bound;
+2. widths chosen at placement, each ring between `k_min` and the widest ring whose work
+   stays within 2% of its target width's;
+3. fixed widths for tighter targets `0.7 T` and `0.5 T` (smaller items fill better), and
+   the minimal widths (the plan without ring sizing);
+4. from the best so far, the critical item grows: the last ring to finish gets one rank
+   more, or the longest sequence of the last pack gets a ring of two; kept while the
+   predicted step falls.
+
+Steps 2-4 share a budget of core runs that shrinks with the batch (`SEARCH_BUDGET`), so
+planning 16,384 ranks costs at most three core runs more than the first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+#: A plan within this share of the bound is accepted without searching further.
+ACCEPT = 0.005
+#: Widths chosen at placement may cost this much more work than the target width's.
+WORK_SLACK = 0.02
+#: Tighter targets tried as fixed widths (fractions of the bound).
+TIGHTER_TARGETS = (0.7, 0.5)
+#: Core runs the search may spend after the first, and the batch size (sequences + ranks)
+#: times runs it may spend at most (3 runs at 16,384 ranks with ~8 micro-batches each).
+SEARCH_RUNS = 32
+SEARCH_BUDGET = 450_000
+#: Widths of a sequence evaluated when searching for its target width.
+_GRID = 48
+#: Sequences whose best ring time is computed exactly for the bound (the rest: A / N).
+_EXACT_LONGEST = 8
+
+
+@dataclass(frozen=True)
+class StepBound:
+    """The lower bound on the step time and its parts (seconds)."""
+
+    value: float
+    work_at_min_rings: float
+    """Total work at every sequence's minimal ring, over the pool size."""
+    longest_at_best_ring: float
+    """The largest over sequences of the shortest time any ring gives it."""
+
+
+class RingCosts:
+    """Per-member times of sequences on rings of any width (`CostModel.time`)."""
+
+    def __init__(
+        self, seqlens: Sequence[int], cost_model, pool_size: int, min_widths, min_time=None
+    ):
+        """`min_time`: each sequence's per-member time on its minimal ring, if known."""
+        self.s = np.asarray(seqlens, dtype=np.float64)
+        self.cost_model = cost_model
+        self.pool_size = int(pool_size)
+        self.k_min = np.asarray(min_widths, dtype=np.int64)
+        if min_time is None:
+            min_time = cost_model.time(self.s, self.k_min)
+        self.min_time = np.asarray(min_time, dtype=np.float64)
+        self.compute = np.asarray(
+            cost_model.linear_time(self.s) + cost_model.attention_time(self.s), dtype=np.float64
+        )
+        # The widest ring a plan gives: every member holds a token, within the pool.
+        self.k_max = np.maximum(self.k_min, np.minimum(self.pool_size, self.s.astype(np.int64)))
+
+    def time(self, idx, k) -> np.ndarray:
+        """Per-member seconds of sequences `idx` on rings of `k` ranks (broadcasts)."""
+        return np.asarray(self.cost_model.time(self.s[idx], k), dtype=np.float64)
+
+    def times(self, widths: np.ndarray) -> np.ndarray:
+        """Per-member seconds of every sequence at `widths` (computed where not minimal)."""
+        out = self.min_time.copy()
+        wider = np.nonzero(widths != self.k_min)[0]
+        out[wider] = self.time(wider, widths[wider])
+        return out
+
+    def best_time(self, idx: int, k_hi: int) -> float:
+        """The shortest time sequence `idx` takes on any ring of `k_min .. k_hi` ranks."""
+        ks = np.arange(int(self.k_min[idx]), int(k_hi) + 1)
+        return float(np.min(self.time(idx, ks)))
+
+
+def step_lower_bound(costs: RingCosts) -> StepBound:
+    """The least step time any plan of these sequences on this pool can reach (see above)."""
+    n_ranks = costs.pool_size
+    k_min, compute = costs.k_min, costs.compute
+    work_min = k_min * costs.min_time
+    total_min = float(work_min.sum())
+    # Any plan: sequence i takes at least min_k t_i(k) >= A_i / N; exact for the longest.
+    per_seq = compute / n_ranks
+    longest = float(np.max(per_seq))
+    top = min(_EXACT_LONGEST, len(per_seq))
+    for i in np.argpartition(-per_seq, top - 1)[:top]:
+        longest = max(longest, costs.best_time(int(i), n_ranks))
+    lo = max(longest, total_min / n_ranks)
+    # Only sequences with A_i / k_min_i > lo can be forced wider by any T >= lo.
+    forceable = np.nonzero(compute / k_min > lo)[0]
+    order = forceable[np.argsort(-compute[forceable] / k_min[forceable], kind="stable")]
+    ratio = compute[order] / k_min[order]  # descending: widths a T forces are a prefix
+
+    def work_at(t: float) -> float:
+        forced = int(np.searchsorted(-ratio, -t, side="left"))  # ratio > t
+        idx = order[:forced]
+        k = np.maximum(k_min[idx], np.ceil(compute[idx] / t)).astype(np.int64)
+        return total_min + float(np.sum(k * costs.time(idx, k)) - np.sum(work_min[idx]))
+
+    if work_at(lo) <= n_ranks * lo:
+        value = lo
+    else:
+        hi = 2.0 * lo
+        while work_at(hi) > n_ranks * hi:
+            hi *= 2.0
+        for _ in range(60):
+            mid = 0.5 * (lo + hi)
+            if work_at(mid) <= n_ranks * mid:
+                hi = mid
+            else:
+                lo = mid
+            if hi - lo <= 1e-9 * hi:
+                break
+        value = hi
+    return StepBound(value, total_min / n_ranks, longest)
+
+
+def target_widths(costs: RingCosts, target: float) -> np.ndarray:
+    """Each sequence's fewest ranks (>= `k_min`) that finish it within `target` seconds.
+
+    Searched on a grid of widths from `max(k_min, ceil(A / target))` (no fewer can reach
+    the target): every width for 16 steps, then geometric to `k_max`. Where none reaches
+    the target (the ring's exposed communication grows faster than its compute shrinks),
+    the fastest width of a grid from `k_min` to `k_max`.
+    """
+    k = costs.k_min.copy()
+    over = np.nonzero(costs.min_time > target)[0]
+    if len(over) == 0:
+        return k
+    lo = np.minimum(
+        costs.k_max[over], np.maximum(k[over], np.ceil(costs.compute[over] / target))
+    ).astype(np.int64)
+    grid = _width_grid(lo, costs.k_max[over])
+    times = costs.time(over[:, None], grid)
+    fits = times <= target
+    first = np.argmax(fits, axis=1)
+    rows = np.arange(len(over))
+    k[over] = grid[rows, first]
+    none = np.nonzero(~fits[rows, first])[0]
+    if len(none):
+        idx = over[none]
+        grid = _width_grid(costs.k_min[idx], costs.k_max[idx])
+        k[idx] = grid[np.arange(len(idx)), np.argmin(costs.time(idx[:, None], grid), axis=1)]
+    return k
+
+
+def _width_grid(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Per row, `_GRID` widths from `lo` to `hi`: every width for 16, then geometric."""
+    steps = np.arange(_GRID)
+    ratio = np.maximum(hi / (lo + 16.0), 1.0)[:, None]
+    grid = np.where(
+        steps[None, :] < 16,
+        lo[:, None] + steps[None, :],
+        np.ceil((lo + 16)[:, None] * np.power(ratio, (steps[None, :] - 16) / (_GRID - 17))),
+    ).astype(np.int64)
+    return np.minimum(grid, hi[:, None])
+
+
+def width_ranges(costs: RingCosts, widths: np.ndarray, slack: float = WORK_SLACK):
+    """`balance_core`'s `widths` argument: each ring may run on `k_min .. k_hi` ranks.
+
+    `k_hi` is the widest ring whose work stays within `1 + slack` of the work at `widths`
+    (at least `widths` itself); sequences of width 1 keep being packed.
+    """
+    n = len(widths)
+    ring = np.nonzero(widths > 1)[0]
+    low = np.where(widths > 1, np.maximum(2, costs.k_min), 0).astype(np.int64)
+    k_hi = widths.copy()
+    if len(ring):
+        limit = (1.0 + slack) * widths[ring] * costs.time(ring, widths[ring])
+        lo, hi = widths[ring].copy(), costs.k_max[ring].copy()
+        while np.any(lo < hi):  # largest k in [lo, hi] with work(k) <= limit (monotone)
+            mid = (lo + hi + 1) // 2
+            ok = mid * costs.time(ring, mid) <= limit
+            lo = np.where(ok, mid, lo)
+            hi = np.where(ok, hi, mid - 1)
+        k_hi[ring] = lo
+    counts = np.where(widths > 1, k_hi - low + 1, 0)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    seq = np.repeat(np.arange(n), counts)
+    k_all = low[seq] + (np.arange(offsets[-1]) - offsets[seq])
+    return low, offsets, costs.time(seq, k_all)
+
+
+@dataclass
+class _Candidate:
+    makespan: float
+    widths: np.ndarray
+    ranges: tuple | None
+    last: tuple  # (sequence indices, ring width) of the item that finishes last
+    placements: list | None
+
+
+def plan_ring_sizes(
+    costs: RingCosts,
+    run_core: Callable,
+    *,
+    bound: StepBound | None = None,
+):
+    """Search ring sizes with the balance core; return `(widths, ranges, placements)`.
+
+    `run_core(widths, ranges)` runs the core with per-sequence ring sizes `widths` (1 =
+    packed) and optional ranges, and returns `(makespan, last, placements)`; `last` is the
+    last-finishing item's (sequence indices, width). `placements` may be None when the core
+    ran in array form; the caller then places the winner once more.
+    """
+    if bound is None:
+        bound = step_lower_bound(costs)
+    target = bound.value
+    n = len(costs.s)
+
+    def candidate(widths, ranges=None) -> _Candidate:
+        makespan, last, placements = run_core(widths, ranges)
+        return _Candidate(makespan, widths, ranges, last, placements)
+
+    best = candidate(target_widths(costs, target))
+    if best.makespan <= (1.0 + ACCEPT) * target:
+        return best
+    runs = min(SEARCH_RUNS, SEARCH_BUDGET // (n + costs.pool_size))
+    tries = [lambda: candidate(best.widths, width_ranges(costs, best.widths))]
+    tries += [lambda f=f: candidate(target_widths(costs, f * target)) for f in TIGHTER_TARGETS]
+    tries.append(lambda: candidate(costs.k_min.copy()))
+    for make in tries[:runs]:
+        c = make()
+        if c.makespan < best.makespan:
+            best = c
+    for _ in range(runs - len(tries)):
+        if best.makespan <= (1.0 + ACCEPT) * target:
+            break
+        seqs, width = best.last
+        widths = best.widths.copy()
+        if width > 1:
+            i = int(seqs[0])
+            if best.ranges is not None:  # fix the width the core chose, then grow it
+                widths[i] = width
+            if widths[i] >= costs.k_max[i]:
+                break
+            widths[i] += 1
+        else:
+            i = max((int(j) for j in seqs), key=lambda j: (costs.s[j], -j))
+            if costs.k_max[i] < 2:
+                break
+            widths[i] = 2
+        trial = candidate(widths, width_ranges(costs, widths) if best.ranges is not None else None)
+        if trial.makespan >= best.makespan:
+            break
+        best = trial
+    return best
+
+
+def offload_ratios_for(seqlens, widths, capacity: int, num_layers: int) -> np.ndarray:
+    """Offload ratios at the placed widths: the least that fits, 0 from `ceil(s / C)` on."""
+    from megatron_hdp.scheduler.offload_rule import least_ratio
+
+    s = np.asarray(seqlens, dtype=np.int64)
+    k = np.asarray(widths, dtype=np.int64)
+    base = np.maximum(1, -(-s // capacity))
+    ratios = np.zeros(len(s))
+    saved = (k > 1) & (k < base)
+    if saved.any():
+        ratios[saved] = least_ratio(-(-s[saved] // k[saved]), capacity, num_layers)
+    return ratios
+
+
+__all__ = [
+    "RingCosts",
+    "StepBound",
+    "offload_ratios_for",
+    "plan_ring_sizes",
+    "step_lower_bound",
+    "target_widths",
+    "width_ranges",
+]

@@ -1,0 +1,159 @@
+"""Ring sizes as a decision (`scheduler/ring_sizing.py`) and the step-time lower bound.
+
+The bound is checked against a brute force over every integer ring width and against
+plans that try to beat it; the widths against their definition; the planner against the
+plan with minimal rings and against its own C++/Python cores (identical plans).
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from megatron_hdp.scheduler.cost import H100, CostModel
+from megatron_hdp.scheduler.placement import plan_balanced
+from megatron_hdp.scheduler.planner import default_core, reference_core
+from megatron_hdp.scheduler.ring_sizing import (
+    RingCosts,
+    step_lower_bound,
+    target_widths,
+    width_ranges,
+)
+from megatron_hdp.sim.distributions import BENCH_MIXES, first_sequences
+from megatron_hdp.sim.models import MODELS
+
+C = 8192
+MODEL = CostModel(MODELS["llama-7b"].shape, H100)
+
+
+def costs_of(seqlens, pool):
+    k = np.maximum(1, np.ceil(np.asarray(seqlens) / C)).astype(np.int64)
+    return RingCosts(seqlens, MODEL, pool, k)
+
+
+def makespan(plan):
+    return max(mb.predicted_start + mb.predicted_cost for mb in plan.micro_batches)
+
+
+def batches():
+    for mix in ("github_like", "byted_like", "stdlib_like", "pareto_like"):
+        for pool in (8, 16, 61):
+            yield mix, pool, first_sequences(BENCH_MIXES[mix], [pool, 3], int(1.5 * pool), pool * C)
+
+
+def brute_force_fluid_bound(seqlens, pool):
+    """The least T (to 1e-6) with sum_i k_i(T) t_i(k_i(T)) <= N T, k_i(T) the exact
+    fewest ranks in [k_min, N] finishing sequence i within T (every width tried)."""
+    s = np.asarray(seqlens, dtype=np.float64)
+    k_min = np.maximum(1, np.ceil(s / C)).astype(np.int64)
+    table = [np.asarray(MODEL.time(x, np.arange(1, pool + 1)), dtype=np.float64) for x in s]
+
+    def feasible(t):
+        work = 0.0
+        for i, row in enumerate(table):
+            ok = np.nonzero(row[k_min[i] - 1 :] <= t)[0]
+            if len(ok) == 0:
+                return False
+            k = k_min[i] + ok[0]
+            work += k * row[k - 1]
+        return work <= pool * t
+
+    lo, hi = 0.0, 1.0
+    while not feasible(hi):
+        hi *= 2
+    while hi - lo > 1e-6 * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
+    return hi
+
+
+@pytest.mark.parametrize("mix, pool, seqlens", list(batches()))
+def test_bound_is_below_the_exact_fluid_bound_and_above_the_classic_one(mix, pool, seqlens):
+    costs = costs_of(seqlens, pool)
+    bound = step_lower_bound(costs)
+    exact = brute_force_fluid_bound(seqlens, pool)
+    assert bound.value <= exact * (1 + 1e-6)
+    # Relaxing exposed communication costs the bound little on these batches.
+    assert bound.value >= 0.97 * exact
+    s = np.asarray(seqlens, dtype=np.float64)
+    work = float(np.sum(costs.k_min * MODEL.time(s, costs.k_min))) / pool
+    best = max(min(MODEL.time(x, np.arange(k, pool + 1))) for x, k in zip(s, costs.k_min))
+    assert bound.value >= max(work, best) * (1 - 1e-12)
+
+
+@pytest.mark.parametrize("mix, pool, seqlens", list(batches()))
+def test_no_plan_beats_the_bound(mix, pool, seqlens):
+    costs = costs_of(seqlens, pool)
+    bound = step_lower_bound(costs).value
+    rng = np.random.default_rng(pool)
+    plans = [plan_balanced(seqlens, pool_size=pool, capacity=C, cost_model=MODEL)]
+    for _ in range(20):  # random widths between the minimal ring and the pool
+        widths = np.array(
+            [rng.integers(k, max(k, min(pool, int(x))) + 1) for x, k in zip(costs.s, costs.k_min)]
+        )
+        ring = np.where(widths > 1, MODEL.time(costs.s, widths), 0.0)
+        local = MODEL.time(costs.s, 1)
+        placements = default_core()(
+            np.asarray(seqlens), widths, local, ring, pool_size=pool, capacity=C
+        )
+        plans.append(max(p.start + p.cost for p in placements))
+    spans = [makespan(plans[0])] + plans[1:]
+    assert min(spans) >= bound * (1 - 1e-9)
+
+
+def test_target_widths_are_the_fewest_ranks_within_the_target():
+    seqlens = [500, 9000, 70_000, 300_000, 1_000_000]
+    pool = 256
+    costs = costs_of(seqlens, pool)
+    for target in (0.5, 2.0, 8.0, 40.0):
+        widths = target_widths(costs, target)
+        for i, (x, k) in enumerate(zip(costs.s, widths)):
+            assert costs.k_min[i] <= k <= pool
+            every = np.asarray(MODEL.time(x, np.arange(costs.k_min[i], pool + 1)))
+            fits = np.nonzero(every <= target)[0]
+            if len(fits):
+                assert k == costs.k_min[i] + fits[0], (i, target)
+            else:  # nothing fits: the fastest width (within the search grid)
+                assert MODEL.time(x, k) <= every.min() * 1.01
+
+
+def test_width_ranges_hold_the_target_and_cost_at_most_the_slack_more_work():
+    seqlens = [700, 20_000, 300_000]
+    costs = costs_of(seqlens, 128)
+    widths = np.array([1, 5, 60])
+    low, offsets, table = width_ranges(costs, widths, slack=0.02)
+    assert offsets[0] == 0 and offsets[1] == 0  # the packed sequence has no range
+    for i in (1, 2):
+        ks = low[i] + np.arange(offsets[i + 1] - offsets[i])
+        assert low[i] == max(2, costs.k_min[i]) and widths[i] in ks
+        np.testing.assert_array_equal(
+            table[offsets[i] : offsets[i + 1]], MODEL.time(costs.s[i], ks)
+        )
+        work = ks * MODEL.time(costs.s[i], ks)
+        limit = 1.02 * widths[i] * MODEL.time(costs.s[i], widths[i])
+        assert np.all(work[ks >= widths[i]] <= limit)
+        wider = ks[-1] + 1
+        assert wider > 128 or wider * MODEL.time(costs.s[i], wider) > limit
+
+
+@pytest.mark.parametrize("mix, pool, seqlens", list(batches()))
+def test_sized_rings_never_lose_to_minimal_rings_and_both_cores_agree(mix, pool, seqlens):
+    sized = plan_balanced(seqlens, pool_size=pool, capacity=C, cost_model=MODEL)
+    minimal = plan_balanced(seqlens, pool_size=pool, capacity=C, cost_model=MODEL, size_rings=False)
+    sized.validate(pool_size=pool)
+    assert makespan(sized) <= makespan(minimal) * (1 + 1e-12)
+    for mb in sized.micro_batches:  # at least the memory's ranks, at most one token each
+        need = max(1, math.ceil(sum(sized.seqlens[i] for i in mb.seq_indices) / C))
+        assert need <= mb.cp_size <= max(need, sum(sized.seqlens[i] for i in mb.seq_indices))
+    ref = plan_balanced(seqlens, pool_size=pool, capacity=C, cost_model=MODEL, core=reference_core)
+    assert ref == sized
+
+
+def test_a_long_sequence_that_sets_the_step_gets_more_ranks():
+    # One 64K sequence and a few short ones on 16 ranks: 8 ranks hold it, 16 finish sooner.
+    seqlens = [64 * 1024, 300, 500, 200]
+    plan = plan_balanced(seqlens, pool_size=16, capacity=C, cost_model=MODEL)
+    (ring,) = [mb for mb in plan.micro_batches if 0 in mb.seq_indices]
+    assert ring.cp_size > 8
+    minimal = plan_balanced(seqlens, pool_size=16, capacity=C, cost_model=MODEL, size_rings=False)
+    assert makespan(plan) < 0.75 * makespan(minimal)
