@@ -236,7 +236,10 @@ def plan_ring_sizes(
     *,
     bound: StepBound | None = None,
 ):
-    """Search ring sizes with the balance core; return `(widths, ranges, placements)`.
+    """Search ring sizes with the balance core; return the best candidate.
+
+    The candidate holds `widths`, `ranges` (None: fixed widths), the predicted
+    `makespan` and `placements` (None when its core ran in array form).
 
     `run_core(widths, ranges)` runs the core with per-sequence ring sizes `widths` (1 =
     packed) and optional ranges, and returns `(makespan, last, placements)`; `last` is the
