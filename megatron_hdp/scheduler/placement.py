@@ -258,11 +258,12 @@ def plan_balanced(
         )
         bound = step_lower_bound(costs)
         pack_tokens = pack_limit(cost_model, capacity, bound.value)
-        runner = _CoreRunner(core, lengths, local, costs, pack_tokens, delta)
-        best = plan_ring_sizes(costs, runner, bound=bound)
+        runner = _CoreRunner(core, lengths, local, costs, capacity, pack_tokens, delta)
+        small = pack_tokens < capacity or len(lengths) < 2 * pool_size
+        best = plan_ring_sizes(costs, runner, bound=bound, try_singles=small)
         placements = best.placements
         if placements is None:
-            placements = runner.place(best.widths, best.ranges)
+            placements = runner.place(best.widths, best.ranges, best.singles)
     else:
         placements = core(
             lengths, ring_sizes, local, ring, pool_size=pool_size, capacity=capacity, delta=delta
@@ -309,12 +310,20 @@ class _CoreRunner:
     reference) runs as given.
     """
 
-    def __init__(self, core, lengths, local, costs: RingCosts, pack_tokens: int, delta) -> None:
+    def __init__(
+        self, core, lengths, local, costs: RingCosts, capacity: int, pack_tokens: int, delta
+    ) -> None:
         self.lengths, self.local, self.costs = lengths, local, costs
-        self.pack_tokens, self.delta = pack_tokens, delta
+        self.capacity, self.delta = int(capacity), delta
         self.core = core
         self.runs = 0
         self.arrays = None
+        # The core packs by these lengths into `capacity`: scaled so that a pack holds at
+        # most `pack_tokens` real tokens (a longer sequence is a pack of its own).
+        self.pack_lengths = lengths
+        if pack_tokens < capacity:
+            scaled = -(-lengths * self.capacity // max(1, int(pack_tokens)))
+            self.pack_lengths = np.minimum(self.capacity, scaled).astype(np.int64)
         try:
             from megatron_hdp import _planner
 
@@ -323,26 +332,28 @@ class _CoreRunner:
         except ImportError:  # the reference core runs without the extension
             pass
 
-    def _args(self, widths, ranges):
+    def _args(self, widths, ranges, singles):
         """The core's arguments for these widths.
 
-        Packs hold at most `pack_tokens` tokens (more where a packed sequence is longer).
+        Packs hold at most `pack_tokens` tokens; with `singles` every packed sequence is a
+        micro-batch of its own (its packing length is the whole capacity).
         """
         ring = np.where(widths > 1, self.costs.times(widths), 0.0)
-        packed = self.lengths[widths == 1]
-        capacity = max(self.pack_tokens, int(packed.max()) if len(packed) else 1)
+        lengths = np.where(widths > 1, self.lengths, self.capacity) if singles else None
+        if lengths is None:
+            lengths = np.where(widths > 1, self.lengths, self.pack_lengths)
         kwargs = dict(
-            pool_size=self.costs.pool_size, capacity=capacity, delta=self.delta, widths=ranges
+            pool_size=self.costs.pool_size, capacity=self.capacity, delta=self.delta, widths=ranges
         )
-        return (self.lengths, widths, self.local, ring), kwargs
+        return (lengths, widths, self.local, ring), kwargs
 
-    def place(self, widths, ranges):
+    def place(self, widths, ranges, singles):
         """The placements (objects) of these widths."""
-        args, kwargs = self._args(widths, ranges)
+        args, kwargs = self._args(widths, ranges, singles)
         return self.core(*args, **kwargs)
 
-    def __call__(self, widths, ranges):
-        args, kwargs = self._args(widths, ranges)
+    def __call__(self, widths, ranges, singles):
+        args, kwargs = self._args(widths, ranges, singles)
         self.runs += 1
         if self.arrays is not None and self.runs > 1:
             starts, costs, ring_off, _, seq_off, seqs = self.arrays(*args, **kwargs)

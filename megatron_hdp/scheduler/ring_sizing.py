@@ -15,8 +15,14 @@ busy time `sum_i W_i(k_i)` fits in `N T`. The bound is the least `T` with
 
     T >= max_i min_{k_min_i <= k <= N} t_i(k)       (every sequence fits on some ring)
     N T >= sum_i W_i(max(k_min_i, ceil(A_i / T)))   (the work at the widths T forces)
+    T >= sum of best times over sequences that cannot share the pool at T (below)
 
-found by bisection (the right side falls as `T` grows). It is at least the classic
+found by bisection (every right side falls as `T` grows). Two sequences cannot run at the
+same time when the fewest ranks that finish each within `T` add up to more than `N`: a
+sequence that needs more than `N / 2` ranks at `T` (its best time on at most `N / 2`
+ranks exceeds `T`) excludes every other such sequence, and also every sequence whose
+forced width exceeds what the narrowest of them leaves. Those run one after another, each
+taking at least its best ring's time. It is at least the classic
 `max(longest item at its best ring, total work at minimal rings / N)` and, like it,
 assumes the cost model prices each sequence on its own ring (as every HDP plan and
 Megatron-Core's scheduler do; packs of several documents on one ring, as the static mesh
@@ -27,17 +33,22 @@ within `T` (at least `k_min`); at the bound that is the allotment the bound itse
 `plan_ring_sizes` then searches a few candidates with the balance core and keeps the one
 with the shortest predicted step (`balance.py` rule 7 for widths chosen at placement):
 
-1. fixed widths `target_widths(T_bound)`: accepted at once within 0.5% of the bound;
-2. widths chosen at placement, each ring between `k_min` and the widest ring whose work
+1. fixed widths `target_widths(T_bound)`: accepted at once within 1% of the bound;
+2. on small batches (`try_singles`), the same widths with every packed sequence a
+   micro-batch of its own: the balance core then places sequences, not packs, and fills
+   ranks finely (packs are chunky when a batch holds about one per rank);
+3. widths chosen at placement, each ring between `k_min` and the widest ring whose work
    stays within 2% of its target width's;
-3. fixed widths for tighter targets `0.7 T` and `0.5 T` (smaller items fill better), and
-   the minimal widths (the plan without ring sizing);
-4. from the best so far, the critical item grows: the last ring to finish gets one rank
+4. tighter targets `f T` (`TIGHTER_TARGETS`; smaller items fill better), fixed and chosen
+   at placement, packed and (small batches) single; then the minimal widths (the plan
+   without ring sizing);
+5. from the best so far, the critical item grows: the last ring to finish gets one rank
    more, or the longest sequence of the last pack gets a ring of two; kept while the
    predicted step falls.
 
-Steps 2-4 share a budget of core runs that shrinks with the batch (`SEARCH_BUDGET`), so
-planning 16,384 ranks costs at most three core runs more than the first.
+Steps 2-5 share a budget of core runs that shrinks with the batch (`SEARCH_BUDGET`), so
+planning 16,384 ranks costs at most three core runs more than the first; candidates
+that repeat one already run are skipped.
 """
 
 from __future__ import annotations
@@ -48,14 +59,14 @@ from dataclasses import dataclass
 import numpy as np
 
 #: A plan within this share of the bound is accepted without searching further.
-ACCEPT = 0.005
+ACCEPT = 0.01
 #: Widths chosen at placement may cost this much more work than the target width's.
 WORK_SLACK = 0.02
-#: Tighter targets tried as fixed widths (fractions of the bound).
-TIGHTER_TARGETS = (0.7, 0.5)
+#: Tighter targets tried (fractions of the bound), coarse steps first.
+TIGHTER_TARGETS = (0.7, 0.5, 0.25, 0.125, 0.85, 0.35, 0.18)
 #: Core runs the search may spend after the first, and the batch size (sequences + ranks)
 #: times runs it may spend at most (3 runs at 16,384 ranks with ~8 micro-batches each).
-SEARCH_RUNS = 32
+SEARCH_RUNS = 48
 SEARCH_BUDGET = 450_000
 #: Widths of a sequence evaluated when searching for its target width.
 _GRID = 48
@@ -105,11 +116,6 @@ class RingCosts:
         out[wider] = self.time(wider, widths[wider])
         return out
 
-    def best_time(self, idx: int, k_hi: int) -> float:
-        """The shortest time sequence `idx` takes on any ring of `k_min .. k_hi` ranks."""
-        ks = np.arange(int(self.k_min[idx]), int(k_hi) + 1)
-        return float(np.min(self.time(idx, ks)))
-
 
 def step_lower_bound(costs: RingCosts) -> StepBound:
     """The least step time any plan of these sequences on this pool can reach (see above)."""
@@ -117,33 +123,32 @@ def step_lower_bound(costs: RingCosts) -> StepBound:
     k_min, compute = costs.k_min, costs.compute
     work_min = k_min * costs.min_time
     total_min = float(work_min.sum())
-    # Any plan: sequence i takes at least min_k t_i(k) >= A_i / N; exact for the longest.
-    per_seq = compute / n_ranks
-    longest = float(np.max(per_seq))
-    top = min(_EXACT_LONGEST, len(per_seq))
-    for i in np.argpartition(-per_seq, top - 1)[:top]:
-        longest = max(longest, costs.best_time(int(i), n_ranks))
-    lo = max(longest, total_min / n_ranks)
+    # Any plan: sequence i takes at least min_k t_i(k) >= A_i / N; exact for the longest
+    # (and for those that might need half the pool).
+    conflicts = _Conflicts(costs, total_min / n_ranks)
+    longest = float(np.max(conflicts.lower))
+    lo = conflicts.lo
     # Only sequences with A_i / k_min_i > lo can be forced wider by any T >= lo.
     forceable = np.nonzero(compute / k_min > lo)[0]
     order = forceable[np.argsort(-compute[forceable] / k_min[forceable], kind="stable")]
     ratio = compute[order] / k_min[order]  # descending: widths a T forces are a prefix
 
-    def work_at(t: float) -> float:
+    def feasible(t: float) -> bool:
         forced = int(np.searchsorted(-ratio, -t, side="left"))  # ratio > t
         idx = order[:forced]
         k = np.maximum(k_min[idx], np.ceil(compute[idx] / t)).astype(np.int64)
-        return total_min + float(np.sum(k * costs.time(idx, k)) - np.sum(work_min[idx]))
+        work = total_min + float(np.sum(k * costs.time(idx, k)) - np.sum(work_min[idx]))
+        return work <= n_ranks * t and conflicts.chain(t) <= t
 
-    if work_at(lo) <= n_ranks * lo:
+    if feasible(lo):
         value = lo
     else:
         hi = 2.0 * lo
-        while work_at(hi) > n_ranks * hi:
+        while not feasible(hi):
             hi *= 2.0
         for _ in range(60):
             mid = 0.5 * (lo + hi)
-            if work_at(mid) <= n_ranks * mid:
+            if feasible(mid):
                 hi = mid
             else:
                 lo = mid
@@ -151,6 +156,92 @@ def step_lower_bound(costs: RingCosts) -> StepBound:
                 break
         value = hi
     return StepBound(value, total_min / n_ranks, longest)
+
+
+class _Conflicts:
+    """The time a step `T` must give sequences that cannot share the pool (module doc).
+
+    The longest few sequences, and those that might need more than half the pool at some
+    `T >= lo`, get a table of their time at every width (their best times are exact);
+    the others are bounded by `A / N`. `lo`: the classic bound, max(longest sequence at
+    its best ring, `work` = total work at minimal rings / N).
+    """
+
+    def __init__(self, costs: RingCosts, work: float) -> None:
+        n_ranks = costs.pool_size
+        self.costs, self.half = costs, n_ranks // 2
+        k_min, k_max = costs.k_min, costs.k_max
+        self.lower = costs.compute / n_ranks
+        top = min(_EXACT_LONGEST, len(k_min))
+        top = np.sort(np.argpartition(-costs.compute, top - 1)[:top])
+        tables = dict(zip(top.tolist(), zip(*self._tables(top))))
+        self.lo = max(work, float(self.lower.max()), max(t[0] for t in tables.values()))
+        # Big at some T >= lo only if no width up to half the pool finishes within lo:
+        # try the width whose compute alone fits lo, then a grid up to half the pool.
+        maybe = k_min > self.half
+        idx = np.nonzero(~maybe & (costs.min_time > self.lo))[0]  # else k_min finishes
+        hi = np.minimum(k_max[idx], self.half)
+        k = np.clip(np.ceil(costs.compute[idx] / self.lo), k_min[idx], hi).astype(np.int64)
+        slow = costs.time(idx, k) > self.lo
+        idx, k, hi = idx[slow], k[slow], hi[slow]
+        if len(idx):
+            grid = _width_grid(k, hi)
+            slow = np.min(costs.time(idx[:, None], grid), axis=1) > self.lo
+            maybe[idx[slow]] = True
+        extra = np.nonzero(maybe)[0]
+        extra = extra[~np.isin(extra, top)]
+        if len(extra):
+            tables.update(zip(extra.tolist(), zip(*self._tables(extra))))
+        self.cand = np.array(sorted(tables), dtype=np.int64)
+        self.best = np.array([tables[i][0] for i in self.cand])
+        self.best_half = np.array([tables[i][1] for i in self.cand])
+        self.tables = [tables[i][2] for i in self.cand]
+        self.lower[self.cand] = self.best
+
+    def _tables(self, idx):
+        """(best time, best time on at most half the pool, time at every width) of `idx`.
+
+        Sequences of equal length and ring limits share one table.
+        """
+        costs, k_min, k_max = self.costs, self.costs.k_min, self.costs.k_max
+        keys = np.stack([costs.s[idx], k_min[idx], k_max[idx]], axis=1)
+        keys, inverse = np.unique(keys, axis=0, return_inverse=True)
+        first = idx[np.unique(inverse.ravel(), return_index=True)[1]]
+        span = np.arange(int((k_max[first] - k_min[first]).max()) + 1)
+        widths = np.minimum(k_min[first][:, None] + span, k_max[first][:, None])
+        table = costs.time(first[:, None], widths)  # rows padded with their widest ring
+        tables = [row[: int(k_max[i] - k_min[i]) + 1] for i, row in zip(first, table)]
+        best = np.array([float(t.min()) for t in tables])
+        best_half = np.array(
+            [
+                float(t[: self.half - k_min[i] + 1].min()) if k_min[i] <= self.half else np.inf
+                for i, t in zip(first, tables)
+            ]
+        )
+        inverse = inverse.ravel()
+        return best[inverse], best_half[inverse], [tables[j] for j in inverse]
+
+    def chain(self, t: float) -> float:
+        """Seconds of sequences that run one after another in any plan of step `t`."""
+        big = np.nonzero(self.best_half > t)[0]
+        if len(big) == 0:
+            return 0.0
+        k_min = self.costs.k_min
+        narrowest = min(
+            int(k_min[self.cand[j]]) + int(np.argmax(self.tables[j] <= t))
+            if np.any(self.tables[j] <= t)
+            else self.costs.pool_size + 1
+            for j in big
+        )
+        total = float(self.best[big].sum())
+        # One more sequence may conflict with all of them: its forced width exceeds what
+        # the narrowest leaves (two such sequences could still run side by side).
+        forced = np.maximum(k_min, np.ceil(self.costs.compute / t))
+        others = forced > self.costs.pool_size - narrowest
+        others[self.cand[big]] = False
+        if np.any(others):
+            total += float(self.lower[others].max())
+        return total
 
 
 def target_widths(costs: RingCosts, target: float) -> np.ndarray:
@@ -226,6 +317,7 @@ class _Candidate:
     makespan: float
     widths: np.ndarray
     ranges: tuple | None
+    singles: bool
     last: tuple  # (sequence indices, ring width) of the item that finishes last
     placements: list | None
 
@@ -235,38 +327,64 @@ def plan_ring_sizes(
     run_core: Callable,
     *,
     bound: StepBound | None = None,
+    try_singles: bool = False,
 ):
     """Search ring sizes with the balance core; return the best candidate.
 
-    The candidate holds `widths`, `ranges` (None: fixed widths), the predicted
-    `makespan` and `placements` (None when its core ran in array form).
+    The candidate holds `widths`, `ranges` (None: fixed widths), `singles` (packed
+    sequences were micro-batches of their own), the predicted `makespan` and `placements`
+    (None when its core ran in array form).
 
-    `run_core(widths, ranges)` runs the core with per-sequence ring sizes `widths` (1 =
-    packed) and optional ranges, and returns `(makespan, last, placements)`; `last` is the
-    last-finishing item's (sequence indices, width). `placements` may be None when the core
-    ran in array form; the caller then places the winner once more.
+    `run_core(widths, ranges, singles)` runs the core with per-sequence ring sizes
+    `widths` (1 = packed), optional ranges and packing, and returns `(makespan, last,
+    placements)`; `last` is the last-finishing item's (sequence indices, width).
+    `placements` may be None when the core ran in array form; the caller then places the
+    winner once more. `try_singles`: also try unpacked sequences (small batches).
     """
     if bound is None:
         bound = step_lower_bound(costs)
     target = bound.value
     n = len(costs.s)
+    seen = set()
 
-    def candidate(widths, ranges=None) -> _Candidate:
-        makespan, last, placements = run_core(widths, ranges)
-        return _Candidate(makespan, widths, ranges, last, placements)
+    def candidate(widths, ranged=False, singles=False) -> _Candidate | None:
+        key = (widths.tobytes(), ranged, singles)
+        if key in seen:
+            return None
+        seen.add(key)
+        ranges = width_ranges(costs, widths) if ranged else None
+        makespan, last, placements = run_core(widths, ranges, singles)
+        return _Candidate(makespan, widths, ranges, singles, last, placements)
 
     best = candidate(target_widths(costs, target))
     if best.makespan <= (1.0 + ACCEPT) * target:
         return best
     runs = min(SEARCH_RUNS, SEARCH_BUDGET // (n + costs.pool_size))
-    tries = [lambda: candidate(best.widths, width_ranges(costs, best.widths))]
-    tries += [lambda f=f: candidate(target_widths(costs, f * target)) for f in TIGHTER_TARGETS]
-    tries.append(lambda: candidate(costs.k_min.copy()))
-    for make in tries[:runs]:
+    packings = (False, True) if try_singles else (False,)
+    tries = []
+    if try_singles:
+        tries.append(lambda: candidate(best.widths, singles=True))
+    tries.append(lambda: candidate(best.widths, True, best.singles))
+    for f in TIGHTER_TARGETS:
+        for singles in packings:
+            for ranged in (False, True):
+                tries.append(
+                    lambda f=f, r=ranged, p=singles: candidate(
+                        target_widths(costs, f * target), r, p
+                    )
+                )
+    tries.append(lambda: candidate(costs.k_min.copy(), singles=best.singles))
+    spent = 0
+    for make in tries:
+        if spent >= runs or best.makespan <= (1.0 + ACCEPT) * target:
+            break
         c = make()
+        if c is None:
+            continue
+        spent += 1
         if c.makespan < best.makespan:
             best = c
-    for _ in range(runs - len(tries)):
+    for _ in range(runs - spent):
         if best.makespan <= (1.0 + ACCEPT) * target:
             break
         seqs, width = best.last
@@ -283,8 +401,8 @@ def plan_ring_sizes(
             if costs.k_max[i] < 2:
                 break
             widths[i] = 2
-        trial = candidate(widths, width_ranges(costs, widths) if best.ranges is not None else None)
-        if trial.makespan >= best.makespan:
+        trial = candidate(widths, best.ranges is not None, best.singles)
+        if trial is None or trial.makespan >= best.makespan:
             break
         best = trial
     return best

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from megatron_hdp.scheduler import plan_step
 from megatron_hdp.scheduler.cost import H100, CostModel
 from megatron_hdp.scheduler.pipeline_timeline import simulate_plan
-from megatron_hdp.scheduler.placement import plan_static
+from megatron_hdp.scheduler.placement import plan_balanced, plan_static
 from megatron_hdp.scheduler.plan import lockstep_problems
 from megatron_hdp.scheduler.pp_balance import (
     forward_shares,
@@ -219,7 +219,11 @@ def test_pp_balance_beats_dp_balance_blind_and_static_on_heavy_tails(mix, pool, 
     )
     check_pipeline_plan(static, lengths, C, stages, brute=False)
     static_ex, _ = pipeline_execution(static, stages, cost_model=cost_model)
-    blind = plan_step(lengths, pool_size=pool, capacity=C, policy="balanced", cost_model=cost_model)
+    # DP-Balance as the paper has it (minimal rings), blind to the pipeline; PP-Balance
+    # does not size rings either.
+    blind = plan_balanced(
+        lengths, pool_size=pool, capacity=C, cost_model=cost_model, size_rings=False
+    )
     blind_ex, _ = pipeline_execution(blind, stages, cost_model=cost_model)  # flush if it deadlocks
     bound = pipeline_lower_bound(
         lengths, pool_size=pool, capacity=C, pipeline_stages=stages, cost_model=cost_model
