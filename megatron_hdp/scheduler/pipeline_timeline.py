@@ -266,17 +266,11 @@ def execute(
                 busy[pipes_a, s] = dur[nodes].sum(axis=1)
                 first_nodes[(m, s)] = (pipes_a, nodes[:, 0])
     else:
-        for p, a in enumerate(arrays):
-            if len(a) == 0:
-                continue
-            flags = is_ring[a]
-            for s in range(d):
-                pos, back = _ops(len(a), s, d, flags, schedule)
-                nodes = (a[pos] * d + s) * 2 + back
-                src_parts.append(nodes[:-1])
-                dst_parts.append(nodes[1:])
-                queue_last[p, s] = nodes[-1]
-                busy[p, s] = dur[nodes].sum()
+        for p, s, _, _, _, nodes in _stage_queues(arrays, is_ring, d, schedule):
+            src_parts.append(nodes[:-1])
+            dst_parts.append(nodes[1:])
+            queue_last[p, s] = nodes[-1]
+            busy[p, s] = dur[nodes].sum()
     # Data dependencies, once per micro-batch.
     u = np.arange(num_mb, dtype=np.int64)
     if d > 1:
@@ -355,27 +349,35 @@ def _longest_paths(num_nodes, src, dst, dur, listed):
     return end, processed
 
 
-def _stuck(arrays, is_ring, d, schedule, processed) -> tuple[str, ...]:
-    """One line per blocked stage queue: the first op it has not run."""
-    lines = []
+def _stage_queues(arrays, is_ring, d, schedule):
+    """Each non-empty stage queue in order: `(p, s, a, pos, back, nodes)`.
+
+    Pipeline `p`'s micro-batches `a`, stage `s`'s ops (`_ops`) and their node ids.
+    """
     for p, a in enumerate(arrays):
         if len(a) == 0:
             continue
         flags = is_ring[a]
         for s in range(d):
             pos, back = _ops(len(a), s, d, flags, schedule)
-            nodes = (a[pos] * d + s) * 2 + back
-            waiting = np.nonzero(~processed[nodes])[0]
-            if waiting.size:
-                t = int(waiting[0])
-                kind = "B" if back[t] else "F"
-                ring = " (ring)" if flags[pos[t]] else ""
-                lines.append(
-                    f"pipeline {p} stage {s}: waits at op {t}, {kind} of micro-batch "
-                    f"{int(a[pos[t]])}{ring} (position {int(pos[t])} of {len(a)})"
-                )
-                if len(lines) >= 20:
-                    return tuple(lines)
+            yield p, s, a, pos, back, (a[pos] * d + s) * 2 + back
+
+
+def _stuck(arrays, is_ring, d, schedule, processed) -> tuple[str, ...]:
+    """One line per blocked stage queue: the first op it has not run."""
+    lines = []
+    for p, s, a, pos, back, nodes in _stage_queues(arrays, is_ring, d, schedule):
+        waiting = np.nonzero(~processed[nodes])[0]
+        if waiting.size:
+            t = int(waiting[0])
+            kind = "B" if back[t] else "F"
+            ring = " (ring)" if is_ring[a[pos[t]]] else ""
+            lines.append(
+                f"pipeline {p} stage {s}: waits at op {t}, {kind} of micro-batch "
+                f"{int(a[pos[t]])}{ring} (position {int(pos[t])} of {len(a)})"
+            )
+            if len(lines) >= 20:
+                return tuple(lines)
     return tuple(lines)
 
 

@@ -339,9 +339,8 @@ class _CoreRunner:
         micro-batch of its own (its packing length is the whole capacity).
         """
         ring = np.where(widths > 1, self.costs.times(widths), 0.0)
-        lengths = np.where(widths > 1, self.lengths, self.capacity) if singles else None
-        if lengths is None:
-            lengths = np.where(widths > 1, self.lengths, self.pack_lengths)
+        packed = self.capacity if singles else self.pack_lengths
+        lengths = np.where(widths > 1, self.lengths, packed)
         kwargs = dict(
             pool_size=self.costs.pool_size, capacity=self.capacity, delta=self.delta, widths=ranges
         )
