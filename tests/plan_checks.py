@@ -9,7 +9,7 @@ def run_to_completion(plan: StepPlan) -> bool:
     while any(queues):
         progressed = False
         for mb in plan.micro_batches:
-            if all(queues[r] and queues[r][0] is mb for r in mb.ring):
+            if all(queues[r] and queues[r][0].order == mb.order for r in mb.ring):
                 for r in mb.ring:
                     queues[r].pop(0)
                 progressed = True

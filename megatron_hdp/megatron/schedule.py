@@ -248,7 +248,7 @@ def hdp_forward_backward(
                             batch,
                             megatron_dict["packed_seq_params"],
                             pad=sequence_parallel_pad(batch, cfg),
-                            global_batch_tokens=sum(step.plan.seqlens),
+                            global_batch_tokens=step.plan.total_tokens(),
                             aux_grad_scale=aux_grad_scale,
                         )
                     )

@@ -132,7 +132,7 @@ def check_plan_fits(plan: StepPlan, engine: Engine, group: dist.ProcessGroup) ->
     """Raise ValueError (before any communication) if the plan cannot run on this pool/model."""
     plan.check_pool(dist.get_world_size(group))
     cfg = engine.cfg
-    longest = max(plan.seqlens)
+    longest = int(plan.lengths.max())
     if cfg.position_embedding_type == "learned_absolute" and longest > cfg.max_position_embeddings:
         raise ValueError(
             f"a sequence of {longest} tokens exceeds the model's {cfg.max_position_embeddings} "
@@ -154,29 +154,41 @@ def check_plan_fits(plan: StepPlan, engine: Engine, group: dist.ProcessGroup) ->
         )
 
 
-def local_batches(plan: StepPlan, source: TokenSource, runtime: StepRuntime) -> list[LocalBatch]:
-    """This rank's micro-batches of `plan`, read from `source`, on the runtime's device.
+def read_local(plan: StepPlan, source: TokenSource, rank: int) -> list[LocalBatch]:
+    """Pool rank `rank`'s micro-batches of `plan`, read from `source` (host tensors).
 
-    A ring member without tokens (a pack smaller than its ring) skips the micro-batch.
+    Local work only (no collective): the prefetch thread runs it ahead of the step. A ring
+    member without tokens (a pack smaller than its ring) skips the micro-batch.
     """
-    rank = dist.get_rank(runtime.group)
     batches = (gather_local_batch(plan, mb, rank, source) for mb in plan.for_rank(rank))
-    return [batch.to(runtime.device) for batch in batches if batch.num_tokens > 0]
+    return [batch for batch in batches if batch.num_tokens > 0]
+
+
+def local_batches(plan: StepPlan, source: TokenSource, runtime: StepRuntime) -> list[LocalBatch]:
+    """This rank's micro-batches of `plan`, read from `source`, on the runtime's device."""
+    rank = dist.get_rank(runtime.group)
+    return [batch.to(runtime.device) for batch in read_local(plan, source, rank)]
 
 
 def read_and_count(
-    plan: StepPlan, source: TokenSource, runtime: StepRuntime
+    plan: StepPlan, source: TokenSource, runtime: StepRuntime, prepared=None
 ) -> tuple[list[LocalBatch], int]:
     """Collective: read the local batches, then all-reduce the loss-token count.
 
-    A read error on any rank is folded into the same all-reduce, so every rank raises it
-    together instead of the others waiting forever in a ring.
+    `prepared`: `(batches, error)` already read by `read_local` (ahead of the step), in
+    place of reading from `source` now. A read error on any rank is folded into the same
+    all-reduce, so every rank raises it together instead of the others waiting forever in
+    a ring.
     """
     batches, error = [], None
-    try:
-        batches = local_batches(plan, source, runtime)
-    except ValueError as err:
-        error = err
+    if prepared is not None:
+        read, error = prepared
+        batches = [] if error is not None else [b.to(runtime.device) for b in read]
+    else:
+        try:
+            batches = local_batches(plan, source, runtime)
+        except ValueError as err:
+            error = err
     local = sum(float(b.loss_mask.sum()) for b in batches)
     counts = torch.tensor(
         [local, 1.0 if error else 0.0], dtype=torch.float64, device=runtime.device
@@ -368,14 +380,16 @@ def _own_loss(engine: Engine, loss_sum: float) -> float:
 
 
 def train_step(
-    engine: Engine, plan: StepPlan, source: TokenSource, runtime: StepRuntime
+    engine: Engine, plan: StepPlan, source: TokenSource, runtime: StepRuntime, prepared=None
 ) -> StepResult:
     """Collective over the job (`runtime.all_ranks`): one optimizer step on the global batch.
 
     The plan is checked against the pool and the model before any communication. This
-    rank reads only its own tokens from `source`. The LR schedule advances by one step
-    after a successful update. With `runtime.check_nonfinite`, a step whose global loss or
-    gradient norm is not finite applies no update and returns `nonfinite=True` on every rank.
+    rank reads only its own tokens from `source`, or takes them from `prepared`
+    (`read_and_count`'s `(batches, error)`, read ahead by the prefetch thread). The LR
+    schedule advances by one step after a successful update. With `runtime.check_nonfinite`,
+    a step whose global loss or gradient norm is not finite applies no update and returns
+    `nonfinite=True` on every rank.
     """
     group = runtime.group
     _check_job_group(engine, runtime)
@@ -385,7 +399,7 @@ def train_step(
         check_plan_agreement(plan, runtime.all_ranks, runtime.device)
     check_plan_fits(plan, engine, group)
     bytes_before = runtime.stats.bytes_sent
-    batches, global_tokens = read_and_count(plan, source, runtime)
+    batches, global_tokens = read_and_count(plan, source, runtime, prepared)
     if global_tokens == 0:
         raise ValueError("the global batch has no loss tokens (every loss mask is zero)")
 
@@ -399,7 +413,7 @@ def train_step(
             batches,
             runtime,
             loss_scale=1.0 / global_tokens,
-            global_batch_tokens=sum(plan.seqlens),
+            global_batch_tokens=plan.total_tokens(),
         )
     compute_seconds = time.perf_counter() - start
     runtime.mark("gradient sync")
@@ -456,7 +470,7 @@ def evaluate(
     _check_job_group(engine, runtime)
     check_plan_fits(plan, engine, runtime.group)
     batches, num_tokens = read_and_count(plan, source, runtime)
-    batch_tokens = sum(plan.seqlens)
+    batch_tokens = plan.total_tokens()
     loss_sum = torch.zeros(1, dtype=torch.float64, device=runtime.device)
     engine.model.eval()
     try:

@@ -48,7 +48,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatron_hdp.scheduler.plan import MicroBatch, StepPlan, plan_from_rank_lists
+import numpy as np
+
+from megatron_hdp.scheduler.plan import StepPlan
 
 
 @dataclass(frozen=True)
@@ -194,8 +196,29 @@ def _width_options(widths, ring_sizes, ring_cost, pool_size) -> dict:
     return options
 
 
+def placement_arrays(placements: Sequence[Placement]) -> tuple:
+    """Placements in the flat form of the C++ `balance_core_arrays`.
+
+    `(starts, costs, ring_offsets, ring_ranks, seq_offsets, seq_indices)`: placement p
+    runs on `ring_ranks[ring_offsets[p]:ring_offsets[p + 1]]` and holds
+    `seq_indices[seq_offsets[p]:seq_offsets[p + 1]]`.
+    """
+    ring_offsets = np.zeros(len(placements) + 1, dtype=np.int64)
+    seq_offsets = np.zeros(len(placements) + 1, dtype=np.int64)
+    np.cumsum([len(p.ring) for p in placements], out=ring_offsets[1:])
+    np.cumsum([len(p.seq_indices) for p in placements], out=seq_offsets[1:])
+    return (
+        np.array([p.start for p in placements], dtype=np.float64),
+        np.array([p.cost for p in placements], dtype=np.float64),
+        ring_offsets,
+        np.array([r for p in placements for r in p.ring], dtype=np.int64),
+        seq_offsets,
+        np.array([i for p in placements for i in p.seq_indices], dtype=np.int64),
+    )
+
+
 def plan_from_placements(
-    placements: Sequence[Placement],
+    placements,
     seqlens: Sequence[int],
     *,
     pool_size: int,
@@ -206,24 +229,31 @@ def plan_from_placements(
 ) -> StepPlan:
     """A `StepPlan` whose orders follow the placements' global order.
 
-    `offload_ratios[i]` is sequence i's ratio; a ring micro-batch (one sequence) takes its
-    sequence's ratio, packs never offload.
+    `placements` is a sequence of `Placement` or their flat arrays (`placement_arrays`,
+    `balance_core_arrays`). `offload_ratios[i]` is sequence i's ratio; a ring micro-batch
+    (one sequence) takes its sequence's ratio, packs never offload.
     """
-    micro_batches = [
-        MicroBatch(
-            order=n,
-            ring=p.ring,
-            seq_indices=p.seq_indices,
-            predicted_cost=p.cost,
-            predicted_start=p.start,
-            offload_ratio=(
-                float(offload_ratios[p.seq_indices[0]])
-                if offload_ratios is not None and len(p.ring) > 1
-                else 0.0
-            ),
-        )
-        for n, p in enumerate(placements)
-    ]
-    return plan_from_rank_lists(
-        seqlens, pool_size, capacity, policy, micro_batches, num_layers=num_layers
+    if not (isinstance(placements, tuple) and placements and isinstance(placements[0], np.ndarray)):
+        placements = placement_arrays(placements)
+    starts, costs, ring_offsets, ring_ranks, seq_offsets, seq_indices = placements
+    ratios = np.zeros(len(starts), dtype=np.float64)
+    if offload_ratios is not None:
+        rings = np.nonzero(np.diff(ring_offsets) > 1)[0]
+        ratios[rings] = np.asarray(offload_ratios, dtype=np.float64)[
+            seq_indices[seq_offsets[rings]]
+        ]
+    return StepPlan(
+        pool_size=pool_size,
+        capacity=capacity,
+        seqlens=seqlens,
+        policy=policy,
+        order=np.arange(len(starts), dtype=np.int64),
+        ring_offsets=ring_offsets,
+        ring_ranks=ring_ranks,
+        seq_offsets=seq_offsets,
+        seq_ids=seq_indices,
+        offload_ratio=ratios,
+        predicted_cost=costs,
+        predicted_start=starts,
+        num_layers=num_layers,
     )

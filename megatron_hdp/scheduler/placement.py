@@ -29,7 +29,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from megatron_hdp.scheduler.balance import best_fit_decreasing, plan_from_placements
+from megatron_hdp.scheduler.balance import (
+    best_fit_decreasing,
+    placement_arrays,
+    plan_from_placements,
+)
 from megatron_hdp.scheduler.offload_rule import planned_offload
 from megatron_hdp.scheduler.plan import MicroBatch, StepPlan, plan_from_rank_lists, validate_inputs
 from megatron_hdp.scheduler.ring_sizing import (
@@ -230,54 +234,51 @@ def plan_balanced(
     least share that fits its placed width; the plan then records the model's layer count
     for its memory check.
     """
-    validate_inputs(seqlens, pool_size, capacity)
+    lengths = validate_inputs(seqlens, pool_size, capacity)
     if offload:
         if cost_model is None:
             raise ValueError("offloading needs a cost model (bandwidths and activation sizes)")
         ring_sizes, _ = planned_offload(
-            seqlens, pool_size=pool_size, capacity=capacity, cost_model=cost_model
+            lengths, pool_size=pool_size, capacity=capacity, cost_model=cost_model
         )
-        ring_sizes, local, ring = cost_model.cost_arrays(seqlens, capacity, ring_sizes=ring_sizes)
+        ring_sizes, local, ring = cost_model.cost_arrays(lengths, capacity, ring_sizes=ring_sizes)
     elif cost_model is not None:
-        ring_sizes, local, ring = cost_model.cost_arrays(seqlens, capacity)
+        ring_sizes, local, ring = cost_model.cost_arrays(lengths, capacity)
     else:
-        ring_sizes = [max(1, math.ceil(s / capacity)) for s in seqlens]
-        local = [simple_cost([s], 1, capacity) for s in seqlens]
+        ring_sizes = [max(1, math.ceil(s / capacity)) for s in lengths]
+        local = [simple_cost([s], 1, capacity) for s in lengths]
         ring = [
             simple_cost([s], k, capacity) if k > 1 else 0.0
-            for s, k in zip(seqlens, ring_sizes, strict=True)
+            for s, k in zip(lengths, ring_sizes, strict=True)
         ]
     if core is None:
         from megatron_hdp.scheduler.planner import default_core
 
         core = default_core()
-    lengths = np.asarray(seqlens, dtype=np.int64)
     if cost_model is not None and size_rings:
         costs = RingCosts(
-            seqlens, cost_model, pool_size, ring_sizes, np.where(ring_sizes > 1, ring, local)
+            lengths, cost_model, pool_size, ring_sizes, np.where(ring_sizes > 1, ring, local)
         )
         bound = step_lower_bound(costs)
         pack_tokens = pack_limit(cost_model, capacity, bound.value)
         runner = _CoreRunner(core, lengths, local, costs, capacity, pack_tokens, delta)
         small = pack_tokens < capacity or len(lengths) < 2 * pool_size
-        best = plan_ring_sizes(costs, runner, bound=bound, try_singles=small)
-        placements = best.placements
-        if placements is None:
-            placements = runner.place(best.widths, best.ranges, best.singles)
+        placements = plan_ring_sizes(costs, runner, bound=bound, try_singles=small).placements
     else:
-        placements = core(
-            lengths, ring_sizes, local, ring, pool_size=pool_size, capacity=capacity, delta=delta
-        )
+        args = (lengths, ring_sizes, local, ring)
+        kwargs = dict(pool_size=pool_size, capacity=capacity, delta=delta)
+        arrays = _array_form(core)
+        placements = arrays(*args, **kwargs) if arrays else placement_arrays(core(*args, **kwargs))
     ratios = None
     if offload:
+        _, _, ring_off, _, seq_off, seqs = placements
+        rings = np.nonzero(np.diff(ring_off) > 1)[0]
         placed = np.ones(len(lengths), dtype=np.int64)
-        for p in placements:
-            if len(p.ring) > 1:
-                placed[p.seq_indices[0]] = len(p.ring)
+        placed[seqs[seq_off[rings]]] = np.diff(ring_off)[rings]
         ratios = offload_ratios_for(lengths, placed, capacity, cost_model.model.num_layers)
     return plan_from_placements(
         placements,
-        seqlens,
+        lengths,
         pool_size=pool_size,
         capacity=capacity,
         policy="balanced",
@@ -305,9 +306,8 @@ def pack_limit(cost_model, capacity: int, bound: float) -> int:
 class _CoreRunner:
     """Runs the balance core for `plan_ring_sizes`.
 
-    The first run places objects (it is usually the plan taken); later runs of the C++
-    core use its array form (no Python object per placement); any other core (the
-    reference) runs as given.
+    The C++ core runs in its array form (no Python object per placement); any other core
+    (the reference) runs as given and its placements are flattened the same way.
     """
 
     def __init__(
@@ -317,20 +317,13 @@ class _CoreRunner:
         self.capacity, self.delta = int(capacity), delta
         self.core = core
         self.runs = 0
-        self.arrays = None
         # The core packs by these lengths into `capacity`: scaled so that a pack holds at
         # most `pack_tokens` real tokens (a longer sequence is a pack of its own).
         self.pack_lengths = lengths
         if pack_tokens < capacity:
             scaled = -(-lengths * self.capacity // max(1, int(pack_tokens)))
             self.pack_lengths = np.minimum(self.capacity, scaled).astype(np.int64)
-        try:
-            from megatron_hdp import _planner
-
-            if core is _planner.balance_core:
-                self.arrays = _planner.balance_core_arrays
-        except ImportError:  # the reference core runs without the extension
-            pass
+        self.arrays = _array_form(core)
 
     def _args(self, widths, ranges, singles):
         """The core's arguments for these widths.
@@ -347,30 +340,32 @@ class _CoreRunner:
         return (lengths, widths, self.local, ring), kwargs
 
     def place(self, widths, ranges, singles):
-        """The placements (objects) of these widths."""
+        """The placements of these widths, as flat arrays (`balance.placement_arrays`)."""
         args, kwargs = self._args(widths, ranges, singles)
-        return self.core(*args, **kwargs)
+        if self.arrays is not None:
+            return self.arrays(*args, **kwargs)
+        return placement_arrays(self.core(*args, **kwargs))
 
     def __call__(self, widths, ranges, singles):
-        args, kwargs = self._args(widths, ranges, singles)
         self.runs += 1
-        if self.arrays is not None and self.runs > 1:
-            starts, costs, ring_off, _, seq_off, seqs = self.arrays(*args, **kwargs)
-            ends = starts + costs
-            last = int(np.argmax(ends))
-            item = (
-                seqs[seq_off[last] : seq_off[last + 1]],
-                int(ring_off[last + 1] - ring_off[last]),
-            )
-            return float(ends[last]), item, None
-        placements = self.core(*args, **kwargs)
-        ends = [p.start + p.cost for p in placements]
+        placed = self.place(widths, ranges, singles)
+        starts, costs, ring_off, _, seq_off, seqs = placed
+        ends = starts + costs
         last = int(np.argmax(ends))
-        return (
-            float(ends[last]),
-            (placements[last].seq_indices, len(placements[last].ring)),
-            placements,
+        item = (
+            seqs[seq_off[last] : seq_off[last + 1]],
+            int(ring_off[last + 1] - ring_off[last]),
         )
+        return float(ends[last]), item, placed
+
+
+def _array_form(core):
+    """The C++ core's array form when `core` is the C++ core, else None."""
+    try:
+        from megatron_hdp import _planner
+    except ImportError:  # the reference core runs without the extension
+        return None
+    return _planner.balance_core_arrays if core is _planner.balance_core else None
 
 
 def plan_step(

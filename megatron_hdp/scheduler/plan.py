@@ -1,7 +1,8 @@
 """Plan types: what every rank runs in one training step.
 
-A `StepPlan` is a plain value (tuples, ints, floats, strings). Every rank derives the same
-plan from the same inputs, and `StepPlan.digest()` lets ranks check that cheaply.
+A `StepPlan` is a value held as columns (read-only numpy arrays straight from the planner
+core; `MicroBatch` objects are views made on demand). Every rank derives the same plan from
+the same inputs, and `StepPlan.digest()` lets ranks check that.
 
 Vocabulary:
 - *pool*: the `pool_size` ranks of hybrid data parallelism (DP x CP of a static mesh).
@@ -26,7 +27,9 @@ import hashlib
 import json
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import numpy as np
 
 from megatron_hdp.sharding import rank_token_counts
 
@@ -63,91 +66,279 @@ class MicroBatch:
         return len(self.ring) == 1
 
 
-@dataclass(frozen=True, slots=True)
 class StepPlan:
-    """The plan of one step: every micro-batch of every rank of the pool.
+    """The plan of one step: every micro-batch of every rank of the pool, as columns.
+
+    Micro-batch `m` (0-based, in global order) runs on
+    `ring_ranks[ring_offsets[m]:ring_offsets[m + 1]]` and holds the sequences
+    `seq_ids[seq_offsets[m]:seq_offsets[m + 1]]`; `order`, `offload_ratio`,
+    `predicted_cost` and `predicted_start` hold one value per micro-batch. The arrays are
+    read-only. `MicroBatch` objects are views made on demand: `for_rank` makes only its
+    rank's, in time proportional to their number; `micro_batches` makes them all, once.
 
     Attributes:
         pool_size: Number of ranks in the HDP pool.
         capacity: Token capacity per rank per micro-batch.
-        seqlens: Length of every sequence of the global batch, in batch order.
         policy: Name of the placement policy that made the plan.
-        micro_batches: All micro-batches, sorted by `order`.
         num_layers: Layers per rank, needed to check the memory of offloading micro-batches
             (0 when nothing offloads).
+        lengths: Length of every sequence of the global batch, in batch order (int64);
+            `seqlens` is the same as a tuple.
     """
 
-    pool_size: int
-    capacity: int
-    seqlens: tuple[int, ...]
-    policy: str
-    micro_batches: tuple[MicroBatch, ...]
-    num_layers: int = 0
-    _by_rank: tuple[tuple[int, ...], ...] = field(default=(), repr=False, compare=False)
+    COLUMNS = (
+        "order",
+        "ring_offsets",
+        "ring_ranks",
+        "seq_offsets",
+        "seq_ids",
+        "offload_ratio",
+        "predicted_cost",
+        "predicted_start",
+    )
 
-    def __post_init__(self) -> None:
-        by_rank: list[list[int]] = [[] for _ in range(self.pool_size)]
-        for i, mb in enumerate(self.micro_batches):
-            for r in mb.ring:
-                if 0 <= r < self.pool_size:
-                    by_rank[r].append(i)
-        object.__setattr__(self, "_by_rank", tuple(tuple(x) for x in by_rank))
+    def __init__(
+        self,
+        *,
+        pool_size: int,
+        capacity: int,
+        seqlens,
+        policy: str,
+        order,
+        ring_offsets,
+        ring_ranks,
+        seq_offsets,
+        seq_ids,
+        offload_ratio=None,
+        predicted_cost=None,
+        predicted_start=None,
+        num_layers: int = 0,
+    ) -> None:
+        self.pool_size = int(pool_size)
+        self.capacity = int(capacity)
+        self.policy = str(policy)
+        self.num_layers = int(num_layers)
+        self.lengths = _frozen(seqlens, np.int64)
+        self.order = _frozen(order, np.int64)
+        m = len(self.order)
+        self.ring_offsets = _frozen(ring_offsets, np.int64)
+        self.ring_ranks = _frozen(ring_ranks, np.int64)
+        self.seq_offsets = _frozen(seq_offsets, np.int64)
+        self.seq_ids = _frozen(seq_ids, np.int64)
+        zeros = np.zeros(m, dtype=np.float64)
+        self.offload_ratio = _frozen(zeros if offload_ratio is None else offload_ratio, np.float64)
+        self.predicted_cost = _frozen(
+            zeros if predicted_cost is None else predicted_cost, np.float64
+        )
+        self.predicted_start = _frozen(
+            zeros if predicted_start is None else predicted_start, np.float64
+        )
+        for name, offsets, flat in (
+            ("ring", self.ring_offsets, self.ring_ranks),
+            ("seq", self.seq_offsets, self.seq_ids),
+        ):
+            if len(offsets) != m + 1 or offsets[0] != 0 or offsets[-1] != len(flat):
+                raise ValueError(
+                    f"{name}_offsets must hold {m + 1} entries from 0 to {len(flat)}, got "
+                    f"{len(offsets)} entries"
+                )
+        for name in ("offload_ratio", "predicted_cost", "predicted_start"):
+            if len(getattr(self, name)) != m:
+                raise ValueError(f"{name} must hold {m} entries, got {len(getattr(self, name))}")
+        self._seqlens = None
+        self._micro_batches = None
+        self._rank_offsets, self._rank_items = _rank_index(
+            self.ring_offsets, self.ring_ranks, self.pool_size
+        )
+
+    @classmethod
+    def from_micro_batches(
+        cls,
+        seqlens: Sequence[int],
+        pool_size: int,
+        capacity: int,
+        policy: str,
+        micro_batches: Sequence[MicroBatch],
+        *,
+        num_layers: int = 0,
+    ) -> StepPlan:
+        """The plan of these micro-batches, kept in the given order."""
+        rings = [mb.ring for mb in micro_batches]
+        seqs = [mb.seq_indices for mb in micro_batches]
+        plan = cls(
+            pool_size=pool_size,
+            capacity=capacity,
+            seqlens=seqlens,
+            policy=policy,
+            order=[mb.order for mb in micro_batches],
+            ring_offsets=_offsets(rings),
+            ring_ranks=[r for ring in rings for r in ring],
+            seq_offsets=_offsets(seqs),
+            seq_ids=[i for s in seqs for i in s],
+            offload_ratio=[mb.offload_ratio for mb in micro_batches],
+            predicted_cost=[mb.predicted_cost for mb in micro_batches],
+            predicted_start=[mb.predicted_start for mb in micro_batches],
+            num_layers=num_layers,
+        )
+        plan._micro_batches = tuple(micro_batches)
+        return plan
+
+    def replace(self, **changes) -> StepPlan:
+        """A copy with some attributes or columns replaced (`policy`, `predicted_start`...)."""
+        values = {
+            "pool_size": self.pool_size,
+            "capacity": self.capacity,
+            "seqlens": self.lengths,
+            "policy": self.policy,
+            "num_layers": self.num_layers,
+            **{name: getattr(self, name) for name in self.COLUMNS},
+        }
+        unknown = set(changes) - set(values)
+        if unknown:
+            raise TypeError(f"StepPlan has no attribute(s) {sorted(unknown)} to replace")
+        values.update(changes)
+        return StepPlan(**values)
+
+    @property
+    def seqlens(self) -> tuple[int, ...]:
+        """Length of every sequence of the global batch, in batch order."""
+        if self._seqlens is None:
+            self._seqlens = tuple(self.lengths.tolist())
+        return self._seqlens
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches in the plan (all ranks)."""
+        return len(self.order)
+
+    def micro_batch(self, m: int) -> MicroBatch:
+        """A view of micro-batch `m` (0-based position in the global order)."""
+        if self._micro_batches is not None:
+            return self._micro_batches[m]
+        ro, so = self.ring_offsets, self.seq_offsets
+        return MicroBatch(
+            order=int(self.order[m]),
+            ring=tuple(self.ring_ranks[ro[m] : ro[m + 1]].tolist()),
+            seq_indices=tuple(self.seq_ids[so[m] : so[m + 1]].tolist()),
+            offload_ratio=float(self.offload_ratio[m]),
+            predicted_cost=float(self.predicted_cost[m]),
+            predicted_start=float(self.predicted_start[m]),
+        )
+
+    @property
+    def micro_batches(self) -> tuple[MicroBatch, ...]:
+        """All micro-batches in global order (made once, O(plan) Python objects)."""
+        if self._micro_batches is None:
+            ranks, seqs = self.ring_ranks.tolist(), self.seq_ids.tolist()
+            ro, so = self.ring_offsets.tolist(), self.seq_offsets.tolist()
+            self._micro_batches = tuple(
+                MicroBatch(
+                    o, tuple(ranks[ro[m] : ro[m + 1]]), tuple(seqs[so[m] : so[m + 1]]), r, c, s
+                )
+                for m, (o, r, c, s) in enumerate(
+                    zip(
+                        self.order.tolist(),
+                        self.offload_ratio.tolist(),
+                        self.predicted_cost.tolist(),
+                        self.predicted_start.tolist(),
+                        strict=True,
+                    )
+                )
+            )
+        return self._micro_batches
+
+    def rank_items(self, rank: int) -> np.ndarray:
+        """Positions (in the global order) of the micro-batches `rank` runs, in order."""
+        if not 0 <= rank < self.pool_size:
+            raise ValueError(f"rank {rank} is outside the pool of {self.pool_size} ranks")
+        return self._rank_items[self._rank_offsets[rank] : self._rank_offsets[rank + 1]]
 
     def for_rank(self, rank: int) -> tuple[MicroBatch, ...]:
         """The micro-batches `rank` runs, in the order it must run them."""
-        if not 0 <= rank < self.pool_size:
-            raise ValueError(f"rank {rank} is outside the pool of {self.pool_size} ranks")
-        return tuple(self.micro_batches[i] for i in self._by_rank[rank])
+        return tuple(self.micro_batch(m) for m in self.rank_items(rank).tolist())
 
     def num_micro_batches_per_rank(self) -> list[int]:
         """How many micro-batches each rank runs."""
-        return [len(x) for x in self._by_rank]
+        return np.diff(self._rank_offsets).tolist()
+
+    def ring_sizes(self) -> np.ndarray:
+        """Ranks of every micro-batch's ring (int64, one per micro-batch)."""
+        return np.diff(self.ring_offsets)
 
     def total_tokens(self) -> int:
         """Tokens in the global batch."""
-        return sum(self.seqlens)
+        return int(self.lengths.sum())
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, StepPlan):
+            return NotImplemented
+        return (
+            (self.pool_size, self.capacity, self.policy, self.num_layers)
+            == (other.pool_size, other.capacity, other.policy, other.num_layers)
+            and np.array_equal(self.lengths, other.lengths)
+            and all(np.array_equal(getattr(self, c), getattr(other, c)) for c in self.COLUMNS)
+        )
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return (
+            f"StepPlan(policy={self.policy!r}, pool_size={self.pool_size}, "
+            f"capacity={self.capacity}, sequences={len(self.lengths)}, "
+            f"micro_batches={self.num_micro_batches}, num_layers={self.num_layers})"
+        )
 
     def to_dict(self) -> dict:
         """A JSON-serialisable dict; `StepPlan.from_dict` inverts it."""
+        ranks, seqs = self.ring_ranks.tolist(), self.seq_ids.tolist()
+        ro, so = self.ring_offsets.tolist(), self.seq_offsets.tolist()
         return {
             "pool_size": self.pool_size,
             "capacity": self.capacity,
-            "seqlens": list(self.seqlens),
+            "seqlens": self.lengths.tolist(),
             "policy": self.policy,
             "num_layers": self.num_layers,
             "micro_batches": [
                 {
-                    "order": mb.order,
-                    "ring": list(mb.ring),
-                    "seq_indices": list(mb.seq_indices),
-                    "offload_ratio": mb.offload_ratio,
-                    "predicted_cost": mb.predicted_cost,
-                    "predicted_start": mb.predicted_start,
+                    "order": o,
+                    "ring": ranks[ro[m] : ro[m + 1]],
+                    "seq_indices": seqs[so[m] : so[m + 1]],
+                    "offload_ratio": r,
+                    "predicted_cost": c,
+                    "predicted_start": s,
                 }
-                for mb in self.micro_batches
+                for m, (o, r, c, s) in enumerate(
+                    zip(
+                        self.order.tolist(),
+                        self.offload_ratio.tolist(),
+                        self.predicted_cost.tolist(),
+                        self.predicted_start.tolist(),
+                        strict=True,
+                    )
+                )
             ],
         }
 
     @classmethod
     def from_dict(cls, data: dict) -> StepPlan:
         """Rebuild a plan from `to_dict` output."""
+        mbs = data["micro_batches"]
+        rings = [[int(r) for r in m["ring"]] for m in mbs]
+        seqs = [[int(i) for i in m["seq_indices"]] for m in mbs]
         return cls(
             pool_size=int(data["pool_size"]),
             capacity=int(data["capacity"]),
-            seqlens=tuple(int(s) for s in data["seqlens"]),
+            seqlens=[int(s) for s in data["seqlens"]],
             policy=str(data["policy"]),
             num_layers=int(data.get("num_layers", 0)),
-            micro_batches=tuple(
-                MicroBatch(
-                    order=int(m["order"]),
-                    ring=tuple(int(r) for r in m["ring"]),
-                    seq_indices=tuple(int(i) for i in m["seq_indices"]),
-                    offload_ratio=float(m.get("offload_ratio", 0.0)),
-                    predicted_cost=float(m.get("predicted_cost", 0.0)),
-                    predicted_start=float(m.get("predicted_start", 0.0)),
-                )
-                for m in data["micro_batches"]
-            ),
+            order=[int(m["order"]) for m in mbs],
+            ring_offsets=_offsets(rings),
+            ring_ranks=[r for ring in rings for r in ring],
+            seq_offsets=_offsets(seqs),
+            seq_ids=[i for s in seqs for i in s],
+            offload_ratio=[float(m.get("offload_ratio", 0.0)) for m in mbs],
+            predicted_cost=[float(m.get("predicted_cost", 0.0)) for m in mbs],
+            predicted_start=[float(m.get("predicted_start", 0.0)) for m in mbs],
         )
 
     def to_json(self) -> str:
@@ -155,8 +346,17 @@ class StepPlan:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
     def digest(self) -> str:
-        """A short hash of the canonical JSON; equal plans have equal digests."""
-        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+        """A short hash of the plan's values and columns; equal plans have equal digests.
+
+        O(plan) in numpy (no JSON text): cheap enough to compare plans every step.
+        """
+        h = hashlib.sha256(
+            json.dumps([self.pool_size, self.capacity, self.policy, self.num_layers]).encode()
+        )
+        for column in (self.lengths, *(getattr(self, c) for c in self.COLUMNS)):
+            h.update(len(column).to_bytes(8, "little"))
+            h.update(column.astype(column.dtype.newbyteorder("<"), copy=False).tobytes())
+        return h.hexdigest()[:16]
 
     def check_pool(self, pool_size: int) -> None:
         """The cheap check before a step runs: the plan is for this pool, its inputs valid.
@@ -167,7 +367,7 @@ class StepPlan:
             raise ValueError(
                 f"plan is for a pool of {self.pool_size} ranks, but this pool has {pool_size}"
             )
-        validate_inputs(self.seqlens, self.pool_size, self.capacity)
+        validate_inputs(self.lengths, self.pool_size, self.capacity)
 
     def validate(self, *, pool_size: int | None = None) -> None:
         """Check the plan's invariants; raise ValueError naming the first broken one.
@@ -270,8 +470,11 @@ def _as_int(value, what: str) -> int:
         raise ValueError(f"{what} must be an integer, got {value!r}") from None
 
 
-def validate_inputs(seqlens: Sequence[int], pool_size: int, capacity: int) -> None:
-    """Raise ValueError naming the bad value if the planner inputs cannot be planned."""
+def validate_inputs(seqlens: Sequence[int], pool_size: int, capacity: int) -> np.ndarray:
+    """Raise ValueError naming the bad value if the planner inputs cannot be planned.
+
+    Returns the lengths as an int64 array.
+    """
     pool_size = _as_int(pool_size, "pool_size")
     if pool_size < 1:
         raise ValueError(f"pool_size must be an integer >= 1, got {pool_size!r}")
@@ -283,7 +486,16 @@ def validate_inputs(seqlens: Sequence[int], pool_size: int, capacity: int) -> No
     if len(seqlens) == 0:
         raise ValueError("the global batch holds no sequence")
     limit = pool_size * capacity
-    for i, s in enumerate(seqlens):
+    lengths = _integer_array(seqlens)
+    if lengths is not None:
+        bad = np.nonzero((lengths <= 0) | (lengths > limit))[0]
+        if len(bad) == 0:
+            return lengths.astype(np.int64, copy=False)
+        seqlens = [int(lengths[bad[0]])]  # the loop below names it
+        offset = int(bad[0])
+    else:
+        offset = 0
+    for i, s in enumerate(seqlens, start=offset):
         s = _as_int(s, f"the length of sequence {i}")
         if s <= 0:
             raise ValueError(f"sequence {i} is empty (length {s}); every sequence needs >= 1 token")
@@ -292,6 +504,22 @@ def validate_inputs(seqlens: Sequence[int], pool_size: int, capacity: int) -> No
                 f"sequence {i} has {s} tokens, more than the pool holds: "
                 f"{pool_size} ranks x capacity {capacity} = {limit}"
             )
+    return np.asarray([int(x) for x in seqlens], dtype=np.int64)
+
+
+def _integer_array(seqlens) -> np.ndarray | None:
+    """`seqlens` as an int64 array when every entry is an integer (not a bool), else None."""
+    if isinstance(seqlens, np.ndarray):
+        if seqlens.ndim == 1 and seqlens.dtype.kind in "iu":
+            return seqlens
+        return None
+    types = set(map(type, seqlens))
+    if not all(t is int or (issubclass(t, np.integer)) for t in types):
+        return None
+    try:
+        return np.asarray(seqlens, dtype=np.int64)
+    except OverflowError:
+        return None
 
 
 def plan_from_rank_lists(
@@ -304,11 +532,49 @@ def plan_from_rank_lists(
     num_layers: int = 0,
 ) -> StepPlan:
     """Build a `StepPlan` from micro-batches given in any order (sorted by `order` here)."""
-    return StepPlan(
-        pool_size=pool_size,
-        capacity=capacity,
-        seqlens=tuple(int(s) for s in seqlens),
-        policy=policy,
-        micro_batches=tuple(sorted(micro_batches, key=lambda m: m.order)),
+    return StepPlan.from_micro_batches(
+        seqlens,
+        pool_size,
+        capacity,
+        policy,
+        sorted(micro_batches, key=lambda m: m.order),
         num_layers=num_layers,
     )
+
+
+def _frozen(values, dtype) -> np.ndarray:
+    """`values` as a read-only 1-d array of `dtype` (a copy unless it already is one)."""
+    array = np.asarray(values, dtype=dtype)
+    if array.ndim != 1:
+        raise ValueError(f"plan columns are 1-d, got an array of shape {array.shape}")
+    if array.flags.writeable:
+        if array is values:
+            array = array.copy()
+        array.setflags(write=False)
+    return array
+
+
+def _offsets(groups) -> np.ndarray:
+    """Start offsets of `groups` laid end to end (one entry more than groups, from 0)."""
+    out = np.zeros(len(groups) + 1, dtype=np.int64)
+    np.cumsum([len(g) for g in groups], out=out[1:])
+    return out
+
+
+def _rank_index(ring_offsets: np.ndarray, ring_ranks: np.ndarray, pool_size: int):
+    """Per rank, the positions of its micro-batches in order (CSR: offsets, positions).
+
+    Ranks outside the pool are left out (`StepPlan.validate` names them).
+    """
+    owner = np.repeat(np.arange(len(ring_offsets) - 1, dtype=np.int64), np.diff(ring_offsets))
+    inside = (ring_ranks >= 0) & (ring_ranks < pool_size)
+    if not inside.all():
+        ranks, owner = ring_ranks[inside], owner[inside]
+    else:
+        ranks = ring_ranks
+    by_rank = np.argsort(ranks, kind="stable")
+    offsets = np.zeros(pool_size + 1, dtype=np.int64)
+    np.cumsum(np.bincount(ranks, minlength=pool_size), out=offsets[1:])
+    items = owner[by_rank]
+    items.setflags(write=False)
+    return offsets, items

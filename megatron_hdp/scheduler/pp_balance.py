@@ -74,7 +74,7 @@ fixed order.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -783,7 +783,7 @@ def _static_fallback(seqlens, pool_size, capacity, d, cost_model, policy) -> Ste
             "of every ring group a micro-batch with at least one token per member (decision "
             f"8 of scheduler/pp_balance.py; the static mesh's neither: {err})"
         ) from err
-    return with_pipeline_predictions(replace(plan, policy=policy), d, cost_model=cost_model)
+    return with_pipeline_predictions(plan.replace(policy=policy), d, cost_model=cost_model)
 
 
 def _assemble(planner: _Planner, layout: _Layout, policy, offload_ratios, num_layers) -> StepPlan:
@@ -868,21 +868,18 @@ def _assemble(planner: _Planner, layout: _Layout, policy, offload_ratios, num_la
 
 def micro_batch_sequences(plan: StepPlan):
     """Sequence ids of all micro-batches concatenated, the micro-batch of each, and counts."""
-    counts = np.fromiter((len(mb.seq_indices) for mb in plan.micro_batches), dtype=np.int64)
-    ids = np.fromiter(
-        (i for mb in plan.micro_batches for i in mb.seq_indices), dtype=np.int64, count=counts.sum()
-    )
+    counts = np.diff(plan.seq_offsets)
     owner = np.repeat(np.arange(len(counts)), counts)
-    return ids, owner, counts
+    return plan.seq_ids, owner, counts
 
 
 def forward_shares(plan: StepPlan, cost_model=None) -> np.ndarray:
     """Per micro-batch forward share of its time (the cost model's split, else 1/3)."""
-    n = len(plan.micro_batches)
+    n = plan.num_micro_batches
     if cost_model is None:
         return np.full(n, DEFAULT_FORWARD_SHARE)
     ids, owner, _ = micro_batch_sequences(plan)
-    s = np.asarray(plan.seqlens, dtype=np.float64)[ids]
+    s = plan.lengths.astype(np.float64)[ids]
     linear = np.bincount(owner, cost_model.linear_time(s), minlength=n)
     attention = np.bincount(owner, cost_model.attention_time(s), minlength=n)
     return forward_fraction(linear, attention)
@@ -893,10 +890,10 @@ def micro_batch_costs(plan: StepPlan, cost_model=None) -> np.ndarray:
 
     Without a cost model: `placement.simple_cost`'s formula.
     """
-    n = len(plan.micro_batches)
+    n = plan.num_micro_batches
     ids, owner, counts = micro_batch_sequences(plan)
-    s = np.asarray(plan.seqlens, dtype=np.float64)[ids]
-    k = np.fromiter((mb.cp_size for mb in plan.micro_batches), dtype=np.float64, count=n)
+    s = plan.lengths.astype(np.float64)[ids]
+    k = plan.ring_sizes().astype(np.float64)
     costs = _Costs(cost_model, plan.capacity)
     local = np.bincount(owner, costs.ring(s, 1.0), minlength=n)
     out = local / k
@@ -905,7 +902,7 @@ def micro_batch_costs(plan: StepPlan, cost_model=None) -> np.ndarray:
         first = np.cumsum(counts) - counts
         out[single] = costs.ring(s[first[single]], k[single])
     for i in np.nonzero((counts > 1) & (k > 1))[0]:
-        mb = plan.micro_batches[i]
+        mb = plan.micro_batch(int(i))
         out[i] = costs.micro_batch([plan.seqlens[j] for j in mb.seq_indices], mb.cp_size)
     return out
 
@@ -921,11 +918,7 @@ def with_pipeline_predictions(plan: StepPlan, pipeline_stages: int, *, cost_mode
     )
     if not ex.completed:
         return plan
-    starts = ex.forward_start
-    micro_batches = tuple(
-        replace(mb, predicted_start=float(starts[i])) for i, mb in enumerate(plan.micro_batches)
-    )
-    return replace(plan, micro_batches=micro_batches)
+    return plan.replace(predicted_start=np.asarray(ex.forward_start, dtype=np.float64))
 
 
 def pipeline_execution(

@@ -319,7 +319,7 @@ class _Candidate:
     ranges: tuple | None
     singles: bool
     last: tuple  # (sequence indices, ring width) of the item that finishes last
-    placements: list | None
+    placements: object  # whatever `run_core` returned for them
 
 
 def plan_ring_sizes(
@@ -333,13 +333,12 @@ def plan_ring_sizes(
 
     The candidate holds `widths`, `ranges` (None: fixed widths), `singles` (packed
     sequences were micro-batches of their own), the predicted `makespan` and `placements`
-    (None when its core ran in array form).
+    (as `run_core` returned them).
 
     `run_core(widths, ranges, singles)` runs the core with per-sequence ring sizes
     `widths` (1 = packed), optional ranges and packing, and returns `(makespan, last,
     placements)`; `last` is the last-finishing item's (sequence indices, width).
-    `placements` may be None when the core ran in array form; the caller then places the
-    winner once more. `try_singles`: also try unpacked sequences (small batches).
+    `try_singles`: also try unpacked sequences (small batches).
     """
     if bound is None:
         bound = step_lower_bound(costs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from megatron_hdp.scheduler.offload_rule import resident_fraction
 from megatron_hdp.scheduler.plan import StepPlan
 from megatron_hdp.sharding import rank_token_counts
@@ -15,30 +17,24 @@ def plan_statistics(plan: StepPlan) -> dict:
     `micro_batches_per_rank_min` / `_max`, and `predicted_imbalance` (the most loaded
     rank's predicted cost over the mean; 1.0 is perfect balance).
     """
-    ring_of = {}
-    for mb in plan.micro_batches:
-        for i in mb.seq_indices:
-            ring_of[i] = mb.cp_size
-    sizes = [ring_of[i] for i in range(len(plan.seqlens))]
+    widths = plan.ring_sizes()
+    counts = np.diff(plan.seq_offsets)
+    sizes = np.zeros(len(plan.lengths), dtype=np.int64)
+    sizes[plan.seq_ids] = np.repeat(widths, counts)
     tokens = plan.total_tokens()
-    loads = [0.0] * plan.pool_size
-    for mb in plan.micro_batches:
-        for r in mb.ring:
-            loads[r] += mb.predicted_cost
-    mean_load = sum(loads) / plan.pool_size
-    counts = plan.num_micro_batches_per_rank()
+    member_cost = np.repeat(plan.predicted_cost, widths)
+    loads = np.bincount(plan.ring_ranks, weights=member_cost, minlength=plan.pool_size)
+    mean_load = float(loads.sum()) / plan.pool_size
+    per_rank = plan.num_micro_batches_per_rank()
     return {
-        "num_sequences": len(plan.seqlens),
+        "num_sequences": len(plan.lengths),
         "num_tokens": tokens,
-        "max_ranks_per_sequence": max(sizes),
-        "mean_ranks_per_sequence": sum(sizes) / len(sizes),
-        "token_weighted_ranks_per_sequence": sum(
-            s * n for s, n in zip(sizes, plan.seqlens, strict=True)
-        )
-        / tokens,
-        "micro_batches_per_rank_min": min(counts),
-        "micro_batches_per_rank_max": max(counts),
-        "predicted_imbalance": max(loads) / mean_load if mean_load > 0 else 1.0,
+        "max_ranks_per_sequence": int(sizes.max()),
+        "mean_ranks_per_sequence": float(sizes.mean()),
+        "token_weighted_ranks_per_sequence": float((sizes * plan.lengths).sum()) / tokens,
+        "micro_batches_per_rank_min": min(per_rank),
+        "micro_batches_per_rank_max": max(per_rank),
+        "predicted_imbalance": float(loads.max()) / mean_load if mean_load > 0 else 1.0,
     }
 
 
