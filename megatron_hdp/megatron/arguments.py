@@ -397,7 +397,17 @@ def add_hdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--hdp-metrics-file",
         default=None,
-        help="append one JSON line per step (iteration, loss, lr, grad norm, tokens, seconds)",
+        help="append one JSON line per step (iteration, loss, lr, grad norm, tokens, seconds, "
+        "data_wait_s)",
+    )
+    g.add_argument(
+        "--hdp-prefetch-depth",
+        type=int,
+        default=2,
+        metavar="N",
+        help="plan the next N global batches and read this rank's tokens for them in a "
+        "background thread while the current step trains (0: plan and read inside the step); "
+        "the metrics file records each step's wait for data as data_wait_s",
     )
     g.add_argument(
         "--hdp-skip-nonfinite-steps",

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatron_hdp.batching import IndexedTokens
 from megatron_hdp.checkpoint_files import read_meta
+from megatron_hdp.data.prefetch import Prefetcher
 from megatron_hdp.distributed.layout import ParallelLayout
 from megatron_hdp.distributed.stall_watchdog import StallWatchdog
 from megatron_hdp.distributed.stop_signal import StopSignal
@@ -34,7 +35,13 @@ from megatron_hdp.megatron.config import device_profile, model_config, optim_con
 from megatron_hdp.megatron.engine import Engine, build_engine, offload_manager
 from megatron_hdp.megatron.model import model_shape
 from megatron_hdp.megatron.resume_checks import scheduler_override
-from megatron_hdp.megatron.step import StepResult, StepRuntime, evaluate, train_step
+from megatron_hdp.megatron.step import (
+    StepResult,
+    StepRuntime,
+    evaluate,
+    read_local,
+    train_step,
+)
 from megatron_hdp.megatron.training_data import TrainingData
 from megatron_hdp.scheduler import plan_step
 from megatron_hdp.scheduler.cost import CostModel
@@ -84,6 +91,8 @@ class Trainer:
         self.pool_size = dist.get_world_size(runtime.group)
         # The job's rank: rank 0 logs (one TP rank of pool rank 0).
         self.rank = dist.get_rank(runtime.all_ranks)
+        self.pool_rank = dist.get_rank(runtime.group)
+        self.feed: Prefetcher | None = None  # started by the first step, after any resume
         self.capacity = capacity_of(args)
         self.policy = "static" if uses_static_mesh(args) else args.hdp_placement
         cfg = model_config(args, data.vocab_size)
@@ -141,14 +150,20 @@ class Trainer:
             )
         self.iteration = state.iteration
         self.consumed_tokens = state.consumed_tokens
+        self.close()
+        self.feed = None
         self.data.train.load_state_dict(saved_data["sampler"])
         self.run_id = self._resume_meta.get("run_id") or self.run_id
+
+    def _data_state(self) -> dict:
+        """The sampler state after the last batch trained (not the ones prefetched)."""
+        return self.feed.state_dict() if self.feed is not None else self.data.train.state_dict()
 
     def save(self) -> None:
         """Collective: write a checkpoint of the current iteration to `--save`."""
         state = TrainingState(
             iteration=self.iteration,
-            data_state={"sampler": self.data.train.state_dict(), "prefixes": self.data.prefixes},
+            data_state={"sampler": self._data_state(), "prefixes": self.data.prefixes},
             consumed_tokens=self.consumed_tokens,
         )
         self._mark("saving checkpoint")
@@ -203,18 +218,43 @@ class Trainer:
             allowed,
         )
 
-    def step(self) -> tuple[StepResult, dict, float, list]:
-        """Collective: one training step; returns result, plan statistics, seconds, units."""
-        self._mark("reading and planning the batch", iteration=self.iteration + 1)
-        units = self.data.train.next_batch()
+    def _prepare(self, units):
+        """Local work for one batch (the prefetch thread runs it): plan, read own tokens."""
         plan = self._plan(units)
         source = IndexedTokens(self.data.datasets, units, vocab_size=self.data.vocab_size)
+        try:
+            read = (read_local(plan, source, self.pool_rank), None)
+        except ValueError as err:  # raised in the step, on every rank together
+            read = ([], err)
+        return plan, source, read
+
+    def _feed(self) -> Prefetcher:
+        if self.feed is None:
+            self.feed = Prefetcher(self.data.train, self._prepare, self.args.hdp_prefetch_depth)
+        return self.feed
+
+    def close(self) -> None:
+        """Stop the prefetch thread (the data state stays at the last batch trained)."""
+        if self.feed is not None:
+            self.feed.close()
+
+    def step(self) -> tuple[StepResult, dict, float, list, float]:
+        """Collective: one training step.
+
+        Returns the result, plan statistics, seconds (from the batch in hand to the
+        update), units, and the seconds this step waited for its batch.
+        """
+        self._mark("reading and planning the batch", iteration=self.iteration + 1)
+        item = self._feed().next()
+        if item.error is not None:
+            raise item.error
+        plan, source, read = item.value
         start = time.perf_counter()
-        result = train_step(self.engine, plan, source, self.runtime)
+        result = train_step(self.engine, plan, source, self.runtime, prepared=read)
         elapsed = time.perf_counter() - start
         self.iteration += 1
         self.consumed_tokens += result.num_loss_tokens
-        return result, plan_statistics(plan), elapsed, units
+        return result, plan_statistics(plan), elapsed, item.units, item.wait_s
 
     def evaluate(self) -> float | None:
         """Collective: mean validation loss over `--eval-iters` batches (None if no data)."""
@@ -299,9 +339,15 @@ class Trainer:
     def train(self, progress=None) -> list[dict]:
         """Collective: train to `--train-iters`; returns one record per step (rank 0 logs).
 
-        A record holds the iteration, loss, learning rate, grad norm, tokens and the units
-        `(dataset, doc, start, length)` of the step's global batch.
+        A record holds the iteration, loss, learning rate, grad norm, tokens, the seconds
+        waited for data and the units `(dataset, doc, start, length)` of the step's batch.
         """
+        try:
+            return self._train(progress)
+        finally:
+            self.close()
+
+    def _train(self, progress) -> list[dict]:
         args = self.args
         window = _Window()
         steps = []
@@ -310,7 +356,7 @@ class Trainer:
             Path(args.hdp_metrics_file).parent.mkdir(parents=True, exist_ok=True)
             metrics = open(args.hdp_metrics_file, "a")  # noqa: SIM115 - closed below
         while self.iteration < args.train_iters:
-            result, stats, elapsed, units = self.step()
+            result, stats, elapsed, units, data_wait = self.step()
             self._check_finite(result)
             record = {
                 "iteration": self.iteration,
@@ -320,6 +366,7 @@ class Trainer:
                 "skipped": result.nonfinite,
                 "tokens": result.num_loss_tokens,
                 "seconds": elapsed,
+                "data_wait_s": data_wait,
                 "max_ranks_per_sequence": stats["max_ranks_per_sequence"],
                 "micro_batches_per_rank_min": stats["micro_batches_per_rank_min"],
                 "micro_batches_per_rank_max": stats["micro_batches_per_rank_max"],

@@ -81,6 +81,7 @@ NON_NEGATIVE = (
     "seed",
     "hdp_skip_nonfinite_steps",
     "hdp_stall_report_seconds",
+    "hdp_prefetch_depth",
 )
 
 #: Flags whose value must lie in [0, 1).

@@ -258,6 +258,7 @@ def test_torchrun_launch(corpus_cache, tmp_path):
     assert "iter 2/2" in done.stderr
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2]
+    assert all(0 <= r["data_wait_s"] < 60 and r["seconds"] > 0 for r in records)
     assert list(board.glob("events.out.tfevents.*"))
 
 

@@ -37,6 +37,7 @@ BAD = [
     (["--hdp-stall-report-seconds", "900"], "--hdp-stall-report-seconds 900.0 must be below"),
     (["--lr-warmup-iters", "3"], "--lr-warmup-iters 3 must be below --train-iters 3"),
     (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--hdp-prefetch-depth", "-1"], "--hdp-prefetch-depth must be >= 0, got -1"),
     (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
     (["--tensor-model-parallel-size", "4"], "--tensor-model-parallel-size 4 does not divide"),
     (
