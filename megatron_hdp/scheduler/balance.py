@@ -217,6 +217,17 @@ def placement_arrays(placements: Sequence[Placement]) -> tuple:
     )
 
 
+def ring_sequences(placements: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """The sequence and the width of every ring placement of flat `placements` arrays.
+
+    A ring placement (more than one rank) holds exactly one sequence.
+    """
+    _, _, ring_offsets, _, seq_offsets, seq_indices = placements
+    widths = np.diff(ring_offsets)
+    rings = np.nonzero(widths > 1)[0]
+    return seq_indices[seq_offsets[rings]], widths[rings]
+
+
 def plan_from_placements(
     placements,
     seqlens: Sequence[int],
@@ -238,10 +249,8 @@ def plan_from_placements(
     starts, costs, ring_offsets, ring_ranks, seq_offsets, seq_indices = placements
     ratios = np.zeros(len(starts), dtype=np.float64)
     if offload_ratios is not None:
-        rings = np.nonzero(np.diff(ring_offsets) > 1)[0]
-        ratios[rings] = np.asarray(offload_ratios, dtype=np.float64)[
-            seq_indices[seq_offsets[rings]]
-        ]
+        seqs, _ = ring_sequences(placements)
+        ratios[np.diff(ring_offsets) > 1] = np.asarray(offload_ratios, dtype=np.float64)[seqs]
     return StepPlan(
         pool_size=pool_size,
         capacity=capacity,

@@ -33,6 +33,7 @@ from megatron_hdp.scheduler.balance import (
     best_fit_decreasing,
     placement_arrays,
     plan_from_placements,
+    ring_sequences,
 )
 from megatron_hdp.scheduler.offload_rule import planned_offload
 from megatron_hdp.scheduler.plan import MicroBatch, StepPlan, plan_from_rank_lists, validate_inputs
@@ -265,16 +266,13 @@ def plan_balanced(
         small = pack_tokens < capacity or len(lengths) < 2 * pool_size
         placements = plan_ring_sizes(costs, runner, bound=bound, try_singles=small).placements
     else:
-        args = (lengths, ring_sizes, local, ring)
         kwargs = dict(pool_size=pool_size, capacity=capacity, delta=delta)
-        arrays = _array_form(core)
-        placements = arrays(*args, **kwargs) if arrays else placement_arrays(core(*args, **kwargs))
+        placements = _place(core, lengths, ring_sizes, local, ring, **kwargs)
     ratios = None
     if offload:
-        _, _, ring_off, _, seq_off, seqs = placements
-        rings = np.nonzero(np.diff(ring_off) > 1)[0]
+        seqs, widths = ring_sequences(placements)
         placed = np.ones(len(lengths), dtype=np.int64)
-        placed[seqs[seq_off[rings]]] = np.diff(ring_off)[rings]
+        placed[seqs] = widths
         ratios = offload_ratios_for(lengths, placed, capacity, cost_model.model.num_layers)
     return plan_from_placements(
         placements,
@@ -316,17 +314,15 @@ class _CoreRunner:
         self.lengths, self.local, self.costs = lengths, local, costs
         self.capacity, self.delta = int(capacity), delta
         self.core = core
-        self.runs = 0
         # The core packs by these lengths into `capacity`: scaled so that a pack holds at
         # most `pack_tokens` real tokens (a longer sequence is a pack of its own).
         self.pack_lengths = lengths
         if pack_tokens < capacity:
             scaled = -(-lengths * self.capacity // max(1, int(pack_tokens)))
             self.pack_lengths = np.minimum(self.capacity, scaled).astype(np.int64)
-        self.arrays = _array_form(core)
 
-    def _args(self, widths, ranges, singles):
-        """The core's arguments for these widths.
+    def __call__(self, widths, ranges, singles):
+        """Place with these widths: `(makespan, last item, flat placements)`.
 
         Packs hold at most `pack_tokens` tokens; with `singles` every packed sequence is a
         micro-batch of its own (its packing length is the whole capacity).
@@ -334,21 +330,17 @@ class _CoreRunner:
         ring = np.where(widths > 1, self.costs.times(widths), 0.0)
         packed = self.capacity if singles else self.pack_lengths
         lengths = np.where(widths > 1, self.lengths, packed)
-        kwargs = dict(
-            pool_size=self.costs.pool_size, capacity=self.capacity, delta=self.delta, widths=ranges
+        placed = _place(
+            self.core,
+            lengths,
+            widths,
+            self.local,
+            ring,
+            pool_size=self.costs.pool_size,
+            capacity=self.capacity,
+            delta=self.delta,
+            widths=ranges,
         )
-        return (lengths, widths, self.local, ring), kwargs
-
-    def place(self, widths, ranges, singles):
-        """The placements of these widths, as flat arrays (`balance.placement_arrays`)."""
-        args, kwargs = self._args(widths, ranges, singles)
-        if self.arrays is not None:
-            return self.arrays(*args, **kwargs)
-        return placement_arrays(self.core(*args, **kwargs))
-
-    def __call__(self, widths, ranges, singles):
-        self.runs += 1
-        placed = self.place(widths, ranges, singles)
         starts, costs, ring_off, _, seq_off, seqs = placed
         ends = starts + costs
         last = int(np.argmax(ends))
@@ -359,13 +351,19 @@ class _CoreRunner:
         return float(ends[last]), item, placed
 
 
-def _array_form(core):
-    """The C++ core's array form when `core` is the C++ core, else None."""
+def _place(core, *args, **kwargs) -> tuple:
+    """Run a balance core; its placements as flat arrays (`balance.placement_arrays`).
+
+    The C++ core runs in its array form (no Python object per placement); any other core
+    (the reference) runs as given and its placements are flattened.
+    """
     try:
         from megatron_hdp import _planner
     except ImportError:  # the reference core runs without the extension
-        return None
-    return _planner.balance_core_arrays if core is _planner.balance_core else None
+        _planner = None
+    if _planner is not None and core is _planner.balance_core:
+        return _planner.balance_core_arrays(*args, **kwargs)
+    return placement_arrays(core(*args, **kwargs))
 
 
 def plan_step(

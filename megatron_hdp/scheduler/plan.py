@@ -290,8 +290,6 @@ class StepPlan:
 
     def to_dict(self) -> dict:
         """A JSON-serialisable dict; `StepPlan.from_dict` inverts it."""
-        ranks, seqs = self.ring_ranks.tolist(), self.seq_ids.tolist()
-        ro, so = self.ring_offsets.tolist(), self.seq_offsets.tolist()
         return {
             "pool_size": self.pool_size,
             "capacity": self.capacity,
@@ -300,45 +298,37 @@ class StepPlan:
             "num_layers": self.num_layers,
             "micro_batches": [
                 {
-                    "order": o,
-                    "ring": ranks[ro[m] : ro[m + 1]],
-                    "seq_indices": seqs[so[m] : so[m + 1]],
-                    "offload_ratio": r,
-                    "predicted_cost": c,
-                    "predicted_start": s,
+                    "order": mb.order,
+                    "ring": list(mb.ring),
+                    "seq_indices": list(mb.seq_indices),
+                    "offload_ratio": mb.offload_ratio,
+                    "predicted_cost": mb.predicted_cost,
+                    "predicted_start": mb.predicted_start,
                 }
-                for m, (o, r, c, s) in enumerate(
-                    zip(
-                        self.order.tolist(),
-                        self.offload_ratio.tolist(),
-                        self.predicted_cost.tolist(),
-                        self.predicted_start.tolist(),
-                        strict=True,
-                    )
-                )
+                for mb in self.micro_batches
             ],
         }
 
     @classmethod
     def from_dict(cls, data: dict) -> StepPlan:
         """Rebuild a plan from `to_dict` output."""
-        mbs = data["micro_batches"]
-        rings = [[int(r) for r in m["ring"]] for m in mbs]
-        seqs = [[int(i) for i in m["seq_indices"]] for m in mbs]
-        return cls(
-            pool_size=int(data["pool_size"]),
-            capacity=int(data["capacity"]),
-            seqlens=[int(s) for s in data["seqlens"]],
-            policy=str(data["policy"]),
+        return cls.from_micro_batches(
+            [int(s) for s in data["seqlens"]],
+            int(data["pool_size"]),
+            int(data["capacity"]),
+            str(data["policy"]),
+            [
+                MicroBatch(
+                    order=int(m["order"]),
+                    ring=tuple(int(r) for r in m["ring"]),
+                    seq_indices=tuple(int(i) for i in m["seq_indices"]),
+                    offload_ratio=float(m.get("offload_ratio", 0.0)),
+                    predicted_cost=float(m.get("predicted_cost", 0.0)),
+                    predicted_start=float(m.get("predicted_start", 0.0)),
+                )
+                for m in data["micro_batches"]
+            ],
             num_layers=int(data.get("num_layers", 0)),
-            order=[int(m["order"]) for m in mbs],
-            ring_offsets=_offsets(rings),
-            ring_ranks=[r for ring in rings for r in ring],
-            seq_offsets=_offsets(seqs),
-            seq_ids=[i for s in seqs for i in s],
-            offload_ratio=[float(m.get("offload_ratio", 0.0)) for m in mbs],
-            predicted_cost=[float(m.get("predicted_cost", 0.0)) for m in mbs],
-            predicted_start=[float(m.get("predicted_start", 0.0)) for m in mbs],
         )
 
     def to_json(self) -> str:
