@@ -21,7 +21,6 @@ import contextlib
 import logging
 import os
 import sys
-import warnings
 
 from megatron_hdp.launch import setup_logging
 from megatron_hdp.megatron.arguments import build_parser
@@ -121,7 +120,9 @@ def _train(args, data) -> list[dict]:
                     file=sys.stderr,
                 ) as progress,
             ):
-                return trainer.train(progress)
+                records = trainer.train(progress)
+            trainer.log_summary(records)  # rank 0, after the progress bar has closed
+            return records
         finally:
             layout.destroy()
 
@@ -137,9 +138,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    # Also hides Megatron-Core's known missing-package warnings (launch.KNOWN_MEGATRON_WARNINGS):
+    # set here, before anything imports torch or Megatron, in every rank's own interpreter.
     setup_logging(rank, level=logging.WARNING if args.hdp_validate_only else logging.INFO)
-    # Megatron-Core warns at import that Transformer Engine and Apex are missing (CPU runs).
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex)", category=UserWarning)
     data = _prepare(parser, args, world_size)
     if args.hdp_validate_only:
         return []

@@ -202,3 +202,13 @@ def gather_local_batch(
         rank=rank,
         offload_ratio=micro_batch.offload_ratio,
     )
+
+
+def read_local(plan, source: TokenSource, rank: int) -> list[LocalBatch]:
+    """Pool rank `rank`'s micro-batches of `plan` (a `StepPlan`), read from `source` (host tensors).
+
+    Local work only (no collective): the prefetch thread runs it ahead of the step. A ring
+    member without tokens (a pack smaller than its ring) skips the micro-batch.
+    """
+    batches = (gather_local_batch(plan, mb, rank, source) for mb in plan.for_rank(rank))
+    return [batch for batch in batches if batch.num_tokens > 0]

@@ -1,7 +1,7 @@
 """Process start-up shared by the entry points (torchrun, SLURM): distributed init and logging.
 
-Imports torch only inside `init_distributed`, so that logging can be set up and flags
-validated before the heavy imports.
+Imports torch only inside `init_distributed`, so that logging (and the warning filters) can
+be set up and flags validated before the heavy imports.
 """
 
 from __future__ import annotations
@@ -9,16 +9,48 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 from datetime import timedelta
+
+#: Megatron-Core warnings with nothing to act on in these jobs, as regular expressions
+#: matched at the start of the message: optional GPU packages missing (Megatron falls back to
+#: its own implementations, e.g. on every CPU machine), and a deprecation that Megatron's own
+#: `TransformerConfig.cuda_graph_scope` default raises. Each fires once per process, at
+#: import or model set-up. Only UserWarnings raised from `megatron.*` modules match; any other
+#: warning, Megatron's or ours, is shown as usual.
+KNOWN_MEGATRON_WARNINGS: tuple[str, ...] = (
+    r"Transformer Engine and Apex are not installed\. Falling back to ",
+    r"Apex is not installed\. Falling back to Torch Norm",
+    r"full scope is deprecated\. Use empty cuda_graph_scope to capture the whole layer",
+)
+
+
+def quiet_known_warnings() -> None:
+    """Hide exactly the `KNOWN_MEGATRON_WARNINGS` in this process.
+
+    Python's warning filters are per process and shared by all its threads, so calling this
+    once before Megatron is imported covers the import-time warnings and those of threads
+    started later; each process (torchrun starts every rank with a fresh interpreter) calls
+    it itself. The filters go in front of any `PYTHONWARNINGS` / `-W` setting.
+    """
+    for message in KNOWN_MEGATRON_WARNINGS:
+        warnings.filterwarnings(
+            "ignore", message=message, category=UserWarning, module=r"megatron\."
+        )
 
 
 def setup_logging(rank: int, *, level: int = logging.INFO) -> None:
-    """Log to stderr; ranks other than 0 only log warnings and errors."""
+    """Log to stderr (ranks other than 0 only warnings and errors); hide known warnings.
+
+    Also calls `quiet_known_warnings`, so an entry point that sets up logging before
+    importing Megatron-Core starts without Megatron's missing-package warnings.
+    """
     logging.basicConfig(
         level=level if rank == 0 else logging.WARNING,
         format=f"%(asctime)s [rank{rank}] %(name)s %(levelname)s: %(message)s",
     )
     logging.getLogger("megatron").setLevel(logging.WARNING)
+    quiet_known_warnings()
 
 
 def init_distributed(*, timeout_s: float = 600.0):

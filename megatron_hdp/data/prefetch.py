@@ -1,10 +1,12 @@
 """Batches prepared ahead in a background thread, so that planning and reading leave the step.
 
-`Prefetcher` draws global batches from a sampler in order and runs a `prepare(units)`
-function on each (the trainer plans the batch and reads this rank's tokens) up to `depth`
-batches ahead, while the current step trains. It is deterministic (one thread, batches in
-sampler order, `prepare` a pure function of the units) and resumable: `state_dict()` is the
-sampler's state after the last batch handed out, never after the ones still queued.
+`Prefetcher` draws global batches from a sampler in order (the in-process sampler, or the
+Ray data service's `RemoteBatches`) and runs a `prepare(batch)` function on each (the
+trainer plans the batch, or takes the service's plan, and reads this rank's tokens) up to
+`depth` batches ahead, while the current step trains. It is deterministic (one thread,
+batches in sampler order, `prepare` a pure function of the batch) and resumable:
+`state_dict()` is the sampler's state after the last batch handed out, never after the ones
+still queued.
 
 No collective runs here: `prepare` must be local work (planning, reading, CPU tensors).
 """
@@ -47,7 +49,7 @@ class Prefetcher:
     done (the trainer does); the thread is a daemon and stops at the next batch boundary.
     """
 
-    def __init__(self, sampler, prepare: Callable[[list], Any], depth: int) -> None:
+    def __init__(self, sampler, prepare: Callable[[Any], Any], depth: int) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise ValueError(f"prefetch depth must be an integer >= 0, got {depth!r}")
         self.sampler, self.prepare, self.depth = sampler, prepare, depth
@@ -60,10 +62,11 @@ class Prefetcher:
             self._thread.start()
 
     def _make(self) -> Prepared:
-        units = self.sampler.next_batch()
+        batch = self.sampler.next_batch()
+        units = getattr(batch, "units", batch)  # a data service's batch carries its plan
         state = self.sampler.state_dict()
         try:
-            return Prepared(units, self.prepare(units), None, state)
+            return Prepared(units, self.prepare(batch), None, state)
         except Exception as err:  # handed to the consumer, raised in its step
             return Prepared(units, None, err, state)
 

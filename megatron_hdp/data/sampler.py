@@ -81,6 +81,16 @@ def split_ranges(num_docs: int, split: Sequence[float]) -> list[tuple[int, int]]
     return [(int(bounds[i]), int(bounds[i + 1])) for i in range(3)]
 
 
+def _normalised(weights: Sequence[float]) -> np.ndarray:
+    """Weights as shares; ValueError unless all are finite, >= 0, and some positive."""
+    w = np.asarray(weights, dtype=np.float64)
+    if not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
+        raise ValueError(
+            f"blend weights must be positive (finite, >= 0, not all 0), got {list(weights)}"
+        )
+    return w / w.sum()
+
+
 def parse_split(text: str) -> list[float]:
     """Parse Megatron's `--split` ("969,30,1" or "98/2/0")."""
     try:
@@ -93,23 +103,36 @@ def parse_split(text: str) -> list[float]:
 
 @dataclass
 class SamplerState:
-    """Where the stream stands: units and tokens consumed from each dataset, and steps."""
+    """Where the stream stands: units and tokens consumed from each stream, and steps.
+
+    With a schedule, `phase` is the schedule phase of the last batch and `phase_start` the
+    tokens each stream had consumed when that phase began (weights are shares of the
+    tokens drawn within a phase).
+    """
 
     consumed: list[int]
     tokens: list[int]
     steps: int = 0
+    phase: int = 0
+    phase_start: list[int] | None = None
 
     def to_dict(self) -> dict:
         """A JSON-serialisable copy."""
-        return {"consumed": list(self.consumed), "tokens": list(self.tokens), "steps": self.steps}
+        data = {"consumed": list(self.consumed), "tokens": list(self.tokens), "steps": self.steps}
+        if self.phase_start is not None:
+            data.update(phase=self.phase, phase_start=list(self.phase_start))
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> SamplerState:
         """Inverse of `to_dict`."""
+        start = data.get("phase_start")
         return cls(
             consumed=[int(c) for c in data["consumed"]],
             tokens=[int(t) for t in data["tokens"]],
             steps=int(data["steps"]),
+            phase=int(data.get("phase", 0)),
+            phase_start=None if start is None else [int(t) for t in start],
         )
 
 
@@ -117,12 +140,17 @@ class TokenBudgetSampler:
     """Deterministic global batches of whole units, by token budget or by unit count.
 
     Args:
-        datasets: Units of every dataset of the blend.
-        weights: Blend weights (normalised here); one per dataset.
+        datasets: Units of every stream of the blend (a dataset, or one length bucket of
+            a data spec's source).
+        weights: Blend weights (normalised here); one per stream, >= 0 with a positive sum.
         seed: Seeds every epoch permutation.
         tokens_per_batch: Token budget of a global batch (inputs); units are added while
             they fit, so a batch holds at most this many tokens and at least one unit.
         units_per_batch: Alternatively, a fixed number of units per batch.
+        sources: The dataset each stream's units read from (`Unit.dataset`); default: the
+            stream's own index.
+        schedule: Phases `(until_step, weights)` replacing `weights` for the steps up to
+            `until_step` (1-based, inclusive); the last phase's weights hold after it.
     """
 
     def __init__(
@@ -133,18 +161,24 @@ class TokenBudgetSampler:
         seed: int,
         tokens_per_batch: int | None = None,
         units_per_batch: int | None = None,
+        sources: Sequence[int] | None = None,
+        schedule: Sequence[tuple[int, Sequence[float]]] | None = None,
     ) -> None:
-        if len(datasets) == 0 or len(weights) != len(datasets):
-            raise ValueError(f"need one weight per dataset: {len(weights)} for {len(datasets)}")
-        for k, units in enumerate(datasets):
-            if len(units) == 0:
-                raise ValueError(f"dataset {k} of the blend has no usable document")
-        w = np.asarray(weights, dtype=np.float64)
-        if (w <= 0).any():
-            raise ValueError(f"blend weights must be positive, got {list(weights)}")
+        phases = [(int(until), list(w)) for until, w in schedule] if schedule else []
+        for _, phase_weights in [(None, weights), *phases]:
+            if len(datasets) == 0 or len(phase_weights) != len(datasets):
+                raise ValueError(
+                    f"need one weight per dataset: {len(phase_weights)} for {len(datasets)}"
+                )
+        w = _normalised(weights)
+        self._phases = [(until, _normalised(pw)) for until, pw in phases]
+        for pw in [pw for _, pw in self._phases] or [w]:
+            empty = [k for k in range(len(datasets)) if pw[k] > 0 and len(datasets[k]) == 0]
+            if empty:
+                raise ValueError(f"dataset {empty[0]} of the blend has no usable document")
         if (tokens_per_batch is None) == (units_per_batch is None):
             raise ValueError("give exactly one of tokens_per_batch and units_per_batch")
-        longest = max(int(units.length.max()) for units in datasets)
+        longest = max(int(units.length.max()) for units in datasets if len(units))
         if tokens_per_batch is not None and tokens_per_batch < longest:
             raise ValueError(
                 f"a global batch of {tokens_per_batch} tokens is smaller than one sequence "
@@ -153,11 +187,14 @@ class TokenBudgetSampler:
         if units_per_batch is not None and units_per_batch < 1:
             raise ValueError(f"units_per_batch must be >= 1, got {units_per_batch}")
         self.datasets = list(datasets)
-        self.weights = w / w.sum()
+        self.weights = w
+        self.sources = list(sources) if sources is not None else list(range(len(datasets)))
         self.seed = seed
         self.tokens_per_batch = tokens_per_batch
         self.units_per_batch = units_per_batch
         self.state = SamplerState(consumed=[0] * len(datasets), tokens=[0] * len(datasets))
+        if self._phases:
+            self.state.phase_start = [0] * len(datasets)
         self._perm_cache: dict[tuple[int, int], np.ndarray] = {}
 
     def _permutation(self, dataset: int, epoch: int) -> np.ndarray:
@@ -169,22 +206,45 @@ class TokenBudgetSampler:
             self._perm_cache[key] = rng.permutation(len(self.datasets[dataset]))
         return self._perm_cache[key]
 
-    def _next_dataset(self) -> int:
+    def _phase_of(self, step: int) -> int:
+        """The schedule phase of the 0-based batch `step` (the last phase holds after it)."""
+        for k, (until, _) in enumerate(self._phases):
+            if step < until:
+                return k
+        return len(self._phases) - 1
+
+    def current_weights(self) -> np.ndarray:
+        """The normalised stream weights of the next batch."""
+        if not self._phases:
+            return self.weights
+        return self._phases[self._phase_of(self.state.steps)][1]
+
+    def _next_dataset(self, weights: np.ndarray) -> int:
         tokens = np.asarray(self.state.tokens, dtype=np.float64)
-        return int(np.argmax(self.weights * tokens.sum() - tokens))
+        if self.state.phase_start is not None:
+            tokens = tokens - np.asarray(self.state.phase_start, dtype=np.float64)
+        deficit = weights * tokens.sum() - tokens
+        return int(np.argmax(np.where(weights > 0, deficit, -np.inf)))
 
     def _unit(self, dataset: int, index: int) -> Unit:
         units = self.datasets[dataset]
         epoch, offset = divmod(index, len(units))
         i = int(self._permutation(dataset, epoch)[offset])
-        return Unit(dataset, int(units.doc[i]), int(units.start[i]), int(units.length[i]))
+        return Unit(
+            self.sources[dataset], int(units.doc[i]), int(units.start[i]), int(units.length[i])
+        )
 
     def next_batch(self) -> list[Unit]:
         """The next global batch; advances the state."""
+        if self._phases:
+            phase = self._phase_of(self.state.steps)
+            if phase != self.state.phase:
+                self.state.phase, self.state.phase_start = phase, list(self.state.tokens)
+        weights = self.current_weights()
         batch: list[Unit] = []
         tokens = 0
         while True:
-            k = self._next_dataset()
+            k = self._next_dataset(weights)
             unit = self._unit(k, self.state.consumed[k])
             if self.units_per_batch is not None:
                 if len(batch) == self.units_per_batch:
@@ -200,7 +260,7 @@ class TokenBudgetSampler:
 
     def setup(self) -> dict:
         """What the stream depends on besides the state: seed, weights, budgets, units."""
-        return {
+        setup = {
             "seed": self.seed,
             "weights": [float(w) for w in self.weights],
             "tokens_per_batch": self.tokens_per_batch,
@@ -208,6 +268,11 @@ class TokenBudgetSampler:
             "units": [len(u) for u in self.datasets],
             "unit_tokens": [u.num_tokens for u in self.datasets],
         }
+        if self._phases:  # absent otherwise, so that older checkpoints' set-ups still match
+            setup["schedule"] = [[until, [float(x) for x in w]] for until, w in self._phases]
+        if self.sources != list(range(len(self.datasets))):
+            setup["sources"] = list(self.sources)
+        return setup
 
     def state_dict(self) -> dict:
         """The resumable state, with the set-up it belongs to."""

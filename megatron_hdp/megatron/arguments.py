@@ -302,6 +302,29 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="where the embedded corpus is built (default ~/.cache/megatron_hdp)",
     )
+    g.add_argument(
+        "--hdp-data-spec",
+        default=None,
+        metavar="FILE",
+        help="a declarative data spec (JSON or YAML): sources with weights, length buckets "
+        "and a schedule of weights over steps (see the README's 'Data spec'); instead of "
+        "--data-path",
+    )
+    g.add_argument(
+        "--hdp-data-service",
+        choices=("local", "ray"),
+        default="local",
+        help="local: every rank plans each batch and reads its own tokens in-process; ray: "
+        "one planner actor plans each batch for all ranks and source-loader actors read the "
+        "tokens, on the Ray cluster at --hdp-ray-address (needs 'pip install ray')",
+    )
+    g.add_argument(
+        "--hdp-ray-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="the Ray cluster of --hdp-data-service ray (the head's GCS address, as "
+        "'ray start --head' prints it); default: RAY_ADDRESS, else HOST:6379 of this node",
+    )
 
 
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:
@@ -398,7 +421,19 @@ def add_hdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--hdp-metrics-file",
         default=None,
         help="append one JSON line per step (iteration, loss, lr, grad norm, tokens, seconds, "
-        "data_wait_s)",
+        "data_wait_s, ranks per sequence, attention bytes, the cost model's step time for "
+        "this plan and for the static mesh; the end-of-run summary is computed from them)",
+    )
+    g.add_argument(
+        "--hdp-timeline-interval",
+        type=int,
+        default=None,
+        metavar="N",
+        help="every N steps and at the last step, record when each rank ran each of its "
+        "micro-batches, beside the plan's prediction, in timelines/step-<iteration>.json "
+        "next to --hdp-metrics-file ('python -m megatron_hdp.plot RUN_DIR' draws it; one "
+        "gather to rank 0 on those steps; not with pipeline parallelism); default "
+        "--log-interval, 0: off",
     )
     g.add_argument(
         "--hdp-prefetch-depth",

@@ -14,6 +14,7 @@ import math
 import torch
 
 from megatron_hdp.data.sampler import parse_split
+from megatron_hdp.data.spec import load_spec
 from megatron_hdp.megatron.arguments import parse_data_path
 from megatron_hdp.megatron.engine import OptimConfig
 from megatron_hdp.megatron.model import GPTConfig
@@ -116,4 +117,5 @@ def data_config(args: argparse.Namespace, world_size: int) -> DataConfig:
         tokenizer_model=args.tokenizer_model,
         vocab_size=args.vocab_size,
         cache_dir=args.data_cache_path,
+        spec=load_spec(args.hdp_data_spec) if args.hdp_data_spec else None,
     )

@@ -13,8 +13,9 @@ way round. What this module adds:
   path, checked before Megatron maps it, instead of an `AssertionError` or a crash later.
   The `.bin` must be exactly as long as the index says (sum of lengths times the index's
   token size), so a `.bin` of another token dtype or another dataset is refused too.
-- `ensure_stdlib_corpus`: the demo corpus (the interpreter's standard library, byte-level
-  tokens) built once into a cache folder, safely when several ranks ask at once.
+- `ensure_stdlib_corpus`: the demo corpus (the interpreter's standard library cut at
+  top-level definitions, byte-level tokens) built once into a cache folder, safely when
+  several ranks ask at once.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ with warnings.catch_warnings():
         IndexedDatasetBuilder,
     )
 
-from megatron_hdp.data.corpus import stdlib_documents, stdlib_fingerprint
+from megatron_hdp.data.corpus import stdlib_corpus_documents, stdlib_fingerprint
 from megatron_hdp.data.tokenizers import ByteTokenizer
 
 logger = logging.getLogger(__name__)
@@ -332,23 +333,31 @@ def _exclusive_lock(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
+_PROGRESS_EVERY_S = 5.0  # seconds between progress lines while the corpus is built
+
+
 def _stdlib_token_documents(stats: dict[str, int]) -> Iterator[np.ndarray]:
-    """`stdlib_documents()` as byte tokens plus eod (same ids as `ByteTokenizer.encode`)."""
+    """`stdlib_corpus_documents()` as byte tokens plus eod (ids of `ByteTokenizer.encode`).
+
+    Counts documents and tokens into `stats`; logs progress every few seconds.
+    """
     eod = ByteTokenizer.eod
-    start = time.perf_counter()
-    for name, text in stdlib_documents():
+    start = last = time.perf_counter()
+    for name, text in stdlib_corpus_documents():
         tokens = np.empty(len(text) + 1, dtype=np.uint16)
         tokens[:-1] = np.frombuffer(text, dtype=np.uint8)
         tokens[-1] = eod
         stats["documents"] += 1
         stats["tokens"] += tokens.size
-        if stats["documents"] % 50 == 0:
+        now = time.perf_counter()
+        if now - last >= _PROGRESS_EVERY_S:
+            last = now
             logger.info(
                 "stdlib corpus: %d documents, %.1f M tokens (at %s), %.1f s",
                 stats["documents"],
                 stats["tokens"] / 1e6,
                 name,
-                time.perf_counter() - start,
+                now - start,
             )
         yield tokens
 
@@ -357,7 +366,8 @@ def ensure_stdlib_corpus(cache_dir: str | os.PathLike[str]) -> str:
     """Build (once) and return the byte-level stdlib corpus in `cache_dir`.
 
     The prefix is `<cache_dir>/stdlib-<stdlib_fingerprint()>-byte`: every document of
-    `stdlib_documents()` tokenized with `ByteTokenizer` and followed by its eod token. A
+    `stdlib_corpus_documents()` tokenized with `ByteTokenizer` and followed by its eod
+    token (about 5 s on one core for CPython 3.11's 31 MB of `.py` files). A
     valid existing dataset is reused untouched; a missing or corrupt one is (re)built
     atomically. An exclusive `flock` on `<prefix>.lock` serialises concurrent callers
     (ranks, jobs sharing a cache), so one builds and the others reuse.
@@ -379,10 +389,10 @@ def ensure_stdlib_corpus(cache_dir: str | os.PathLike[str]) -> str:
             except ValueError as exc:
                 logger.warning("stdlib corpus cache is unusable, rebuilding: %s", exc)
             else:
-                logger.info("stdlib corpus: reusing %s (%d documents)", prefix, len(dataset))
+                logger.debug("stdlib corpus: reusing %s (%d documents)", prefix, len(dataset))
                 del dataset
                 return prefix
-        logger.info("stdlib corpus: building %s", prefix)
+        logger.info("stdlib corpus: building %s (once; later runs reuse it)", prefix)
         start = time.perf_counter()
         stats = {"documents": 0, "tokens": 0}
         write_indexed_dataset(

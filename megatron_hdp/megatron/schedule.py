@@ -5,8 +5,9 @@ cannot be run here; these pieces follow its contracts and are tested against a
 `forward_step` written the way `pretrain_gpt.py` writes it, with Megatron-Core's own
 `finalize_model_grads`:
 
-- `HDPDataIterator`: an "external" data loader (`--dataloader-type external`): one
-  `HDPGlobalBatch` (the step's plan and a token source) per training step.
+- `HDPDataIterator` (from `data.iterator`, re-exported here): an "external" data loader
+  (`--dataloader-type external`): one `HDPGlobalBatch` (the step's plan, a token source and
+  this rank's micro-batches read ahead) per training step.
 - `hdp_forward_backward(runtime)`: a function with the keyword signature of Megatron's
   `get_forward_backward_func()` schedules. It runs this rank's micro-batches of the step's
   plan, calls your `forward_step_func(data_iterator, model)` once per micro-batch with a
@@ -25,15 +26,14 @@ cannot be run here; these pieces follow its contracts and are tested against a
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
-from megatron_hdp.batching import IndexedTokens, LocalBatch, TokenSource
-from megatron_hdp.data.sampler import TokenBudgetSampler
+from megatron_hdp.batching import LocalBatch
+from megatron_hdp.data.iterator import HDPDataIterator, HDPGlobalBatch
 from megatron_hdp.megatron.model import GPTConfig
 from megatron_hdp.megatron.moe import moe_micro_batch
 from megatron_hdp.megatron.step import (
@@ -44,81 +44,24 @@ from megatron_hdp.megatron.step import (
     read_and_count,
     sequence_parallel_pad,
 )
-from megatron_hdp.scheduler import plan_step
-from megatron_hdp.scheduler.plan import StepPlan, lockstep_problems
+from megatron_hdp.scheduler.plan import lockstep_problems
+
+__all__ = ["HDPDataIterator", "HDPGlobalBatch", "hdp_forward_backward", "megatron_batch"]
 
 
-@dataclass(frozen=True)
-class HDPGlobalBatch:
-    """One training step's global batch: its plan and where its tokens come from."""
-
-    plan: StepPlan
-    source: TokenSource
-
-
-class HDPDataIterator:
-    """Yields one `HDPGlobalBatch` per step from a sampler over indexed datasets.
-
-    Every rank builds the same iterator (same sampler, same seed) and so the same plans;
-    no rank reads another's tokens.
-
-    Args:
-        sampler: The token-budget sampler (lengths only).
-        datasets: Readers of the sampler's datasets (`IndexedDataset`s).
-        pool_size: Ranks in the HDP pool.
-        capacity: Tokens per rank per micro-batch.
-        policy: Placement policy name (`scheduler.POLICIES`).
-        cp_size: CP size of the static policy.
-        cost_model: Prices micro-batches for the balanced policy (`cost.CostModel`).
-        vocab_size: Refuse token ids outside the vocabulary (see `IndexedTokens`).
-        pipeline_stages: Stages of each replica (PP); > 1 plans lock-step pipelines.
-    """
-
-    def __init__(
-        self,
-        sampler: TokenBudgetSampler,
-        datasets: Sequence,
-        *,
-        pool_size: int,
-        capacity: int,
-        policy: str = "balanced",
-        cp_size: int | None = None,
-        cost_model=None,
-        vocab_size: int | None = None,
-        pipeline_stages: int = 1,
-    ) -> None:
-        self.sampler = sampler
-        self.datasets = list(datasets)
-        self.pool_size, self.capacity = pool_size, capacity
-        self.policy, self.cp_size = policy, cp_size
-        self.cost_model, self.vocab_size = cost_model, vocab_size
-        self.pipeline_stages = pipeline_stages
-
-    def __iter__(self) -> Iterator[HDPGlobalBatch]:
-        return self
-
-    def state_dict(self) -> dict:
-        """The sampler position, to store in your checkpoint (Megatron-LM does not know it)."""
-        return self.sampler.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        """Continue from `state_dict()` after loading a checkpoint."""
-        self.sampler.load_state_dict(state)
-
-    def __next__(self) -> HDPGlobalBatch:
-        units = self.sampler.next_batch()
-        plan = plan_step(
-            [u.length for u in units],
-            pool_size=self.pool_size,
-            capacity=self.capacity,
-            policy=self.policy,
-            cp_size=self.cp_size,
-            cost_model=self.cost_model,
-            pipeline_stages=self.pipeline_stages,
+def _local(step: HDPGlobalBatch, runtime: StepRuntime) -> list[LocalBatch]:
+    """This rank's micro-batches of `step` on the device: the ones read ahead, or read now."""
+    if step.local is None:
+        return local_batches(step.plan, step.source, runtime)
+    if step.rank != torch.distributed.get_rank(runtime.group):
+        raise ValueError(
+            f"the batch was read ahead for pool rank {step.rank}, but this is pool rank "
+            f"{torch.distributed.get_rank(runtime.group)}: give HDPDataIterator this rank's "
+            "pool_rank (ParallelLayout.pool_rank)"
         )
-        return HDPGlobalBatch(
-            plan=plan, source=IndexedTokens(self.datasets, units, vocab_size=self.vocab_size)
-        )
+    if step.read_error is not None:
+        raise step.read_error
+    return [batch.to(runtime.device) for batch in step.local]
 
 
 def megatron_batch(batch: LocalBatch, cfg: GPTConfig, runtime: StepRuntime) -> dict:
@@ -175,7 +118,7 @@ def hdp_forward_backward(
         problems = lockstep_problems(step.plan)
         if problems:
             raise ValueError(f"the plan cannot run on pipelines in lock step: {problems[0]}")
-        batches = local_batches(step.plan, step.source, runtime)
+        batches = _local(step, runtime)
         schedule = get_forward_backward_func(pp_size=cfg.pipeline_model_parallel_size)
         with contextlib.ExitStack() as stack:
             if forward_only:
@@ -231,10 +174,11 @@ def hdp_forward_backward(
         if cfg.num_experts is not None and not forward_only:
             # Megatron's finish divides every gradient by the global loss-token count; the MoE
             # load-balancing loss is already normalised (moe.py), so its gradient is scaled up.
-            batches, loss_tokens = read_and_count(step.plan, step.source, runtime)
+            prepared = None if step.local is None else (step.local, step.read_error)
+            batches, loss_tokens = read_and_count(step.plan, step.source, runtime, prepared)
             aux_grad_scale = float(loss_tokens)
         else:
-            batches = local_batches(step.plan, step.source, runtime)
+            batches = _local(step, runtime)
         no_sync = config.no_sync_func or contextlib.nullcontext
         with no_sync(), contextlib.ExitStack() as stack:
             if forward_only:

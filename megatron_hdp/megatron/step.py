@@ -20,7 +20,7 @@ from megatron.core.distributed import finalize_model_grads
 
 from megatron_hdp.attention.ring import build_ring_spec
 from megatron_hdp.attention.rope import RotaryTable
-from megatron_hdp.batching import LocalBatch, TokenSource, gather_local_batch
+from megatron_hdp.batching import LocalBatch, TokenSource, read_local
 from megatron_hdp.distributed.plan_check import check_plan_agreement
 from megatron_hdp.distributed.ring_comm import CommStats, RingComm
 from megatron_hdp.megatron.core_attention import HDPPackedSeqParams
@@ -94,6 +94,13 @@ class StepResult:
     moe_aux_loss: float = 0.0
     """The MoE load-balancing loss of the global batch, summed over layers (included in
     the gradients, not in `loss`)."""
+    attention_bytes_total: int = 0
+    """Ring attention bytes sent in this step by every rank of the job (all TP ranks and
+    stages), from the step's loss all-reduce."""
+    micro_batch_times: tuple[tuple[float, float], ...] = ()
+    """`(start, end)` of each micro-batch this rank ran, in run order: seconds since this
+    rank began its micro-batches (right after the step's token-count all-reduce). Empty
+    with pipeline parallelism (Megatron's 1F1B interleaves them)."""
 
 
 def packed_seq_params(
@@ -152,16 +159,6 @@ def check_plan_fits(plan: StepPlan, engine: Engine, group: dist.ProcessGroup) ->
             f"the pool group holds ranks {pool_ranks}, but the model syncs gradients over "
             f"{sync_ranks}; they must be the same ranks"
         )
-
-
-def read_local(plan: StepPlan, source: TokenSource, rank: int) -> list[LocalBatch]:
-    """Pool rank `rank`'s micro-batches of `plan`, read from `source` (host tensors).
-
-    Local work only (no collective): the prefetch thread runs it ahead of the step. A ring
-    member without tokens (a pack smaller than its ring) skips the micro-batch.
-    """
-    batches = (gather_local_batch(plan, mb, rank, source) for mb in plan.for_rank(rank))
-    return [batch for batch in batches if batch.num_tokens > 0]
 
 
 def local_batches(plan: StepPlan, source: TokenSource, runtime: StepRuntime) -> list[LocalBatch]:
@@ -320,6 +317,7 @@ def forward_backward(
     *,
     loss_scale: float,
     global_batch_tokens: int | None = None,
+    times: list[tuple[float, float]] | None = None,
 ) -> tuple[float, float]:
     """Run this rank's local batches in plan order; accumulate grads of the objective.
 
@@ -329,6 +327,8 @@ def forward_backward(
     Returns the local token-loss sum and this rank's share of the load-balancing loss. With
     pipeline parallelism the batches run through Megatron's 1F1B schedule (collective over
     the pipeline) and only the last stage returns a loss sum (0.0 elsewhere).
+    `times`: if given, each batch's `(start, end)` `time.perf_counter()` is appended to it
+    (not with pipeline parallelism).
     """
     if global_batch_tokens is None:
         global_batch_tokens = sum(b.num_tokens for b in batches)
@@ -343,6 +343,7 @@ def forward_backward(
     loss_sum = aux_sum = 0.0
     for i, batch in enumerate(batches):
         runtime.mark(f"micro-batch {i + 1} of {len(batches)} (ring {batch.ring})")
+        started = time.perf_counter()
         offload = (
             runtime.offload.micro_batch(batch.offload_ratio)
             if runtime.offload is not None
@@ -354,6 +355,8 @@ def forward_backward(
             (masked * loss_scale).backward()
         loss_sum += float(masked.detach())
         aux_sum += aux
+        if times is not None:
+            times.append((started, time.perf_counter()))
     return loss_sum, aux_sum
 
 
@@ -406,6 +409,7 @@ def train_step(
     model = engine.model
     model.zero_grad_buffer()
     engine.optimizer.zero_grad()
+    times: list[tuple[float, float]] = []
     start = time.perf_counter()
     with model.no_sync():
         loss_sum, aux_sum = forward_backward(
@@ -414,6 +418,7 @@ def train_step(
             runtime,
             loss_scale=1.0 / global_tokens,
             global_batch_tokens=plan.total_tokens(),
+            times=times,
         )
     compute_seconds = time.perf_counter() - start
     runtime.mark("gradient sync")
@@ -428,8 +433,10 @@ def train_step(
         engine.optimizer.prepare_grads()
         checked_norm = float(engine.optimizer.get_grad_norm())
     bad_norm = checked_norm is not None and not math.isfinite(checked_norm)
+    bytes_sent = runtime.stats.bytes_sent - bytes_before
+    # The attention bytes ride along (exact in float64 below 2**53).
     totals = torch.tensor(
-        [_own_loss(engine, loss_sum), 1.0 if bad_norm else 0.0],
+        [_own_loss(engine, loss_sum), 1.0 if bad_norm else 0.0, float(bytes_sent)],
         dtype=torch.float64,
         device=runtime.device,
     )
@@ -456,10 +463,12 @@ def train_step(
         grad_norm=None if grad_norm is None else float(grad_norm),
         update_successful=bool(update_successful),
         num_micro_batches=len(batches),
-        attention_bytes_sent=runtime.stats.bytes_sent - bytes_before,
+        attention_bytes_sent=bytes_sent,
         compute_seconds=compute_seconds,
         nonfinite=nonfinite,
         moe_aux_loss=aux_loss,
+        attention_bytes_total=int(totals[2].item()),
+        micro_batch_times=tuple((a - start, b - start) for a, b in times),
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import statistics
@@ -17,11 +18,16 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
+from megatron_hdp.attention.kernels.base import accumulation_dtype
 from megatron_hdp.batching import IndexedTokens
 from megatron_hdp.checkpoint_files import read_meta
-from megatron_hdp.data.prefetch import Prefetcher
+from megatron_hdp.data.loader import GlobalBatchLoader
+from megatron_hdp.data.service.address import resolve_ray_address
+from megatron_hdp.data.service.client import RayDataService
+from megatron_hdp.data.sources import blend_sources
 from megatron_hdp.distributed.layout import ParallelLayout
 from megatron_hdp.distributed.stall_watchdog import StallWatchdog
 from megatron_hdp.distributed.stop_signal import StopSignal
@@ -39,11 +45,17 @@ from megatron_hdp.megatron.step import (
     StepResult,
     StepRuntime,
     evaluate,
-    read_local,
     train_step,
 )
-from megatron_hdp.megatron.training_data import TrainingData
-from megatron_hdp.scheduler import plan_step
+from megatron_hdp.megatron.training_data import DEFAULT_CACHE, TrainingData
+from megatron_hdp.report.prediction import (
+    predicted_step_seconds,
+    ring_attention_bytes,
+    static_mesh_cp,
+)
+from megatron_hdp.report.summary import format_summary, run_summary
+from megatron_hdp.report.timeline import timeline_record, write_timeline
+from megatron_hdp.scheduler import StepPlan, plan_step
 from megatron_hdp.scheduler.cost import CostModel
 from megatron_hdp.scheduler.stats import plan_statistics
 
@@ -92,7 +104,8 @@ class Trainer:
         # The job's rank: rank 0 logs (one TP rank of pool rank 0).
         self.rank = dist.get_rank(runtime.all_ranks)
         self.pool_rank = dist.get_rank(runtime.group)
-        self.feed: Prefetcher | None = None  # started by the first step, after any resume
+        self.feed: GlobalBatchLoader | None = None  # started by the first step, after a resume
+        self.service: RayDataService | None = None  # with --hdp-data-service ray
         self.capacity = capacity_of(args)
         self.policy = "static" if uses_static_mesh(args) else args.hdp_placement
         cfg = model_config(args, data.vocab_size)
@@ -127,9 +140,10 @@ class Trainer:
 
             self._writer = SummaryWriter(log_dir=args.tensorboard_dir)
 
-    def _plan(self, units):
-        return plan_step(
-            [u.length for u in units],
+    def _plan_lengths(self):
+        """This job's planner: sequence lengths -> `StepPlan` (picklable, for a planner actor)."""
+        return functools.partial(
+            plan_step,
             pool_size=self.pool_size,
             capacity=self.capacity,
             policy=self.policy,
@@ -138,6 +152,9 @@ class Trainer:
             offload=self.args.hdp_offload,
             pipeline_stages=self.args.pipeline_model_parallel_size,
         )
+
+    def _plan(self, units):
+        return self._plan_lengths()([u.length for u in units])
 
     def resume(self) -> None:
         """Collective: restore everything from `--load`."""
@@ -218,19 +235,26 @@ class Trainer:
             allowed,
         )
 
-    def _prepare(self, units):
-        """Local work for one batch (the prefetch thread runs it): plan, read own tokens."""
-        plan = self._plan(units)
-        source = IndexedTokens(self.data.datasets, units, vocab_size=self.data.vocab_size)
-        try:
-            read = (read_local(plan, source, self.pool_rank), None)
-        except ValueError as err:  # raised in the step, on every rank together
-            read = ([], err)
-        return plan, source, read
+    def _feed(self) -> GlobalBatchLoader:
+        """The batch loader, started on the first step (after any resume).
 
-    def _feed(self) -> Prefetcher:
+        Collective over the job on its first call with --hdp-data-service ray (the ranks
+        agree on the name of the job's planner actor).
+        """
         if self.feed is None:
-            self.feed = Prefetcher(self.data.train, self._prepare, self.args.hdp_prefetch_depth)
+            batches = self.data.train
+            if self.args.hdp_data_service == "ray":
+                self.service = self._connect_service()
+                batches = self.service.batches(self.data.train.state_dict())
+            self.feed = GlobalBatchLoader(
+                batches,
+                self._plan_lengths(),
+                self.data.datasets,
+                rank=self.pool_rank,
+                vocab_size=self.data.vocab_size,
+                depth=self.args.hdp_prefetch_depth,
+                service=self.service,
+            )
         return self.feed
 
     def close(self) -> None:
@@ -238,11 +262,35 @@ class Trainer:
         if self.feed is not None:
             self.feed.close()
 
-    def step(self) -> tuple[StepResult, dict, float, list, float]:
+    def _connect_service(self) -> RayDataService:
+        """Collective: join the Ray data service (the first rank starts the planner)."""
+        key = [uuid.uuid4().hex]
+        dist.broadcast_object_list(
+            key, src=dist.get_global_rank(self.runtime.all_ranks, 0), group=self.runtime.all_ranks
+        )
+        cfg = self.data.cfg
+        sources = cfg.spec.sources if cfg.spec is not None else blend_sources(self.data.prefixes)
+        depth = self.args.hdp_prefetch_depth
+        return RayDataService.connect(
+            resolve_ray_address(self.args.hdp_ray_address),
+            job_key=key[0],
+            sampler=self.data.train,
+            plan=self._plan_lengths(),
+            sources=sources,
+            open_args={
+                "tokenizer_type": cfg.tokenizer_type,
+                "tokenizer_model": cfg.tokenizer_model,
+                "cache_dir": cfg.cache_dir or DEFAULT_CACHE,
+            },
+            keep=2 * depth + 4,
+            timeout_s=self.args.distributed_timeout_minutes * 60,
+        )
+
+    def step(self) -> tuple[StepResult, StepPlan, dict, float, list, float]:
         """Collective: one training step.
 
-        Returns the result, plan statistics, seconds (from the batch in hand to the
-        update), units, and the seconds this step waited for its batch.
+        Returns the result, the plan, plan statistics, seconds (from the batch in hand to
+        the update), units, and the seconds this step waited for its batch.
         """
         self._mark("reading and planning the batch", iteration=self.iteration + 1)
         item = self._feed().next()
@@ -254,7 +302,7 @@ class Trainer:
         elapsed = time.perf_counter() - start
         self.iteration += 1
         self.consumed_tokens += result.num_loss_tokens
-        return result, plan_statistics(plan), elapsed, item.units, item.wait_s
+        return result, plan, plan_statistics(plan), elapsed, item.units, item.wait_s
 
     def evaluate(self) -> float | None:
         """Collective: mean validation loss over `--eval-iters` batches (None if no data)."""
@@ -336,6 +384,142 @@ class Trainer:
                     self._writer.add_scalar(f"train/{key}", value, self.iteration)
             self._writer.flush()
 
+    def _static_plan(self, plan: StepPlan) -> tuple[StepPlan | None, int | None]:
+        """The static mesh's plan of `plan`'s batch and its CP size (None if it has none).
+
+        The mesh trains `--seq-length` with this run's capacity: `--context-parallel-size`
+        if its context holds the sequence length, else the smallest CP that does.
+        """
+        args = self.args
+        try:
+            cp = static_mesh_cp(
+                args.seq_length, self.capacity, self.pool_size, args.context_parallel_size
+            )
+            if self.policy == "static" and cp == args.context_parallel_size:
+                return plan, cp
+            static = plan_step(
+                plan.seqlens,
+                pool_size=self.pool_size,
+                capacity=self.capacity,
+                policy="static",
+                cp_size=cp,
+                cost_model=self.cost_model,
+                pipeline_stages=args.pipeline_model_parallel_size,
+            )
+        except ValueError as err:  # e.g. no lock-step static plan of this batch for pipelines
+            logger.debug("no static mesh plan for iteration %d: %s", self.iteration, err)
+            return None, None
+        return static, cp
+
+    def _predictions(self, plan: StepPlan) -> dict:
+        """The cost model's step time and attention bytes of `plan` and of the static mesh.
+
+        Local (rank 0 calls it for the metrics record); the static mesh's numbers are None
+        when it has no plan for the batch.
+        """
+        stages = self.args.pipeline_model_parallel_size
+        shape = self.cost_model.model
+        dtype = self.engine.cfg.dtype
+        sizes = {
+            "num_layers": shape.num_layers,
+            "kv_dim": shape.kv_dim,
+            "kv_element_bytes": torch.empty((), dtype=dtype).element_size(),
+            "grad_element_bytes": torch.empty((), dtype=accumulation_dtype(dtype)).element_size(),
+        }
+        static, cp = self._static_plan(plan)
+        return {
+            "predicted_step_s": predicted_step_seconds(plan, stages),
+            "attention_bytes_predicted": ring_attention_bytes(plan, **sizes),
+            "static_cp_size": cp,
+            "static_predicted_step_s": (
+                predicted_step_seconds(static, stages) if static is not None else None
+            ),
+            "static_attention_bytes_predicted": (
+                ring_attention_bytes(static, **sizes) if static is not None else None
+            ),
+        }
+
+    def _timeline_folder(self) -> Path | None:
+        """`timelines/` next to the metrics file, or None without one."""
+        if not self.args.hdp_metrics_file:
+            return None
+        return Path(self.args.hdp_metrics_file).parent / "timelines"
+
+    def _timeline_due(self) -> bool:
+        """Whether this step's timeline is recorded (the same answer on every rank)."""
+        args = self.args
+        interval = args.hdp_timeline_interval
+        if interval is None:
+            interval = args.log_interval
+        if not interval or self._timeline_folder() is None:
+            return False
+        if args.pipeline_model_parallel_size > 1:  # 1F1B interleaves the micro-batches
+            return False
+        return self.iteration % interval == 0 or self.iteration == args.train_iters
+
+    def _record_timeline(self, plan: StepPlan, result: StepResult) -> None:
+        """Collective over the job (one all-gather): write this step's timeline on rank 0.
+
+        Every process sends its pool rank, its compute seconds and its micro-batch times
+        (the TP ranks of a replica run the same micro-batches; TP rank 0's are kept).
+        """
+        most = max(plan.num_micro_batches_per_rank(), default=0)
+        times = result.micro_batch_times
+        rows = torch.zeros((most + 1, 3), dtype=torch.float64)
+        own = self.pool_rank if self.engine.tp_rank == 0 else -1
+        rows[0] = torch.tensor([own, len(times), result.compute_seconds], dtype=torch.float64)
+        if times:
+            rows[1 : len(times) + 1, :2] = torch.tensor(times, dtype=torch.float64)
+        rows = rows.to(self.runtime.device)
+        gathered = [
+            torch.empty_like(rows) for _ in range(dist.get_world_size(self.runtime.all_ranks))
+        ]
+        dist.all_gather(gathered, rows, group=self.runtime.all_ranks)
+        if self.rank != 0:
+            return
+        measured = {}
+        for block in gathered:
+            block = block.cpu()
+            rank, count, compute_s = int(block[0, 0]), int(block[0, 1]), float(block[0, 2])
+            if rank >= 0:
+                measured[rank] = (compute_s, block[1 : count + 1, :2].tolist())
+        static, cp = self._static_plan(plan)
+        record = timeline_record(
+            plan, measured, iteration=self.iteration, static_plan=static, static_cp=cp
+        )
+        self._timelines.append(write_timeline(self._timeline_folder(), record))
+
+    def log_summary(self, records: list[dict]) -> None:
+        """Rank 0: log the run's summary, computed from its per-step records (local)."""
+        if self.rank != 0 or not records:
+            return
+        args = self.args
+        run = Path(args.hdp_metrics_file).parent if args.hdp_metrics_file else None
+        saved = f" (latest: iteration {self.last_saved})" if self.last_saved else ""
+        timelines = self._timeline_folder()
+        written = getattr(self, "_timelines", [])
+        locations = [
+            ("checkpoints", f"{args.save}{saved}" if args.save else "none (no --save)"),
+            ("metrics", args.hdp_metrics_file or "none (no --hdp-metrics-file)"),
+            ("tensorboard", args.tensorboard_dir or "none (no --tensorboard-dir)"),
+            (
+                "timelines",
+                f"{timelines} ({len(written)} steps)"
+                if written
+                else "none (--hdp-metrics-file and --hdp-timeline-interval record them)",
+            ),
+            (
+                "pictures",
+                f"{run / 'pictures'} (drawn by: python -m megatron_hdp.plot {run})"
+                if run is not None
+                else "none (python -m megatron_hdp.plot draws them from a metrics file)",
+            ),
+        ]
+        summary = run_summary(
+            records, pool_size=self.pool_size, policy=self.policy, locations=locations
+        )
+        logger.info("%s", format_summary(summary))
+
     def train(self, progress=None) -> list[dict]:
         """Collective: train to `--train-iters`; returns one record per step (rank 0 logs).
 
@@ -351,12 +535,13 @@ class Trainer:
         args = self.args
         window = _Window()
         steps = []
+        self._timelines: list[Path] = []
         metrics = None
         if args.hdp_metrics_file and self.rank == 0:
             Path(args.hdp_metrics_file).parent.mkdir(parents=True, exist_ok=True)
             metrics = open(args.hdp_metrics_file, "a")  # noqa: SIM115 - closed below
         while self.iteration < args.train_iters:
-            result, stats, elapsed, units, data_wait = self.step()
+            result, plan, stats, elapsed, units, data_wait = self.step()
             self._check_finite(result)
             record = {
                 "iteration": self.iteration,
@@ -367,6 +552,8 @@ class Trainer:
                 "tokens": result.num_loss_tokens,
                 "seconds": elapsed,
                 "data_wait_s": data_wait,
+                "num_sequences": stats["num_sequences"],
+                "mean_ranks_per_sequence": stats["mean_ranks_per_sequence"],
                 "max_ranks_per_sequence": stats["max_ranks_per_sequence"],
                 "micro_batches_per_rank_min": stats["micro_batches_per_rank_min"],
                 "micro_batches_per_rank_max": stats["micro_batches_per_rank_max"],
@@ -378,6 +565,11 @@ class Trainer:
             }
             if self.engine.cfg.num_experts is not None:
                 record["moe_aux_loss"] = result.moe_aux_loss
+            record["attention_bytes"] = result.attention_bytes_total
+            if self.rank == 0:
+                record.update(self._predictions(plan))
+            if self._timeline_due():
+                self._record_timeline(plan, result)
             if metrics is not None:
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()

@@ -20,6 +20,8 @@ import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron_hdp.data.sampler import DatasetUnits, TokenBudgetSampler, split_ranges
+from megatron_hdp.data.sources import open_source, source_location
+from megatron_hdp.data.spec import DataSpec
 from megatron_hdp.data.tokenizers import build_tokenizer
 from megatron_hdp.megatron.indexed import ensure_stdlib_corpus, open_indexed_dataset
 
@@ -53,13 +55,16 @@ class DataConfig:
     """For NullTokenizer (--vocab-size)."""
     cache_dir: str | None = None
     """Where the embedded corpus is built (--data-cache-path)."""
+    spec: DataSpec | None = None
+    """A declarative data spec (--hdp-data-spec), instead of `blend`."""
 
 
 @dataclass
 class TrainingData:
     """Open datasets, the training sampler and the vocabulary size (before padding).
 
-    `valid_units` is None when some dataset has no validation document.
+    `valid_units` is None when some dataset has no validation document. With a data spec,
+    `valid_weights` weights the validation blend (each source by its validation tokens).
     """
 
     datasets: list[IndexedDataset]
@@ -69,11 +74,20 @@ class TrainingData:
     train_units: list[DatasetUnits]
     valid_units: list[DatasetUnits] | None
     cfg: DataConfig
+    valid_weights: list[float] | None = None
 
     def fresh_valid_sampler(self) -> TokenBudgetSampler | None:
         """A validation sampler at its start (every evaluation sees the same batches)."""
         if self.valid_units is None:
             return None
+        if self.valid_weights is not None:
+            return TokenBudgetSampler(
+                self.valid_units,
+                self.valid_weights,
+                seed=self.cfg.seed + 1,
+                tokens_per_batch=self.cfg.tokens_per_batch,
+                units_per_batch=self.cfg.units_per_batch,
+            )
         return _sampler(
             self.valid_units, self.cfg, seed=self.cfg.seed + 1, train_units=self.train_units
         )
@@ -100,18 +114,8 @@ def _vocab_size(cfg: DataConfig) -> int:
     return build_tokenizer(cfg.tokenizer_type, tokenizer_model=cfg.tokenizer_model).vocab_size
 
 
-def build_training_data(cfg: DataConfig) -> TrainingData:
-    """Open (or build) the datasets, split them and make the train/valid samplers.
-
-    Raises ValueError for unreadable data or a dataset split with no usable document.
-    """
-    vocab_size = _vocab_size(cfg)
-    if cfg.blend:
-        prefixes = [prefix for _, prefix in cfg.blend]
-    else:
-        prefixes = [ensure_stdlib_corpus(cfg.cache_dir or DEFAULT_CACHE)]
-        logger.info("no --data-path: using the embedded stdlib corpus %s", prefixes[0])
-    datasets = [open_indexed_dataset(prefix) for prefix in prefixes]
+def _split_units(prefixes, datasets, cfg: DataConfig):
+    """Each dataset's training and validation units (by --split over its documents)."""
     train_units, valid_units = [], []
     for prefix, dataset in zip(prefixes, datasets, strict=True):
         lengths = np.asarray(dataset.sequence_lengths, dtype=np.int64)
@@ -127,13 +131,89 @@ def build_training_data(cfg: DataConfig) -> TrainingData:
         train_units.append(per_split[0])
         valid_units.append(per_split[1])
         logger.info(
-            "%s: %d documents, %d training sequences (%d tokens), %d validation sequences",
+            "data %s: %d documents, %d training sequences (%d tokens), %d validation sequences",
             prefix,
             len(lengths),
             len(per_split[0]),
             per_split[0].num_tokens,
             len(per_split[1]),
         )
+    return train_units, valid_units
+
+
+def _subset(units: DatasetUnits, keep: np.ndarray) -> DatasetUnits:
+    return DatasetUnits(doc=units.doc[keep], start=units.start[keep], length=units.length[keep])
+
+
+def _spec_data(cfg: DataConfig, vocab_size: int) -> TrainingData:
+    """Open a data spec's sources; one sampler stream per (source, length bucket)."""
+    spec = cfg.spec
+    cache = cfg.cache_dir or DEFAULT_CACHE
+    prefixes = [source_location(source, cache) for source in spec.sources]
+    datasets = [
+        open_source(
+            source,
+            tokenizer_type=cfg.tokenizer_type,
+            tokenizer_model=cfg.tokenizer_model,
+            cache_dir=cache,
+        )
+        for source in spec.sources
+    ]
+    train_units, valid_units = _split_units(prefixes, datasets, cfg)
+    streams, sources = [], []
+    for k, units in enumerate(train_units):
+        buckets = np.asarray(spec.bucket_of(units.length.tolist()), dtype=np.int64)
+        for b in range(max(1, len(spec.buckets))):
+            streams.append(_subset(units, buckets == b))
+            sources.append(k)
+    tokens = [u.num_tokens for u in streams]
+    phases = [(until, spec.stream_weights(w, tokens)) for until, w in spec.phase_weights()]
+    for (until, weights), (_, named) in zip(phases, spec.phase_weights(), strict=True):
+        if sum(weights) <= 0:
+            raise ValueError(
+                f"data spec {spec.origin}: the weights {dict(named)} "
+                f"{'up to step ' + str(until) if until else ''} select only streams without "
+                "training sequences"
+            )
+    train = TokenBudgetSampler(
+        streams,
+        phases[0][1],
+        seed=cfg.seed,
+        tokens_per_batch=cfg.tokens_per_batch,
+        units_per_batch=cfg.units_per_batch,
+        sources=sources,
+        schedule=phases if spec.schedule else None,
+    )
+    has_valid = all(len(u) > 0 for u in valid_units)
+    if not has_valid:
+        logger.warning("no validation documents in some source: evaluation is skipped")
+    return TrainingData(
+        datasets=datasets,
+        prefixes=prefixes,
+        train=train,
+        vocab_size=vocab_size,
+        train_units=train_units,
+        valid_units=valid_units if has_valid else None,
+        cfg=cfg,
+        valid_weights=[float(u.num_tokens) for u in valid_units] if has_valid else None,
+    )
+
+
+def build_training_data(cfg: DataConfig) -> TrainingData:
+    """Open (or build) the datasets, split them and make the train/valid samplers.
+
+    Raises ValueError for unreadable data or a dataset split with no usable document.
+    """
+    vocab_size = _vocab_size(cfg)
+    if cfg.spec is not None:
+        return _spec_data(cfg, vocab_size)
+    if cfg.blend:
+        prefixes = [prefix for _, prefix in cfg.blend]
+    else:
+        prefixes = [ensure_stdlib_corpus(cfg.cache_dir or DEFAULT_CACHE)]
+        logger.debug("no --data-path: using the embedded stdlib corpus %s", prefixes[0])
+    datasets = [open_indexed_dataset(prefix) for prefix in prefixes]
+    train_units, valid_units = _split_units(prefixes, datasets, cfg)
     if not all(len(u) > 0 for u in valid_units):
         logger.warning("no validation documents in some dataset: evaluation is skipped")
         valid_units = None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import math
 import os
 import re
@@ -26,6 +27,8 @@ from pathlib import Path
 
 from megatron_hdp.checkpoint_files import TRACKER, read_meta
 from megatron_hdp.data.sampler import parse_split
+from megatron_hdp.data.service.address import check_ray_address, resolve_ray_address
+from megatron_hdp.data.spec import load_spec
 from megatron_hdp.distributed.layout import layout_problems
 from megatron_hdp.megatron.arguments import (
     build_parser,
@@ -82,6 +85,7 @@ NON_NEGATIVE = (
     "hdp_skip_nonfinite_steps",
     "hdp_stall_report_seconds",
     "hdp_prefetch_depth",
+    "hdp_timeline_interval",
 )
 
 #: Flags whose value must lie in [0, 1).
@@ -128,6 +132,12 @@ def _check_numbers(args: argparse.Namespace) -> None:
             f"--hdp-stall-report-seconds {args.hdp_stall_report_seconds} must be below the "
             f"collective timeout ({timeout_s:g} s from --distributed-timeout-minutes), or the "
             "report comes after the job has failed"
+        )
+    timeline_interval = getattr(args, "hdp_timeline_interval", None)
+    if timeline_interval and args.hdp_metrics_file is None:
+        raise ValueError(
+            f"--hdp-timeline-interval {timeline_interval} needs --hdp-metrics-file: the "
+            "timelines are written next to it"
         )
 
 
@@ -271,9 +281,48 @@ def _check_layout(args: argparse.Namespace, world_size: int) -> None:
         )
 
 
+def _check_data_spec(args: argparse.Namespace) -> None:
+    """The data spec parses, names readable sources, and its schedule covers training."""
+    if args.hdp_data_spec is None:
+        return
+    if args.data_path is not None:
+        raise ValueError("give --hdp-data-spec or --data-path, not both (the spec names sources)")
+    spec = load_spec(args.hdp_data_spec)
+    spec.check_covers(args.train_iters)
+    for source in spec.sources:
+        where = f"--hdp-data-spec source {source.name!r}:"
+        if source.kind == "indexed":
+            for suffix in (".idx", ".bin"):
+                check_readable_file(where, source.path + suffix)
+        for path in source.jsonl:
+            check_readable_file(where, path)
+        if source.kind == "builtin":
+            check_writable_folder("--data-cache-path", args.data_cache_path or str(Path.home()))
+            if args.tokenizer_type != "ByteLevel":
+                raise ValueError(
+                    f"{where} the embedded corpus is byte-level; --tokenizer-type "
+                    f"{args.tokenizer_type} cannot read it"
+                )
+
+
+def _check_data_service(args: argparse.Namespace) -> None:
+    """With --hdp-data-service ray: Ray is installed and the cluster's address answers."""
+    if args.hdp_data_service != "ray":
+        if args.hdp_ray_address is not None:
+            raise ValueError("--hdp-ray-address needs --hdp-data-service ray")
+        return
+    if importlib.util.find_spec("ray") is None:
+        raise ValueError(
+            "--hdp-data-service ray needs Ray: pip install 'megatron-hdp[ray]' (Ray >= 2.40)"
+        )
+    check_ray_address(resolve_ray_address(args.hdp_ray_address))
+
+
 def _check_training(args: argparse.Namespace) -> None:
     parse_split(args.split)
     parse_data_path(args.data_path)
+    _check_data_spec(args)
+    _check_data_service(args)
     if args.data_path is not None and len(args.data_path) == 0:
         raise ValueError("--data-path needs at least one dataset prefix (omit it for the default)")
     if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
@@ -285,7 +334,7 @@ def _check_training(args: argparse.Namespace) -> None:
             f"--vocab-size {args.vocab_size} only applies to NullTokenizer; "
             f"{args.tokenizer_type} defines its own vocabulary"
         )
-    if args.data_path is None and args.tokenizer_type != "ByteLevel":
+    if args.data_path is None and args.hdp_data_spec is None and args.tokenizer_type != "ByteLevel":
         raise ValueError(
             f"the embedded default corpus is byte-level; --tokenizer-type {args.tokenizer_type} "
             "needs --data-path"
@@ -351,7 +400,7 @@ def check_readable_file(name: str, value: str | None) -> None:
 def _check_paths(args: argparse.Namespace) -> None:
     check_writable_folder("--save", args.save)
     check_writable_folder("--tensorboard-dir", args.tensorboard_dir)
-    if args.data_path is None:
+    if args.data_path is None and args.hdp_data_spec is None:
         check_writable_folder("--data-cache-path", args.data_cache_path or str(Path.home()))
     if args.hdp_metrics_file is not None:
         metrics = Path(args.hdp_metrics_file)

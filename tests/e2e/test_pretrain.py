@@ -1,9 +1,16 @@
 """pretrain_hdp.py end to end on CPU: training, equivalence of placements, resume, data order."""
 
+import json
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from tests.e2e.harness import SMALL_MODEL, run_pretrain
+from megatron_hdp.sharding import rank_token_counts
+from tests.dist import run_ranks
+from tests.e2e.harness import REPO, SMALL_MODEL, _body_main, run_pretrain
 
 
 def default_corpus_args(cache, *, capacity, iters=6, extra=()):
@@ -34,12 +41,112 @@ def assert_loss_goes_down(steps):
     assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.1, losses
 
 
+def _body_logged(rank, world_size, argv, log_path):
+    """pretrain_hdp.main with rank 0's megatron_hdp log lines also written to `log_path`."""
+    import logging
+
+    if rank == 0:
+        handler = logging.FileHandler(log_path)
+        logging.getLogger("megatron_hdp").addHandler(handler)
+        logging.getLogger("megatron_hdp").setLevel(logging.INFO)
+    return _body_main(rank, world_size, argv)
+
+
+def run_pretrain_logged(world_size, argv, log_path) -> list[dict]:
+    """Like `run_pretrain` (rank 0's records, losses checked to agree), logging to a file."""
+    per_rank = run_ranks(_body_logged, world_size, argv, str(log_path), timeout_s=300)
+    for rank, steps in enumerate(per_rank[1:], start=1):
+        assert [repr(s["loss"]) for s in steps] == [repr(s["loss"]) for s in per_rank[0]], rank
+    return per_rank[0]
+
+
+def check_summary(log: str, records: list[dict], world_size: int) -> None:
+    """The summary's tokens/s and ranks per sequence, recomputed from the metrics file."""
+    assert f"run summary: 6 steps (iterations 1-6) on a pool of {world_size} ranks" in log
+    logged = re.search(r"throughput +([\d,]+) tokens/s", log)
+    assert logged, log[-2000:]
+    expected = sum(r["tokens"] for r in records) / sum(r["seconds"] for r in records)
+    assert abs(float(logged.group(1).replace(",", "")) - expected) <= 0.5 + 1e-9
+    ranks = sum(r["mean_ranks_per_sequence"] * r["num_sequences"] for r in records)
+    mean = ranks / sum(r["num_sequences"] for r in records)
+    widest = max(r["max_ranks_per_sequence"] for r in records)
+    assert f"ranks/seq    mean {mean:.2f}, max {widest}" in log
+    assert "predicted by the cost model" in log
+
+
+def check_timeline(path, step: dict, world_size: int) -> None:
+    """One entry per rank; each rank ran (and timed) exactly the micro-batches it holds."""
+    record = json.loads(path.read_text())
+    assert record["iteration"] == step["iteration"]
+    assert [lane["rank"] for lane in record["ranks"]] == list(range(world_size))
+    planned = {}
+    for lane in record["ranks"]:
+        rank, items = lane["rank"], lane["micro_batches"]
+        holds = [
+            rank_token_counts(m["lengths"], len(m["ring"]))[m["ring"].index(rank)] > 0
+            for m in items
+        ]
+        timed = [m for m in items if "measured_start" in m]
+        assert len(timed) == sum(holds) == lane["measured_count"] == lane["planned_count"]
+        assert [("measured_start" in m) for m in items] == holds
+        assert [m["order"] for m in items] == sorted(m["order"] for m in items)
+        end = 0.0
+        for m in timed:  # one after another, inside the rank's compute time
+            assert end <= m["measured_start"] <= m["measured_end"]
+            end = m["measured_end"]
+        assert end <= lane["measured_compute_s"]
+        for m in items:
+            planned[m["order"]] = m["lengths"]
+    # Every sequence of the step's batch is in exactly one micro-batch.
+    lengths = sorted(n for lens in planned.values() for n in lens)
+    assert lengths == sorted(u[3] for u in step["units"])
+    static = record["static"]
+    assert static is not None and len(static["ranks"]) == world_size
+
+
 @pytest.mark.parametrize("world_size, capacity", [(1, 512), (2, 256), (4, 128)])
-def test_trains_on_the_default_corpus(corpus_cache, world_size, capacity):
-    steps = run_pretrain(world_size, default_corpus_args(corpus_cache, capacity=capacity))
+def test_trains_on_the_default_corpus(corpus_cache, tmp_path, world_size, capacity):
+    """Also: the metrics file, the end-of-run summary, the timelines and the pictures."""
+    metrics, log = tmp_path / "metrics.jsonl", tmp_path / "rank0.log"
+    argv = default_corpus_args(
+        corpus_cache,
+        capacity=capacity,
+        extra=["--hdp-metrics-file", str(metrics), "--hdp-timeline-interval", "3"],
+    )
+    steps = run_pretrain_logged(world_size, argv, log)
     assert len(steps) == 6
     assert_loss_goes_down(steps)
     assert all(s["tokens"] <= 2048 for s in steps)
+
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [s["iteration"] for s in steps] == list(range(1, 7))
+    # The ring bytes measured over every rank are what the formula predicts for the plan.
+    assert [r["attention_bytes"] for r in records] == [
+        r["attention_bytes_predicted"] for r in records
+    ]
+    if world_size == 4:  # sequences of up to 512 tokens need rings of up to 4 ranks
+        assert sum(r["attention_bytes"] for r in records) > 0
+        assert all(r["static_cp_size"] == 4 for r in records)
+    check_summary(log.read_text(), records, world_size)
+
+    timelines = sorted((tmp_path / "timelines").glob("step-*.json"))
+    assert [p.name for p in timelines] == ["step-000003.json", "step-000006.json"]
+    for path in timelines:
+        check_timeline(path, steps[int(path.stem.split("-")[1]) - 1], world_size)
+
+    if world_size == 4:
+        done = subprocess.run(
+            [sys.executable, "-m", "megatron_hdp.plot", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        for name in ("curves.png", "timeline-step-000006.png"):
+            png = tmp_path / "pictures" / name
+            assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+            assert 10_000 < png.stat().st_size < 200_000
 
 
 def test_hdp_static_mesh_and_one_rank_give_the_same_losses(corpus_cache):
@@ -99,6 +206,8 @@ def test_offloading_run_gives_the_same_losses(corpus_cache):
         "8192",
         "--hdp-device-profile",
         "cpu",
+        "--seed",
+        "15",  # both steps of this seed have a sequence the planner offloads
     ]
     plain = run_pretrain(4, default_corpus_args(corpus_cache, capacity=512, iters=2, extra=extra))
     offloaded = run_pretrain(

@@ -1,5 +1,6 @@
 """Every bad flag is caught before any process group, fast, with one line and status 2."""
 
+import json
 import os
 import subprocess
 import sys
@@ -21,6 +22,12 @@ def _file(tmp: Path, name="a-file", text="x") -> str:
     path = tmp / name
     path.write_text(text)
     return str(path)
+
+
+def _spec(tmp: Path, sources=None, **top) -> list[str]:
+    """`--hdp-data-spec` of a spec file with the embedded corpus as its default source."""
+    spec = {"sources": sources or [{"name": "lib", "builtin": "stdlib"}], **top}
+    return ["--hdp-data-spec", _file(tmp, "spec.json", json.dumps(spec))]
 
 
 BAD = [
@@ -85,6 +92,37 @@ BAD = [
         "not a device profile JSON",
     ),
     (lambda t: ["--load", _file(t)], "is a file, not a checkpoint folder"),
+    (
+        lambda t: _spec(t, schedule=[{"until_step": 9, "weights": {"web": 1.0}}]),
+        "schedule[0] names 'web', which is no source or stream of this spec (known: lib)",
+    ),
+    (
+        lambda t: _spec(t, [{"name": "code", "path": "nowhere/code"}]),
+        "--hdp-data-spec source 'code': {t}/nowhere/code.idx: no such file",
+    ),
+    (
+        lambda t: _spec(t, [{"name": "lib", "builtin": "stdlib", "weight": -1}]),
+        "source 'lib' weight must be finite and >= 0, got -1",
+    ),
+    (
+        lambda t: _spec(t, schedule=[{"until_step": 9, "weights": {"lib": float("nan")}}]),
+        "schedule[0] weight of 'lib' must be finite and >= 0, got nan",
+    ),
+    (
+        lambda t: _spec(t, schedule=[{"until_step": 9, "weights": {"lib": 0}}]),
+        "schedule[0]: the weights are all zero",
+    ),
+    (
+        lambda t: _spec(t, schedule=[{"until_step": 2, "weights": {"lib": 1}}]),
+        "the schedule ends at step 2, but --train-iters is 3",
+    ),
+    (lambda t: _spec(t) + ["--data-path", "/data/a"], "give --hdp-data-spec or --data-path"),
+    (
+        ["--hdp-data-service", "ray", "--hdp-ray-address", "127.0.0.1:1"],
+        "--hdp-ray-address 127.0.0.1:1: no Ray cluster answers there (Connection refused)",
+    ),
+    (["--hdp-data-service", "ray", "--hdp-ray-address", "head"], "is not HOST:PORT"),
+    (["--hdp-ray-address", "10.0.0.1:6379"], "--hdp-ray-address needs --hdp-data-service ray"),
     (
         lambda t: (
             ["--data-path", str(t / "x"), "--tokenizer-type", "HuggingFaceTokenizer"]

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
+from megatron_hdp.batching import read_local
 from megatron_hdp.distributed.layout import ParallelDims
 from megatron_hdp.megatron.cpu_shim import cpu_shims
 from megatron_hdp.megatron.engine import (
@@ -61,7 +62,7 @@ def megatron_lm_engine(cfg, *, seed):
     return engine
 
 
-def _body_dropin(rank, world_size):
+def _body_dropin(rank, world_size, read_ahead=False):
     with cpu_shims():
         layout = ParallelDims.of_world().initialize()
         try:
@@ -71,9 +72,12 @@ def _body_dropin(rank, world_size):
             runtime = StepRuntime(group=dist.group.WORLD)
             schedule = hdp_forward_backward(runtime, CFG)
             engine.model.zero_grad_buffer()
+            step = HDPGlobalBatch(plan=plan, source=source)
+            if read_ahead:  # what HDPDataIterator(pool_rank=...) hands over
+                step = HDPGlobalBatch(plan, source, read_local(plan, source, rank), None, rank)
             reports = schedule(
                 forward_step_func=pretrain_gpt_forward_step,
-                data_iterator=iter([HDPGlobalBatch(plan=plan, source=source)]),
+                data_iterator=iter([step]),
                 model=[engine.model],
                 num_microbatches=1,
                 seq_length=None,
@@ -87,8 +91,9 @@ def _body_dropin(rank, world_size):
             layout.destroy()
 
 
-def test_pretrain_gpt_style_step_matches_single_process():
-    per_rank = run_ranks(_body_dropin, 3)
+@pytest.mark.parametrize("read_ahead", [False, True], ids=["read-in-step", "read-ahead"])
+def test_pretrain_gpt_style_step_matches_single_process(read_ahead):
+    per_rank = run_ranks(_body_dropin, 3, read_ahead)
     ref_losses, _, ref_grads, _ = reference_run(3, CFG, "mixed")
     loss_sum = sum(s[0] for _, s in per_rank if s is not None)
     tokens = sum(s[1] for _, s in per_rank if s is not None)
@@ -113,14 +118,31 @@ def test_data_iterator_plans_sampler_batches_and_reads_the_index(tmp_path):
     )
     sampler = TokenBudgetSampler([units], [1.0], seed=0, tokens_per_batch=64)
     iterator = HDPDataIterator(sampler, [dataset], pool_size=3, capacity=16)
+    plans = []
     for _ in range(4):
-        step = next(iterator)
+        step = next(iterator)  # (closed below: its prefetch thread must not outlive the test)
         step.plan.validate(pool_size=3)
+        assert step.local is None  # no pool_rank: read in the step
+        plans.append(step.plan.digest())
         for i, unit in enumerate(step.source.units):
             tokens, labels, _ = step.source.read(i, 0, unit.length)
             doc = docs[unit.doc]
             assert tokens.tolist() == doc[unit.start : unit.start + unit.length]
             assert labels.tolist() == doc[unit.start + 1 : unit.start + unit.length + 1]
+    iterator.close()
+    # With pool_rank, the same plans come with that rank's micro-batches read ahead, and the
+    # state counts only the batches handed out.
+    fresh = TokenBudgetSampler([units], [1.0], seed=0, tokens_per_batch=64)
+    ahead = HDPDataIterator(fresh, [dataset], pool_size=3, capacity=16, pool_rank=1)
+    try:
+        for k in range(4):
+            step = next(ahead)
+            assert step.plan.digest() == plans[k] and step.rank == 1
+            want = read_local(step.plan, step.source, 1)
+            assert [b.tokens.tolist() for b in step.local] == [b.tokens.tolist() for b in want]
+            assert ahead.state_dict()["steps"] == k + 1
+    finally:
+        ahead.close()
 
 
 def _body_empty_rank(rank, world_size):

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from megatron_hdp.data.corpus import stdlib_documents
+from megatron_hdp.data.corpus import stdlib_corpus_documents
 from megatron_hdp.data.tokenizers import ByteTokenizer
 from megatron_hdp.megatron import indexed
 from megatron_hdp.megatron.indexed import (
@@ -176,7 +176,7 @@ def test_stdlib_corpus_holds_byte_tokens_plus_eod(stdlib_cache):
     assert os.path.dirname(prefix) == str(cache)
     assert os.path.basename(prefix).startswith("stdlib-") and prefix.endswith("-byte")
     ds = open_indexed_dataset(prefix)
-    docs = list(stdlib_documents())
+    docs = list(stdlib_corpus_documents())
     assert len(ds) == len(docs)
     assert ds.sequence_lengths.tolist() == [len(text) + 1 for _, text in docs]
     tok = ByteTokenizer()
@@ -209,7 +209,7 @@ def fake_stdlib(monkeypatch):
         yield "a", b"abc"
         yield "b", b"\xff\x00"
 
-    monkeypatch.setattr(indexed, "stdlib_documents", documents)
+    monkeypatch.setattr(indexed, "stdlib_corpus_documents", documents)
     monkeypatch.setattr(indexed, "stdlib_fingerprint", lambda: "feedface")
     return calls
 

@@ -1,7 +1,10 @@
 """Document sources: JSONL lines, directory files, the embedded stdlib corpus."""
 
+import importlib
+import inspect
 import json
 import os
+import re
 import statistics
 import sysconfig
 from pathlib import Path
@@ -10,8 +13,10 @@ import pytest
 
 from megatron_hdp.data import corpus
 from megatron_hdp.data.corpus import (
+    definition_pieces,
     directory_documents,
     jsonl_documents,
+    stdlib_corpus_documents,
     stdlib_documents,
     stdlib_fingerprint,
 )
@@ -212,10 +217,11 @@ def test_fake_stdlib_layout_and_fingerprint(tmp_path, monkeypatch):
         tmp_path,
         {
             "zmod.py": b"z = 1\n",
-            "amod.py": b"a = 1\n",
+            "amod.py": b"a = 1\ndef f():\n    pass\n",
             "pkg/__init__.py": b"init\n",
             "pkg/sub/x.py": b"x\n",
             "pkg/b.py": b"b\n",
+            "pkg/empty.py": b"",
             "pkg/data.txt": b"not python",
             "pkg/__pycache__/b.py": b"cache",
             "notapkg/y.py": b"y\n",
@@ -226,9 +232,23 @@ def test_fake_stdlib_layout_and_fingerprint(tmp_path, monkeypatch):
     )
     monkeypatch.setattr(corpus, "stdlib_root", lambda: tmp_path)
     assert list(stdlib_documents()) == [
-        ("amod", b"a = 1\n"),
-        ("pkg", b"# file: pkg/__init__.py\ninit\n# file: pkg/b.py\nb\n# file: pkg/sub/x.py\nx\n"),
+        ("amod", b"a = 1\ndef f():\n    pass\n"),
+        (
+            "pkg",
+            b"# file: pkg/__init__.py\ninit\n# file: pkg/b.py\nb\n# file: pkg/empty.py\n"
+            b"# file: pkg/sub/x.py\nx\n",
+        ),
         ("zmod", b"z = 1\n"),
+    ]
+    # The training corpus: the same files, sorted by path, cut at top-level definitions;
+    # the empty file gives no document.
+    assert list(stdlib_corpus_documents()) == [
+        ("amod.py:1", b"a = 1\n"),
+        ("amod.py:2", b"def f():\n    pass\n"),
+        ("pkg/__init__.py:1", b"init\n"),
+        ("pkg/b.py:1", b"b\n"),
+        ("pkg/sub/x.py:1", b"x\n"),
+        ("zmod.py:1", b"z = 1\n"),
     ]
     before = stdlib_fingerprint()
     (tmp_path / "notapkg/y.py").write_bytes(b"changed, not in the corpus")
@@ -236,3 +256,140 @@ def test_fake_stdlib_layout_and_fingerprint(tmp_path, monkeypatch):
     assert stdlib_fingerprint() == before
     (tmp_path / "pkg/b.py").write_bytes(b"longer\n")
     assert stdlib_fingerprint() != before
+    after = stdlib_fingerprint()
+    monkeypatch.setattr(corpus, "_STDLIB_FORMAT", "stdlib-documents-v1")  # the old layout
+    assert stdlib_fingerprint() != after  # so a cache of the old layout is never reused
+
+
+# ------------------------------------------------- training corpus: cut at definitions
+
+
+def test_definition_pieces_cut_at_top_level_definitions():
+    source = (
+        b'"""Doc."""\n'
+        b"import os\n"
+        b"\n"
+        b"# a comment stays with the piece before\n"
+        b"@decorator(\n"
+        b"    1)\n"
+        b"@other\n"
+        b"def f():\n"
+        b"    def nested():\n"
+        b"        pass\n"
+        b'    return """\n'
+        b"def in_a_string(): pass\n"
+        b'"""\n'
+        b"if os.name:\n"
+        b"    def conditional(): pass\n"
+        b"async def g():\n"
+        b"    await h()\n"
+        b"class C(Base):\n"
+        b"    def method(self): pass\n"
+        b"X = 1\n"
+    )
+    pieces = definition_pieces(source)
+    assert [line for line, _ in pieces] == [1, 5, 16, 18]
+    assert b"".join(text for _, text in pieces) == source
+    assert pieces[0][1].endswith(b"# a comment stays with the piece before\n")
+    assert pieces[1][1].startswith(b"@decorator(") and b"in_a_string" in pieces[1][1]
+    assert pieces[1][1].endswith(b"    def conditional(): pass\n")
+    assert pieces[3][1] == b"class C(Base):\n    def method(self): pass\nX = 1\n"
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        (b"", []),
+        (b"def f(): pass\n", [(1, b"def f(): pass\n")]),  # no preamble
+        (b"x = 1", [(1, b"x = 1")]),  # no final newline
+        (b"print 'py2'\ndef f(): pass\n", [(1, b"print 'py2'\ndef f(): pass\n")]),  # no parse
+        (b"a = 1\x00\ndef f(): pass\n", [(1, b"a = 1\x00\ndef f(): pass\n")]),  # null byte
+        (b"a = 1\r\ndef f():\r\n  pass\r\n", [(1, b"a = 1\r\n"), (2, b"def f():\r\n  pass\r\n")]),
+        (b"a = 1\rdef f():\r  pass\r", [(1, b"a = 1\r"), (2, b"def f():\r  pass\r")]),
+        (b"s = '\\d'\nclass C: pass\n", [(1, b"s = '\\d'\n"), (2, b"class C: pass\n")]),
+    ],
+)
+def test_definition_pieces_edge_cases(source, expected, recwarn):
+    assert definition_pieces(source) == expected
+    assert not [w for w in recwarn if issubclass(w.category, SyntaxWarning | DeprecationWarning)]
+
+
+DEFINITION_LINE = re.compile(rb"(@|def |async def |class )")
+DEMO_CAPACITY, DEMO_SEQ_LENGTH = 1024, 4096  # scripts/run_cpu.sh: --hdp-capacity, --seq-length
+
+
+@pytest.fixture(scope="module")
+def corpus_docs():
+    return list(stdlib_corpus_documents())
+
+
+@pytest.fixture(scope="module")
+def corpus_files(stdlib_listing):
+    """Relative path -> bytes of every non-empty corpus file, found without corpus.py."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    paths = sorted(f.relative_to(root).as_posix() for fs in stdlib_listing.values() for f in fs)
+    return {rel: data for rel in paths if (data := (root / rel).read_bytes())}
+
+
+def test_corpus_documents_are_the_files_cut_in_order(corpus_docs, corpus_files):
+    by_file: dict[str, list[tuple[int, bytes]]] = {}
+    for name, text in corpus_docs:
+        rel, line = name.rsplit(":", 1)
+        by_file.setdefault(rel, []).append((int(line), text))
+    assert list(by_file) == list(corpus_files)  # every non-empty file, in sorted path order
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for rel, pieces in by_file.items():
+        data = corpus_files[rel]
+        assert b"".join(text for _, text in pieces) == data, rel
+        assert sum(len(text) for _, text in pieces) == os.stat(root / rel).st_size, rel
+        line_starts = [0]
+        for line in data.splitlines(keepends=True):
+            line_starts.append(line_starts[-1] + len(line))
+        offset = 0
+        for k, (line, text) in enumerate(pieces):
+            assert text, (rel, line)
+            assert line_starts[line - 1] == offset, (rel, line)  # it starts at its line
+            assert (line == 1) == (k == 0), (rel, line)
+            if k > 0:  # every cut is at a definition (or its first decorator)
+                assert DEFINITION_LINE.match(text), (rel, line)
+            offset += len(text)
+
+
+@pytest.mark.parametrize(
+    "module", ["textwrap", "shlex", "json.decoder", "string", "graphlib", "dataclasses"]
+)
+def test_corpus_cuts_at_every_top_level_function_and_class(module, corpus_docs):
+    """Reference: where `inspect` says the module's own functions and classes begin."""
+    mod = importlib.import_module(module)
+    root = Path(sysconfig.get_paths()["stdlib"])
+    rel = Path(mod.__file__).relative_to(root).as_posix()
+    starts = {
+        inspect.getsourcelines(obj)[1]
+        for obj in vars(mod).values()
+        if (inspect.isfunction(obj) or inspect.isclass(obj)) and obj.__module__ == mod.__name__
+    }
+    lines = [int(name.rsplit(":", 1)[1]) for name, _ in corpus_docs if name.startswith(rel + ":")]
+    assert len(starts) >= 3
+    assert lines == [1, *sorted(starts)]  # the preamble, then one per definition
+
+
+def test_corpus_lengths_are_heavy_tailed(corpus_docs, corpus_files):
+    """Most documents fit one demo rank; a long tail needs rings (and is cut at --seq-length).
+
+    The tail is checked against the files themselves: the largest file without any line
+    starting a top-level definition (a regex, not the parser) is one document, longer than
+    four demo sequences.
+    """
+    lengths = sorted(len(text) for _, text in corpus_docs)
+    assert len(lengths) > 5 * len(corpus_files)
+    median = statistics.median(lengths)
+    assert median < DEMO_CAPACITY  # packed: most documents fit one rank
+    assert sum(n > DEMO_SEQ_LENGTH for n in lengths) > 100  # ringed: a long tail
+    assert lengths[-1] > 4 * DEMO_SEQ_LENGTH and lengths[-1] > 500 * median
+    whole = [
+        len(data)
+        for data in corpus_files.values()
+        if not any(DEFINITION_LINE.match(line) for line in data.splitlines())
+    ]
+    assert max(whole) > 4 * DEMO_SEQ_LENGTH
+    assert max(whole) in lengths[-5:]

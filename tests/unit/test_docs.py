@@ -13,3 +13,16 @@ def test_readme_flag_tables_are_current():
     readme = (REPO / "README.md").read_text()
     assert gen.render(readme) == readme, "run: .venv/bin/python scripts/gen_flags_doc.py"
     assert "`--exit-interval`" in readme and "`--hdp-capacity`" in readme
+
+
+def test_the_readme_data_spec_example_is_a_valid_spec():
+    yaml = __import__("pytest").importorskip("yaml")
+    from megatron_hdp.data.spec import parse_spec
+
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("### Data spec (`--hdp-data-spec`)") :]
+    block = section[section.index("```yaml\n") + len("```yaml\n") : section.index("```\n", 10)]
+    spec = parse_spec(yaml.safe_load(block), base="/data")
+    assert [s.kind for s in spec.sources] == ["indexed", "jsonl", "builtin"]
+    assert spec.streams[:2] == ("code/short", "code/long") and len(spec.streams) == 6
+    spec.check_covers(5000)

@@ -77,10 +77,12 @@ def test_a_failing_batch_is_handed_out_in_its_place_and_the_stream_goes_on():
 
 
 def test_close_stops_the_thread_and_bad_depths_are_refused():
+    before = set(threading.enumerate())
     feed = Prefetcher(sampler(), prepare, 2)
     feed.next()
+    (thread,) = [t for t in threading.enumerate() if t.name == "hdp-prefetch" and t not in before]
     feed.close()
-    assert not any(t.name == "hdp-prefetch" and t.is_alive() for t in threading.enumerate())
+    assert not thread.is_alive()
     for bad in (-1, 1.5, True, "2"):
         message = f"prefetch depth must be an integer >= 0, got {bad!r}"
         with pytest.raises(ValueError, match=message):

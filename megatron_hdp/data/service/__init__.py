@@ -1,0 +1,8 @@
+"""The Ray data service (optional; `--hdp-data-service ray`).
+
+- `address`: finding and checking the Ray cluster's address (no Ray import).
+- `actors`: the planner actor (builds each global batch and its plan once, for all ranks,
+  and supervises the source loaders) and the source-loader actors (one source each).
+- `client`: what a trainer rank runs: fetch the step's plan, read its own micro-batches'
+  tokens from the loaders, replace a loader that died by its shadow.
+"""

@@ -1,0 +1,136 @@
+"""The Ray data service's actors: one planner for the job, source loaders per source.
+
+Both are plain classes; `client.start_service` runs them as Ray actors. Imports Ray only
+inside the planner's methods that start or hand out other actors and objects.
+
+- `SourceLoader` opens one source (`sources.open_source`: an indexed dataset, or raw JSONL
+  that it tokenizes) and serves token ranges. It holds no stream position: which units a
+  step reads is the planner's decision, so a replacement reads exactly what the dead one
+  would have, and no document is skipped or read twice.
+- `PlannerActor` owns the job's sampler: it draws each global batch and plans it once, for
+  all ranks, and keeps the last few in Ray's object store for the ranks to fetch. It also
+  supervises the loaders: `loaders` per source as the spec says, plus one warm *shadow*
+  per source (opened, idle) that takes over when a loader dies, after which a new shadow
+  is started. The service's resumable state is the sampler's (a few integers per stream):
+  checkpoints store it, and a resumed job starts the planner from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from megatron_hdp.data.sources import open_source
+from megatron_hdp.data.spec import SourceSpec
+
+logger = logging.getLogger(__name__)
+
+
+class SourceLoader:
+    """Reads token ranges of one source (runs as a Ray actor)."""
+
+    def __init__(self, source: SourceSpec, open_args: dict) -> None:
+        self.source = source
+        self.reader = open_source(source, **open_args)
+
+    def ready(self) -> int:
+        """This loader's process id, once its source is open (a start-up barrier)."""
+        return os.getpid()
+
+    def read(self, requests: Sequence[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens of `(doc, offset, length)` requests, concatenated, and each one's length."""
+        parts = [
+            np.asarray(self.reader.get(doc, offset=offset, length=length))
+            for doc, offset, length in requests
+        ]
+        sizes = np.asarray([len(p) for p in parts], dtype=np.int64)
+        tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+        return tokens, sizes
+
+
+class PlannerActor:
+    """Plans each global batch once for every rank and supervises the source loaders.
+
+    Args:
+        sampler: The job's training sampler, at the position to start from.
+        plan: Plans one batch from its sequence lengths (the trainer's own planner).
+        sources: The data spec's sources (or one per dataset of a `--data-path` blend).
+        open_args: How loaders open a source (`open_source` keywords).
+        keep: Batches kept for ranks that are behind (older ones are dropped).
+    """
+
+    def __init__(
+        self,
+        sampler,
+        plan: Callable,
+        sources: Sequence[SourceSpec],
+        open_args: dict,
+        keep: int,
+    ) -> None:
+        import ray
+
+        self._ray = ray
+        self.sampler, self.plan, self.keep = sampler, plan, keep
+        self.sources, self.open_args = list(sources), open_args
+        self.produced = sampler.state.steps
+        self.first = self.produced
+        self.batches: dict[int, object] = {}
+        self.replacements = 0
+        self.loaders = [[self._start(k) for _ in range(s.loaders)] for k, s in enumerate(sources)]
+        self.shadows = [self._start(k) for k in range(len(sources))]
+        ray.get([h.ready.remote() for group in self.loaders for h in group])
+        ray.get([h.ready.remote() for h in self.shadows])
+
+    def _start(self, source: int):
+        loader = self._ray.remote(SourceLoader).options(num_cpus=0, max_restarts=0)
+        return loader.remote(self.sources[source], self.open_args)
+
+    def batch(self, step: int) -> list:
+        """`[ref]` to `(units, plan, sampler state after it)` of the 1-based batch `step`.
+
+        Batches are drawn in order, so every rank gets the same batch for the same step;
+        the reference is wrapped in a list so that Ray hands it over unresolved.
+        """
+        if step <= self.first or step <= self.produced - self.keep:
+            raise ValueError(
+                f"batch {step} is no longer kept by the planner (it has planned up to "
+                f"{self.produced} and keeps {self.keep}): a rank fell too far behind"
+            )
+        while self.produced < step:
+            units = self.sampler.next_batch()
+            plan = self.plan([u.length for u in units])
+            self.produced += 1
+            self.batches[self.produced] = self._ray.put((units, plan, self.sampler.state_dict()))
+            self.batches.pop(self.produced - self.keep, None)
+        return [self.batches[step]]
+
+    def loader_handles(self) -> list[list]:
+        """The serving loaders of every source (a list per source)."""
+        return self.loaders
+
+    def replace_loader(self, source: int, slot: int, dead_id: str):
+        """The loader now serving `slot` of `source`, after one that died (`dead_id`).
+
+        The first rank to report a dead loader promotes the source's shadow into its slot
+        and starts a new shadow; later reports of the same death get the replacement.
+        """
+        current = self.loaders[source][slot]
+        if current._actor_id.hex() != dead_id:
+            return current
+        replacement, self.shadows[source] = self.shadows[source], self._start(source)
+        self.loaders[source][slot] = replacement
+        self.replacements += 1
+        logger.warning(
+            "source loader %d of %r died; its shadow took over (%d replacements so far)",
+            slot,
+            self.sources[source].name,
+            self.replacements,
+        )
+        return replacement
+
+    def status(self) -> dict:
+        """Batches planned, the first one, and loader replacements so far."""
+        return {"produced": self.produced, "first": self.first, "replaced": self.replacements}

@@ -1,0 +1,334 @@
+"""The declarative data spec: sources, weights, length buckets and a schedule (pure layer).
+
+One JSON or YAML file says what a job trains on; the in-process loader and the Ray data
+service both read it (`--hdp-data-spec FILE`)::
+
+    {
+      "sources": [
+        {"name": "code", "path": "data/code_text", "weight": 0.7, "loaders": 2},
+        {"name": "docs", "jsonl": "data/docs.jsonl", "json_key": "text", "weight": 0.3},
+        {"name": "stdlib", "builtin": "stdlib", "weight": 0.0}
+      ],
+      "length_buckets": [{"name": "short", "max_tokens": 2048}, {"name": "long"}],
+      "schedule": [
+        {"until_step": 100, "weights": {"code/short": 0.6, "docs": 0.4}},
+        {"until_step": 1000, "weights": {"code": 0.5, "docs": 0.3, "stdlib": 0.2}}
+      ]
+    }
+
+- A source is an indexed dataset (`path`: the prefix of a `.bin`/`.idx` pair), raw JSONL
+  text tokenized when it is opened (`jsonl`: one file or a list, `json_key`, default
+  "text"), or the embedded corpus (`builtin: "stdlib"`). `loaders` is how many source-loader
+  actors the Ray service runs for it (default 1; the in-process loader ignores it).
+- `length_buckets` split every source's training sequences by length into streams named
+  `source/bucket`: a sequence goes to the first bucket whose `max_tokens` it fits (the last
+  bucket has no `max_tokens`). Without buckets each source is one stream.
+- Weights are token shares. A weight may name a source (shared by its buckets in
+  proportion to their tokens) or one stream `source/bucket`. `schedule` is a list of
+  phases, each with the weights of steps `(previous until_step, until_step]`; it must
+  cover training (`until_step >= --train-iters`). Without a schedule the sources' `weight`s
+  hold for the whole run. Weights may be 0 (that stream is paused), never negative or NaN,
+  and not all 0 in a phase.
+
+`load_spec(path)` parses and checks a file; `DataSpec.stream_weights` turns a phase's
+weights into one weight per stream once the streams' token counts are known.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: Built-in sources a spec may name with `builtin`.
+BUILTIN_SOURCES = ("stdlib",)
+
+_SOURCE_KEYS = {"name", "path", "jsonl", "json_key", "builtin", "weight", "loaders"}
+_TOP_KEYS = {"sources", "length_buckets", "schedule"}
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One source of documents (exactly one of `path`, `jsonl`, `builtin` is set)."""
+
+    name: str
+    weight: float
+    path: str | None = None
+    jsonl: tuple[str, ...] = ()
+    json_key: str = "text"
+    builtin: str | None = None
+    loaders: int = 1
+
+    @property
+    def kind(self) -> str:
+        """The kind of source: indexed, jsonl or builtin."""
+        return "indexed" if self.path else "jsonl" if self.jsonl else "builtin"
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A length bucket: sequences of at most `max_tokens` inputs (None: any length)."""
+
+    name: str
+    max_tokens: int | None
+
+
+@dataclass(frozen=True)
+class Phase:
+    """The weights of steps `(previous phase's until_step, until_step]`."""
+
+    until_step: int
+    weights: Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """A parsed, checked data spec (see the module docstring)."""
+
+    sources: tuple[SourceSpec, ...]
+    buckets: tuple[Bucket, ...] = ()
+    schedule: tuple[Phase, ...] = ()
+    origin: str = "<spec>"
+    streams: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        names = [
+            f"{s.name}/{b.name}" if self.buckets else s.name
+            for s in self.sources
+            for b in (self.buckets or (None,))
+        ]
+        object.__setattr__(self, "streams", tuple(names))
+
+    def stream_source(self, stream: int) -> int:
+        """The source index of stream `stream` (streams run source-major, bucket-minor)."""
+        return stream // max(1, len(self.buckets))
+
+    def bucket_of(self, lengths) -> list[int]:
+        """The bucket index of each sequence length (all 0 without buckets)."""
+        out = []
+        for n in lengths:
+            for k, bucket in enumerate(self.buckets):
+                if bucket.max_tokens is None or n <= bucket.max_tokens:
+                    out.append(k)
+                    break
+        return out if self.buckets else [0] * len(lengths)
+
+    def phase_weights(self) -> list[tuple[int | None, Mapping[str, float]]]:
+        """`(until_step, weights by name)` per phase; one open-ended phase without a schedule."""
+        if not self.schedule:
+            return [(None, {s.name: s.weight for s in self.sources})]
+        return [(p.until_step, p.weights) for p in self.schedule]
+
+    def stream_weights(self, weights: Mapping[str, float], stream_tokens: Sequence[int]):
+        """One weight per stream from weights by source or stream name.
+
+        A source's weight is split over its streams in proportion to `stream_tokens` (the
+        training tokens of each stream); a stream named alone keeps its own weight.
+        """
+        out = [0.0] * len(self.streams)
+        per_source = max(1, len(self.buckets))
+        for name, weight in weights.items():
+            if name in self.streams:
+                out[self.streams.index(name)] += weight
+                continue
+            source = [s.name for s in self.sources].index(name)
+            members = range(source * per_source, (source + 1) * per_source)
+            total = sum(stream_tokens[k] for k in members)
+            for k in members:
+                out[k] += weight * stream_tokens[k] / total if total else 0.0
+        return out
+
+    def check_covers(self, train_iters: int) -> None:
+        """ValueError if the schedule ends before step `train_iters`."""
+        if self.schedule and self.schedule[-1].until_step < train_iters:
+            raise ValueError(
+                f"data spec {self.origin}: the schedule ends at step "
+                f"{self.schedule[-1].until_step}, but --train-iters is {train_iters}; add a "
+                "phase that reaches it"
+            )
+
+    def digest_dict(self) -> dict:
+        """What the data stream depends on, JSON-serialisable (for checkpoints' set-up)."""
+        return {
+            "streams": list(self.streams),
+            "schedule": [[p.until_step, dict(sorted(p.weights.items()))] for p in self.schedule],
+        }
+
+
+def _fail(origin: str, message: str) -> ValueError:
+    return ValueError(f"data spec {origin}: {message}")
+
+
+def _weight(origin: str, where: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _fail(origin, f"{where} must be a number, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise _fail(origin, f"{where} must be finite and >= 0, got {value!r}")
+    return float(value)
+
+
+def _source(origin: str, index: int, raw, base: Path) -> SourceSpec:
+    if not isinstance(raw, dict):
+        raise _fail(origin, f"sources[{index}] must be an object, got {raw!r}")
+    unknown = sorted(set(raw) - _SOURCE_KEYS)
+    if unknown:
+        raise _fail(origin, f"sources[{index}] has unknown keys {unknown}")
+    name = raw.get("name")
+    if not isinstance(name, str) or not name or "/" in name:
+        raise _fail(origin, f"sources[{index}] needs a 'name' without '/', got {name!r}")
+    kinds = [k for k in ("path", "jsonl", "builtin") if raw.get(k) is not None]
+    if len(kinds) != 1:
+        raise _fail(origin, f"source {name!r} needs exactly one of path, jsonl, builtin")
+    loaders = raw.get("loaders", 1)
+    if isinstance(loaders, bool) or not isinstance(loaders, int) or loaders < 1:
+        raise _fail(origin, f"source {name!r}: loaders must be an integer >= 1, got {loaders!r}")
+    weight = _weight(origin, f"source {name!r} weight", raw.get("weight", 1.0))
+
+    def resolve(p) -> str:
+        if not isinstance(p, str) or not p:
+            raise _fail(origin, f"source {name!r}: a path must be a non-empty string, got {p!r}")
+        return str(base / p) if not Path(p).is_absolute() else p
+
+    if kinds[0] == "builtin":
+        if raw["builtin"] not in BUILTIN_SOURCES:
+            raise _fail(
+                origin,
+                f"source {name!r}: builtin must be one of {BUILTIN_SOURCES}, "
+                f"got {raw['builtin']!r}",
+            )
+        return SourceSpec(name, weight, builtin=raw["builtin"], loaders=loaders)
+    if kinds[0] == "path":
+        return SourceSpec(name, weight, path=resolve(raw["path"]), loaders=loaders)
+    files = raw["jsonl"] if isinstance(raw["jsonl"], list) else [raw["jsonl"]]
+    key = raw.get("json_key", "text")
+    if not isinstance(key, str) or not key:
+        raise _fail(origin, f"source {name!r}: json_key must be a non-empty string")
+    return SourceSpec(
+        name, weight, jsonl=tuple(resolve(f) for f in files), json_key=key, loaders=loaders
+    )
+
+
+def _buckets(origin: str, raw) -> tuple[Bucket, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not raw:
+        raise _fail(origin, f"length_buckets must be a non-empty list, got {raw!r}")
+    buckets, previous = [], 0
+    for k, item in enumerate(raw):
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
+            raise _fail(origin, f"length_buckets[{k}] needs a 'name', got {item!r}")
+        limit = item.get("max_tokens")
+        last = k == len(raw) - 1
+        if last and limit is not None:
+            raise _fail(
+                origin,
+                f"the last length bucket ({item['name']!r}) takes any length: "
+                "leave out its max_tokens",
+            )
+        if not last and (
+            isinstance(limit, bool) or not isinstance(limit, int) or limit <= previous
+        ):
+            raise _fail(
+                origin,
+                f"length bucket {item['name']!r}: max_tokens must be an integer above "
+                f"{previous}, got {limit!r}",
+            )
+        buckets.append(Bucket(item["name"], limit))
+        previous = limit or previous
+    names = [b.name for b in buckets]
+    if len(set(names)) != len(names) or any("/" in n for n in names):
+        raise _fail(origin, f"length bucket names must be distinct and without '/': {names}")
+    return tuple(buckets)
+
+
+def _phase_weights(origin: str, where: str, raw, known: Sequence[str]) -> dict[str, float]:
+    if not isinstance(raw, dict) or not raw:
+        raise _fail(origin, f"{where} needs a non-empty 'weights' object, got {raw!r}")
+    for name in raw:
+        if name not in known:
+            raise _fail(
+                origin,
+                f"{where} names {name!r}, which is no source or stream of this spec "
+                f"(known: {', '.join(known)})",
+            )
+    weights = {name: _weight(origin, f"{where} weight of {name!r}", w) for name, w in raw.items()}
+    if sum(weights.values()) <= 0:
+        raise _fail(origin, f"{where}: the weights are all zero")
+    return weights
+
+
+def parse_spec(data, *, origin: str = "<spec>", base: str | Path = ".") -> DataSpec:
+    """A `DataSpec` from parsed JSON/YAML `data`; relative paths are taken from `base`.
+
+    Raises:
+        ValueError: Naming the spec (`origin`) and the bad entry.
+    """
+    if not isinstance(data, dict):
+        raise _fail(origin, "the top level must be an object with 'sources'")
+    unknown = sorted(set(data) - _TOP_KEYS)
+    if unknown:
+        raise _fail(origin, f"unknown keys {unknown} (known: {sorted(_TOP_KEYS)})")
+    raw_sources = data.get("sources")
+    if not isinstance(raw_sources, list) or not raw_sources:
+        raise _fail(origin, "'sources' must be a non-empty list")
+    sources = tuple(_source(origin, k, raw, Path(base)) for k, raw in enumerate(raw_sources))
+    names = [s.name for s in sources]
+    if len(set(names)) != len(names):
+        raise _fail(origin, f"source names must be distinct: {names}")
+    buckets = _buckets(origin, data.get("length_buckets"))
+    spec = DataSpec(sources, buckets, origin=origin)
+    known = [*names, *(s for s in spec.streams if s not in names)]
+    raw_schedule = data.get("schedule")
+    phases: list[Phase] = []
+    if raw_schedule is None:
+        if sum(s.weight for s in sources) <= 0:
+            raise _fail(origin, "the source weights are all zero")
+    else:
+        if not isinstance(raw_schedule, list) or not raw_schedule:
+            raise _fail(origin, f"schedule must be a non-empty list, got {raw_schedule!r}")
+        previous = 0
+        for k, item in enumerate(raw_schedule):
+            until = item.get("until_step") if isinstance(item, dict) else None
+            if isinstance(until, bool) or not isinstance(until, int) or until <= previous:
+                raise _fail(
+                    origin,
+                    f"schedule[{k}] needs an integer until_step above {previous}, got {until!r}",
+                )
+            weights = _phase_weights(origin, f"schedule[{k}]", item.get("weights"), known)
+            phases.append(Phase(until, weights))
+            previous = until
+    return DataSpec(sources, buckets, tuple(phases), origin=origin)
+
+
+def load_spec(path: str | Path) -> DataSpec:
+    """Read and check a JSON (`.json`) or YAML (`.yaml`/`.yml`) data spec.
+
+    Relative source paths are taken from the spec file's folder.
+
+    Raises:
+        ValueError: Naming the file and what is wrong (unreadable, not JSON/YAML, bad entry).
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"data spec {str(path)!r} cannot be read: {exc.strerror}") from exc
+    if path.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ValueError(
+                f"data spec {str(path)!r} is YAML, which needs PyYAML (pip install pyyaml)"
+            ) from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"data spec {str(path)!r} is not valid YAML: {exc}") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"data spec {str(path)!r} is not valid JSON: {exc}") from None
+    return parse_spec(data, origin=repr(str(path)), base=path.parent)

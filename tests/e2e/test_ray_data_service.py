@@ -1,0 +1,225 @@
+"""The Ray data service on a real local Ray cluster (`ray start --head`, 2 CPUs, 100 MB store).
+
+One curriculum data spec drives every run: an indexed source and a raw JSONL source that
+the loaders tokenize, length buckets, and a schedule that trains on the indexed source's
+short sequences for 3 steps, then on the JSONL source (two loaders) with a little of the
+indexed one. The in-process loader's run is the reference:
+
+- the Ray service gives the same batches and bit-identical losses;
+- a source loader killed mid-run is replaced by its shadow, training goes on, and the
+  batches are still the reference's: every document exactly once per epoch (checked
+  against the JSONL file's own documents);
+- a run stopped after 3 steps and resumed gives the reference's last 3 steps;
+- the mix changes at the scheduled step (checked from the units each step trained on).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.e2e.harness import SMALL_MODEL, run_pretrain
+
+pytest.importorskip("ray", reason="the Ray data service's tests need Ray (the dev extra)")
+
+VENV_BIN = Path(sys.executable).parent
+STEPS = 8
+SWITCH = 3  # the schedule's first phase ends after this step
+SEQ = 512
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """A local Ray head started as users start one; stopped (and its processes) after."""
+    port = _free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    temp = tmp_path_factory.mktemp("ray")
+    start = [
+        str(VENV_BIN / "ray"), "start", "--head", f"--port={port}", "--num-cpus=2",
+        "--object-store-memory=100000000", "--include-dashboard=false",
+        "--disable-usage-stats", f"--temp-dir={temp}",
+    ]  # fmt: skip
+    done = subprocess.run(start, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run(
+            [str(VENV_BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120
+        )
+
+
+@pytest.fixture(scope="module")
+def spec_path(tmp_path_factory) -> Path:
+    """The curriculum spec and its two sources, written by the test."""
+    from megatron_hdp.megatron.indexed import write_indexed_dataset
+
+    folder = tmp_path_factory.mktemp("spec")
+    rng = np.random.default_rng(7)
+    docs = [rng.integers(0, 256, size=int(n)).astype(np.int32) for n in rng.integers(20, 900, 60)]
+    docs = [np.append(d, np.int32(256)) for d in docs]
+    write_indexed_dataset(folder / "indexed", docs, vocab_size=257)
+    words = ["alpha", "beta", "gamma", "delta", "ring", "pack", "zigzag", "rank"]
+    with open(folder / "docs.jsonl", "w") as out:
+        for k in range(10):  # about 2,000 tokens: the run trains on 2 epochs of them
+            n = int(rng.integers(3, 60))
+            text = " ".join(words[int(i)] for i in rng.integers(0, len(words), n))
+            out.write(json.dumps({"text": f"doc {k}: {text}"}) + "\n")
+    spec = {
+        "sources": [
+            {"name": "indexed", "path": "indexed", "weight": 1.0},
+            {"name": "docs", "jsonl": "docs.jsonl", "weight": 1.0, "loaders": 2},
+        ],
+        "length_buckets": [{"name": "short", "max_tokens": 256}, {"name": "long"}],
+        "schedule": [
+            {"until_step": SWITCH, "weights": {"indexed/short": 1.0}},
+            {"until_step": 100, "weights": {"docs": 0.9, "indexed": 0.1}},
+        ],
+    }
+    (folder / "spec.json").write_text(json.dumps(spec))
+    return folder / "spec.json"
+
+
+def _args(spec_path, cache, *, extra=()) -> list[str]:
+    return [
+        *SMALL_MODEL,
+        "--seq-length", str(SEQ), "--hdp-capacity", "256", "--hdp-global-batch-tokens", "1024",
+        "--train-iters", str(STEPS), "--lr", "1e-3", "--seed", "5",
+        "--hdp-data-spec", str(spec_path), "--split", "100,0,0",
+        "--data-cache-path", str(cache), *extra,
+    ]  # fmt: skip
+
+
+def _ray(address) -> list[str]:
+    return ["--hdp-data-service", "ray", "--hdp-ray-address", address]
+
+
+@pytest.fixture(scope="module")
+def reference(spec_path, tmp_path_factory):
+    """The in-process loader's run: per-step records of rank 0."""
+    return run_pretrain(2, _args(spec_path, tmp_path_factory.mktemp("cache")))
+
+
+def _losses(steps) -> list[str]:
+    return [repr(s["loss"]) for s in steps]
+
+
+def _units(steps) -> list[list[tuple]]:
+    return [[tuple(u) for u in s["units"]] for s in steps]
+
+
+def test_curriculum_changes_the_mix_at_the_scheduled_step(reference):
+    sources = [Counter(u[0] for u in units) for units in _units(reference)]
+    assert all(set(c) == {0} for c in sources[:SWITCH]), sources
+    later = sum(sources[SWITCH:], Counter())
+    assert later[1] > 4 * later[0] > 0, sources  # 0.9 vs 0.1 token shares
+    short = [u[3] for units in _units(reference)[:SWITCH] for u in units]
+    assert max(short) <= 256, short  # the "short" bucket only
+
+
+def test_ray_service_gives_the_in_process_batches_and_losses(spec_path, ray_cluster, reference):
+    steps = run_pretrain(2, _args(spec_path, spec_path.parent / "c1", extra=_ray(ray_cluster)))
+    assert _units(steps) == _units(reference)
+    assert _losses(steps) == _losses(reference)
+
+
+KILLER = textwrap.dedent(
+    """
+    import sys, time, ray
+    ray.init(address=sys.argv[1], namespace="megatron_hdp", log_to_driver=False)
+    deadline = time.monotonic() + 240
+    planner = None
+    while planner is None and time.monotonic() < deadline:
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["name"].startswith("planner-")]
+        if names:
+            planner = ray.get_actor(names[0], namespace="megatron_hdp")
+        time.sleep(0.1)
+    while ray.get(planner.status.remote())["produced"] < 3:
+        time.sleep(0.05)
+    victim = ray.get(planner.loader_handles.remote())[1][0]
+    ray.kill(victim, no_restart=True)
+    print("killed", flush=True)
+    while time.monotonic() < deadline:
+        status = ray.get(planner.status.remote())
+        if status["replaced"]:
+            print("replaced", status["replaced"], flush=True)
+            break
+        time.sleep(0.05)
+    """
+)
+
+
+def _jsonl_units(path: Path) -> Counter:
+    """Every (doc, start, length) unit of the JSONL source, from the file itself."""
+    units = Counter()
+    with open(path, "rb") as f:
+        for doc, line in enumerate(x for x in f if x.strip()):
+            inputs = len(json.loads(line)["text"].encode()) + 1 - 1  # + eod, - the last label
+            for start in range(0, inputs, SEQ):
+                units[(doc, start, min(SEQ, inputs - start))] += 1
+    return units
+
+
+def test_a_killed_source_loader_is_replaced_and_no_document_is_lost(
+    spec_path, ray_cluster, reference
+):
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    killer = subprocess.Popen(
+        [sys.executable, "-c", KILLER, ray_cluster],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        steps = run_pretrain(
+            2,
+            _args(spec_path, spec_path.parent / "c2", extra=_ray(ray_cluster)),
+        )
+        out, _ = killer.communicate(timeout=60)
+    finally:
+        killer.kill()
+    assert "killed" in out and "replaced" in out, out
+    assert _units(steps) == _units(reference)
+    assert _losses(steps) == _losses(reference)
+    # Every JSONL document once per epoch: the units drawn, epoch by epoch, are the file's.
+    drawn = [u[1:] for units in _units(steps) for u in units if u[0] == 1]
+    expected = _jsonl_units(spec_path.parent / "docs.jsonl")
+    per_epoch = sum(expected.values())
+    assert len(drawn) > per_epoch, "the run should finish an epoch of the JSONL source"
+    for first in range(0, len(drawn), per_epoch):
+        epoch = Counter(drawn[first : first + per_epoch])
+        assert max(epoch.values()) == 1
+        assert set(epoch) <= set(expected)
+        if first + per_epoch <= len(drawn):
+            assert epoch == expected
+
+
+def test_stop_and_resume_on_the_service_is_identical(spec_path, ray_cluster, reference):
+    save = spec_path.parent / "ckpt"
+    shutil.rmtree(save, ignore_errors=True)
+    cache = spec_path.parent / "c3"
+    extra = [*_ray(ray_cluster), "--save", str(save), "--save-interval", "3"]
+    first = run_pretrain(2, _args(spec_path, cache, extra=[*extra, "--exit-interval", "3"]))
+    second = run_pretrain(2, _args(spec_path, cache, extra=[*extra, "--load", str(save)]))
+    assert [s["iteration"] for s in second] == list(range(4, STEPS + 1))
+    assert _losses(first + second) == _losses(reference)
+    assert _units(first + second) == _units(reference)

@@ -1,0 +1,179 @@
+"""The declarative data spec and the sampler's streams and schedule (pure layer)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from megatron_hdp.data.sampler import DatasetUnits, TokenBudgetSampler
+from megatron_hdp.data.spec import load_spec, parse_spec
+
+
+def _units(lengths) -> DatasetUnits:
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return DatasetUnits(doc=np.arange(len(lengths)), start=np.zeros_like(lengths), length=lengths)
+
+
+SPEC = {
+    "sources": [
+        {"name": "code", "path": "/d/code", "weight": 3},
+        {"name": "web", "jsonl": ["a.jsonl", "b.jsonl"], "loaders": 2},
+    ],
+    "length_buckets": [{"name": "short", "max_tokens": 100}, {"name": "long"}],
+    "schedule": [
+        {"until_step": 10, "weights": {"code/short": 1}},
+        {"until_step": 50, "weights": {"code": 1, "web/long": 1}},
+    ],
+}
+
+
+def test_a_spec_parses_into_streams_buckets_and_phases(tmp_path):
+    spec = parse_spec(SPEC, base=tmp_path)
+    assert spec.streams == ("code/short", "code/long", "web/short", "web/long")
+    assert [s.kind for s in spec.sources] == ["indexed", "jsonl"]
+    assert spec.sources[1].jsonl == (str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"))
+    assert spec.sources[1].loaders == 2 and spec.sources[0].weight == 3.0
+    assert [spec.stream_source(k) for k in range(4)] == [0, 0, 1, 1]
+    assert spec.bucket_of([1, 100, 101, 10**6]) == [0, 0, 1, 1]
+    # A source's weight is shared by its buckets in proportion to their tokens.
+    tokens = [100, 300, 50, 50]
+    assert spec.stream_weights({"code": 1.0, "web/long": 1.0}, tokens) == [0.25, 0.75, 0.0, 1.0]
+    spec.check_covers(50)
+    with pytest.raises(ValueError, match="the schedule ends at step 50, but --train-iters is 51"):
+        spec.check_covers(51)
+
+
+def test_yaml_and_json_files_give_the_same_spec(tmp_path):
+    yaml = pytest.importorskip("yaml")
+    (tmp_path / "s.json").write_text(json.dumps(SPEC))
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(SPEC))
+    a, b = load_spec(tmp_path / "s.json"), load_spec(tmp_path / "s.yaml")
+    assert (a.sources, a.buckets, a.schedule) == (b.sources, b.buckets, b.schedule)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"sources": []}, "'sources' must be a non-empty list"),
+        ({"extra": 1}, "unknown keys ['extra']"),
+        ({"sources": [{"name": "a/b", "path": "x"}]}, "needs a 'name' without '/'"),
+        ({"sources": [{"name": "a", "path": "x", "jsonl": "y"}]}, "exactly one of path"),
+        ({"sources": [{"name": "a", "path": "x", "loaders": 0}]}, "loaders must be an integer"),
+        ({"sources": [{"name": "a", "builtin": "wiki"}]}, "builtin must be one of"),
+        (
+            {"sources": [{"name": "a", "path": "x", "weight": 0}], "schedule": None},
+            "the source weights are all zero",
+        ),
+        ({"sources": [{"name": "a", "path": "x", "weight": True}]}, "must be a number"),
+        (
+            {"length_buckets": [{"name": "s", "max_tokens": 5}, {"name": "l", "max_tokens": 9}]},
+            "leave out its max_tokens",
+        ),
+        (
+            {"length_buckets": [{"name": "s", "max_tokens": 0}, {"name": "l"}]},
+            "max_tokens must be an integer above 0",
+        ),
+        (
+            {"schedule": [{"until_step": 5, "weights": {"code": 1}}, {"until_step": 5}]},
+            "schedule[1] needs an integer until_step above 5",
+        ),
+        (
+            {"schedule": [{"until_step": 5, "weights": {"code/medium": 1}}]},
+            "names 'code/medium', which is no source or stream",
+        ),
+        ({"schedule": [{"until_step": 5, "weights": {"web": -0.5}}]}, "got -0.5"),
+    ],
+)
+def test_bad_specs_are_refused_with_the_entry_named(tmp_path, change, message):
+    with pytest.raises(ValueError, match="data spec") as info:
+        parse_spec({**SPEC, **change}, base=tmp_path)
+    assert message in str(info.value)
+
+
+def test_unreadable_or_malformed_spec_files_are_named(tmp_path):
+    with pytest.raises(ValueError, match="cannot be read"):
+        load_spec(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        load_spec(tmp_path / "bad.json")
+
+
+def _mix(sampler, steps) -> list[list[int]]:
+    """Tokens drawn from each stream, per batch."""
+    out = []
+    for _ in range(steps):
+        tokens = [0] * len(sampler.datasets)
+        for unit in sampler.next_batch():
+            tokens[unit.dataset] += unit.length
+        out.append(tokens)
+    return out
+
+
+def test_the_schedule_switches_weights_at_its_step_and_counts_shares_per_phase():
+    streams = [_units([10] * 500), _units([10] * 500)]
+    sampler = TokenBudgetSampler(
+        streams, [1, 0], seed=1, tokens_per_batch=100, schedule=[(4, [1, 0]), (99, [1, 1])]
+    )
+    mix = _mix(sampler, 8)
+    assert mix[:4] == [[100, 0]] * 4  # phase 1: stream 0 only
+    # Phase 2 shares the tokens drawn within it (not since step 0): half each from step 5.
+    assert mix[4:] == [[50, 50]] * 4
+
+
+def test_a_stream_maps_to_its_source_and_a_paused_stream_is_never_drawn():
+    streams = [_units([5] * 40), _units([7] * 40), _units([9] * 40)]
+    sampler = TokenBudgetSampler(streams, [1, 0, 1], seed=3, tokens_per_batch=60, sources=[0, 0, 1])
+    units = [u for _ in range(6) for u in sampler.next_batch()]
+    assert {u.length for u in units} == {5, 9}  # the paused stream (length 7) never
+    assert {u.dataset for u in units if u.length == 5} == {0}
+    assert {u.dataset for u in units if u.length == 9} == {1}
+    assert sampler.setup()["sources"] == [0, 0, 1]
+
+
+def test_a_scheduled_sampler_resumes_mid_phase_exactly():
+    def make():
+        streams = [_units(np.arange(1, 61)), _units(np.arange(1, 41) * 2)]
+        return TokenBudgetSampler(
+            streams, [1, 1], seed=9, tokens_per_batch=90, schedule=[(3, [1, 3]), (20, [2, 1])]
+        )
+
+    straight = make()
+    batches = [straight.next_batch() for _ in range(10)]
+    first = make()
+    for _ in range(4):
+        first.next_batch()
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [resumed.next_batch() for _ in range(6)] == batches[4:]
+    other = TokenBudgetSampler(
+        [_units(np.arange(1, 61)), _units(np.arange(1, 41) * 2)],
+        [1, 1],
+        seed=9,
+        tokens_per_batch=90,
+        schedule=[(3, [1, 3]), (21, [2, 1])],
+    )
+    with pytest.raises(ValueError, match="schedule"):
+        other.load_state_dict(state)
+
+
+def test_samplers_without_a_schedule_keep_their_old_state_and_setup():
+    sampler = TokenBudgetSampler([_units([4] * 9)], [1.0], seed=0, units_per_batch=2)
+    sampler.next_batch()
+    state = sampler.state_dict()
+    assert set(state) == {"setup", "consumed", "tokens", "steps"}
+    assert set(state["setup"]) == {
+        "seed", "weights", "tokens_per_batch", "units_per_batch", "units", "unit_tokens"
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "weights, message",
+    [([1, -1], "got [1, -1]"), ([0, 0], "not all 0"), ([1, float("nan")], "finite")],
+)
+def test_bad_blend_weights_are_refused(weights, message):
+    with pytest.raises(ValueError, match="blend weights must be positive") as info:
+        TokenBudgetSampler([_units([3]), _units([3])], weights, seed=0, tokens_per_batch=9)
+    assert message in str(info.value)

@@ -1,0 +1,115 @@
+"""Start-up: `--help` is fast and light; only Megatron's known warnings are hidden."""
+
+import re
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from megatron_hdp.launch import KNOWN_MEGATRON_WARNINGS, quiet_known_warnings
+
+REPO = Path(__file__).resolve().parents[2]
+NO_APEX = "Apex is not installed. Falling back to Torch Norm"
+
+# Runs `pretrain_hdp.py --help` as a script, then reports what the process imported.
+HELP_PROBE = """
+import runpy, sys
+sys.argv = ["pretrain_hdp.py", "--help"]
+try:
+    runpy.run_path("pretrain_hdp.py", run_name="__main__")
+except SystemExit as done:
+    status = done.code
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "megatron"))
+print("STATUS", status, "HEAVY", ",".join(heavy) or "-", file=sys.stderr)
+"""
+
+
+def test_help_takes_under_two_seconds():
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "pretrain_hdp.py", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
+    elapsed = time.perf_counter() - start
+    assert done.returncode == 0, done.stderr
+    assert "--hdp-capacity" in done.stdout and "--seq-length" in done.stdout
+    assert elapsed < 2.0, f"pretrain_hdp.py --help took {elapsed:.2f} s"
+
+
+def test_help_imports_neither_torch_nor_megatron():
+    done = subprocess.run(
+        [sys.executable, "-c", HELP_PROBE], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
+    assert "usage: pretrain_hdp.py" in done.stdout
+    assert done.stderr.strip().splitlines()[-1] == "STATUS 0 HEAVY -", done.stderr
+
+
+# The messages as Megatron-Core 0.x raises them (megatron/core/...), with the module they come
+# from: the filters must hide exactly these.
+MEGATRON_MESSAGES = [
+    (
+        "Transformer Engine and Apex are not installed. Falling back to Torch optimizers.",
+        "megatron.core.optimizer",
+    ),
+    (
+        "Transformer Engine and Apex are not installed. Falling back to local implementations "
+        "of multi_tensor_applier, multi_tensor_l2norm, and multi_tensor_scale",
+        "megatron.core.optimizer.clip_grads",
+    ),
+    (
+        "Transformer Engine and Apex are not installed. Falling back to local implementations "
+        "of multi_tensor_applier and multi_tensor_scale",
+        "megatron.core.distributed.fsdp.src.megatron_fsdp.mixed_precision",
+    ),
+    (NO_APEX, "megatron.core.models.backends"),
+    (NO_APEX, "megatron.core.models.gpt.gpt_layer_specs"),
+    (
+        "full scope is deprecated. Use empty cuda_graph_scope to capture the whole layer.",
+        "megatron.core.transformer.transformer_config",
+    ),
+]
+
+STILL_SHOWN = [
+    # Another Megatron warning, even one mentioning Apex.
+    ("Apex fused kernel produced a NaN", "megatron.core.fusions", UserWarning),
+    ("tensor parallel size changed", "megatron.core.parallel_state", UserWarning),
+    # A known message from somewhere else (ours, a user's module) or of another category.
+    (NO_APEX, "megatron_hdp.megatron.model", UserWarning),
+    (NO_APEX, "__main__", UserWarning),
+    (
+        "full scope is deprecated. Use empty cuda_graph_scope to capture the whole layer.",
+        "megatron.core.transformer.transformer_config",
+        DeprecationWarning,
+    ),
+]
+
+
+def _shown(message: str, module: str, category=UserWarning) -> list[str]:
+    """Messages that get through the filters when `module` warns `message` (first time)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # what the filters leave out is all that is hidden
+        quiet_known_warnings()
+        warnings.warn_explicit(message, category, f"{module.replace('.', '/')}.py", 1, module, {})
+    return [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize(("message", "module"), MEGATRON_MESSAGES)
+def test_known_megatron_warnings_are_hidden(message, module):
+    assert _shown(message, module) == []
+
+
+@pytest.mark.parametrize(("message", "module", "category"), STILL_SHOWN)
+def test_other_warnings_are_still_shown(message, module, category):
+    assert _shown(message, module, category) == [message]
+
+
+def test_each_known_pattern_hides_a_real_message():
+    """No pattern is dead: each one is there for a message Megatron really raises."""
+    for pattern in KNOWN_MEGATRON_WARNINGS:
+        assert any(re.match(pattern, message, re.I) for message, _ in MEGATRON_MESSAGES), pattern
