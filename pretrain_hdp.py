@@ -49,8 +49,8 @@ def _prepare(parser, args, world_size: int):
     import torch
 
     from megatron_hdp.attention.kernels.registry import resolve_kernel
+    from megatron_hdp.data.training_data import build_training_data
     from megatron_hdp.megatron.config import data_config, model_config
-    from megatron_hdp.megatron.training_data import build_training_data
 
     try:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

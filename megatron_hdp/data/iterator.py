@@ -12,7 +12,7 @@ import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from megatron_hdp.batching import LocalBatch, TokenSource
+from megatron_hdp.data.batching import LocalBatch, TokenSource
 from megatron_hdp.data.loader import GlobalBatchLoader
 from megatron_hdp.data.sampler import TokenBudgetSampler
 from megatron_hdp.scheduler import plan_step

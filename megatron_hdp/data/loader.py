@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from megatron_hdp.batching import IndexedTokens, read_local
+from megatron_hdp.data.batching import IndexedTokens, read_local
 from megatron_hdp.data.prefetch import Prefetcher, Prepared
 from megatron_hdp.data.service.client import PlannedBatch
 

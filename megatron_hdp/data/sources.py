@@ -66,7 +66,7 @@ def source_location(source: SourceSpec, cache_dir) -> str:
         return source.path
     if source.kind == "jsonl":
         return "jsonl:" + ",".join(source.jsonl)
-    from megatron_hdp.megatron.indexed import ensure_stdlib_corpus
+    from megatron_hdp.data.indexed import ensure_stdlib_corpus
 
     return ensure_stdlib_corpus(cache_dir)
 
@@ -77,7 +77,7 @@ def open_source(source: SourceSpec, *, tokenizer_type: str, tokenizer_model: str
     Raises:
         ValueError: Naming the source, for missing or unreadable files.
     """
-    from megatron_hdp.megatron.indexed import open_indexed_dataset
+    from megatron_hdp.data.indexed import open_indexed_dataset
 
     try:
         if source.kind == "jsonl":

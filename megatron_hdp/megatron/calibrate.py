@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_hdp.batching import InMemoryTokens, gather_local_batch
+from megatron_hdp.data.batching import InMemoryTokens, gather_local_batch
 from megatron_hdp.distributed.layout import ParallelDims
 from megatron_hdp.megatron.cpu_shim import maybe_cpu_shims
 from megatron_hdp.megatron.engine import (

@@ -15,10 +15,10 @@ import torch
 
 from megatron_hdp.data.sampler import parse_split
 from megatron_hdp.data.spec import load_spec
+from megatron_hdp.data.training_data import DataConfig
 from megatron_hdp.megatron.arguments import parse_data_path
 from megatron_hdp.megatron.engine import OptimConfig
 from megatron_hdp.megatron.model import GPTConfig
-from megatron_hdp.megatron.training_data import DataConfig
 from megatron_hdp.scheduler.cost import PROFILES, DeviceProfile
 
 

@@ -22,7 +22,7 @@ from contextlib import AbstractContextManager
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_hdp.batching import LocalBatch
+from megatron_hdp.data.batching import LocalBatch
 from megatron_hdp.megatron.engine import Engine
 
 

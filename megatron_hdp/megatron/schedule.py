@@ -32,7 +32,7 @@ import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
-from megatron_hdp.batching import LocalBatch
+from megatron_hdp.data.batching import LocalBatch
 from megatron_hdp.data.iterator import HDPDataIterator, HDPGlobalBatch
 from megatron_hdp.megatron.model import GPTConfig
 from megatron_hdp.megatron.moe import moe_micro_batch

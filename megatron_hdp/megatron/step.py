@@ -20,7 +20,7 @@ from megatron.core.distributed import finalize_model_grads
 
 from megatron_hdp.attention.ring import build_ring_spec
 from megatron_hdp.attention.rope import RotaryTable
-from megatron_hdp.batching import LocalBatch, TokenSource, read_local
+from megatron_hdp.data.batching import LocalBatch, TokenSource, read_local
 from megatron_hdp.distributed.plan_check import check_plan_agreement
 from megatron_hdp.distributed.ring_comm import CommStats, RingComm
 from megatron_hdp.megatron.core_attention import HDPPackedSeqParams

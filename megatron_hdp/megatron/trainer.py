@@ -22,12 +22,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_hdp.attention.kernels.base import accumulation_dtype
-from megatron_hdp.batching import IndexedTokens
 from megatron_hdp.checkpoint_files import read_meta
+from megatron_hdp.data.batching import IndexedTokens
 from megatron_hdp.data.loader import GlobalBatchLoader
 from megatron_hdp.data.service.address import resolve_ray_address
 from megatron_hdp.data.service.client import RayDataService
 from megatron_hdp.data.sources import blend_sources
+from megatron_hdp.data.training_data import DEFAULT_CACHE, TrainingData
 from megatron_hdp.distributed.layout import ParallelLayout
 from megatron_hdp.distributed.stall_watchdog import StallWatchdog
 from megatron_hdp.distributed.stop_signal import StopSignal
@@ -47,7 +48,6 @@ from megatron_hdp.megatron.step import (
     evaluate,
     train_step,
 )
-from megatron_hdp.megatron.training_data import DEFAULT_CACHE, TrainingData
 from megatron_hdp.report.prediction import (
     predicted_step_seconds,
     ring_attention_bytes,

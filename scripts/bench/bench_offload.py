@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_hdp.batching import InMemoryTokens
+from megatron_hdp.data.batching import InMemoryTokens
 from megatron_hdp.distributed.layout import ParallelDims
 from megatron_hdp.launch import init_distributed, megatron_device_context, setup_logging
 from megatron_hdp.megatron.config import device_profile

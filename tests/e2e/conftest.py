@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_hdp.megatron.indexed import ensure_stdlib_corpus
+from megatron_hdp.data.indexed import ensure_stdlib_corpus
 
 
 @pytest.fixture(scope="session")

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from megatron_hdp.megatron import preprocess
-from megatron_hdp.megatron.indexed import open_indexed_dataset
+from megatron_hdp.data import preprocess
+from megatron_hdp.data.indexed import open_indexed_dataset
 from tests.e2e.harness import SMALL_MODEL, run_pretrain, tiny_engine, torchrun_command
 
 REPO = Path(__file__).resolve().parents[2]

@@ -5,8 +5,8 @@ import os
 import pytest
 import torch.distributed as dist
 
+from megatron_hdp.data.indexed import write_indexed_dataset
 from megatron_hdp.data.tokenizers import ByteTokenizer
-from megatron_hdp.megatron.indexed import write_indexed_dataset
 from tests.e2e.harness import SMALL_MODEL
 
 TEXTS = [f"def f{i}(x):\n    return x * {i}\n" * (1 + i % 7) for i in range(80)]

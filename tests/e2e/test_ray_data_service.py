@@ -69,7 +69,7 @@ def ray_cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def spec_path(tmp_path_factory) -> Path:
     """The curriculum spec and its two sources, written by the test."""
-    from megatron_hdp.megatron.indexed import write_indexed_dataset
+    from megatron_hdp.data.indexed import write_indexed_dataset
 
     folder = tmp_path_factory.mktemp("spec")
     rng = np.random.default_rng(7)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-from megatron_hdp.batching import read_local
+from megatron_hdp.data.batching import read_local
 from megatron_hdp.distributed.layout import ParallelDims
 from megatron_hdp.megatron.cpu_shim import cpu_shims
 from megatron_hdp.megatron.engine import (
@@ -106,8 +106,8 @@ def test_pretrain_gpt_style_step_matches_single_process(read_ahead):
 def test_data_iterator_plans_sampler_batches_and_reads_the_index(tmp_path):
     import numpy as np
 
+    from megatron_hdp.data.indexed import open_indexed_dataset, write_indexed_dataset
     from megatron_hdp.data.sampler import DatasetUnits, TokenBudgetSampler
-    from megatron_hdp.megatron.indexed import open_indexed_dataset, write_indexed_dataset
     from megatron_hdp.megatron.schedule import HDPDataIterator
 
     docs = [list(range(i % 50, i % 50 + n)) for i, n in enumerate([3, 40, 7, 90, 12, 5, 66])]

@@ -9,14 +9,14 @@ import time
 import numpy as np
 import pytest
 
+from megatron_hdp.data import indexed
 from megatron_hdp.data.corpus import stdlib_corpus_documents
-from megatron_hdp.data.tokenizers import ByteTokenizer
-from megatron_hdp.megatron import indexed
-from megatron_hdp.megatron.indexed import (
+from megatron_hdp.data.indexed import (
     ensure_stdlib_corpus,
     open_indexed_dataset,
     write_indexed_dataset,
 )
+from megatron_hdp.data.tokenizers import ByteTokenizer
 
 DOCS = [[1, 2, 3], [256], list(range(200)), [7] * 1000, [0, 255, 256, 0]]
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from megatron_hdp.data.indexed import open_indexed_dataset
+from megatron_hdp.data.preprocess import build_parser, main
 from megatron_hdp.data.tokenizers import HFTokenizer
-from megatron_hdp.megatron.indexed import open_indexed_dataset
-from megatron_hdp.megatron.preprocess import build_parser, main
 
 TEXTS_A = ["hello world", "naïve café ✓", ""]
 TEXTS_B = ["def f(x):\n    return x\n"]
@@ -302,7 +302,7 @@ def test_module_entry_point_one_line_error(tmp_path):
         [
             sys.executable,
             "-m",
-            "megatron_hdp.megatron.preprocess",
+            "megatron_hdp.data.preprocess",
             "--input",
             str(bad),
             "--output-prefix",
@@ -315,7 +315,7 @@ def test_module_entry_point_one_line_error(tmp_path):
         cwd=Path(__file__).resolve().parents[2],
     )
     assert proc.returncode == 1
-    prog = "python -m megatron_hdp.megatron.preprocess"
+    prog = "python -m megatron_hdp.data.preprocess"
     assert proc.stderr.strip().splitlines() == [
         f"{prog}: error: {bad}:1: expected a JSON object, got list"
     ]
@@ -324,15 +324,15 @@ def test_module_entry_point_one_line_error(tmp_path):
 
 # ------------------------------------------- failures through the real CLI leave nothing
 
-PROG = "python -m megatron_hdp.megatron.preprocess"
+PROG = "python -m megatron_hdp.data.preprocess"
 REPO = Path(__file__).resolve().parents[2]
 CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, PR_CAPBSET_DROP = 1, 2, 24
 
 
 def cli(argv, **kwargs):
-    """`python -m megatron_hdp.megatron.preprocess ARGV` in a fresh process, no progress logs."""
+    """`python -m megatron_hdp.data.preprocess ARGV` in a fresh process, no progress logs."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
-    command = [sys.executable, "-m", "megatron_hdp.megatron.preprocess", *map(str, argv)]
+    command = [sys.executable, "-m", "megatron_hdp.data.preprocess", *map(str, argv)]
     command += ["--log-interval", "1000000"]
     return subprocess.Popen(
         command,

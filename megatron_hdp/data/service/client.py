@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_hdp.batching import IndexedTokens
+from megatron_hdp.data.batching import IndexedTokens
 from megatron_hdp.data.service.actors import PlannerActor
 
 logger = logging.getLogger(__name__)

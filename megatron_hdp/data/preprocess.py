@@ -2,8 +2,8 @@
 
 Usage::
 
-    python -m megatron_hdp.megatron.preprocess --input data.jsonl --output-prefix out/data
-    python -m megatron_hdp.megatron.preprocess --input src/ --output-prefix out/code
+    python -m megatron_hdp.data.preprocess --input data.jsonl --output-prefix out/data
+    python -m megatron_hdp.data.preprocess --input src/ --output-prefix out/code
         --train-bpe-vocab-size 8192 --tokenizer-model out/tokenizer.json   (one command)
 
 Every document ends with the tokenizer's end-of-document token unless `--no-append-eod`.
@@ -33,6 +33,7 @@ from megatron_hdp.data.corpus import (
     directory_documents,
     jsonl_documents,
 )
+from megatron_hdp.data.indexed import write_indexed_dataset
 from megatron_hdp.data.tokenizers import (
     TOKENIZER_TYPES,
     ByteTokenizer,
@@ -40,7 +41,6 @@ from megatron_hdp.data.tokenizers import (
     build_tokenizer,
     train_bpe,
 )
-from megatron_hdp.megatron.indexed import write_indexed_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser (every flag documented in `--help`)."""
     parser = argparse.ArgumentParser(
-        prog="python -m megatron_hdp.megatron.preprocess",
+        prog="python -m megatron_hdp.data.preprocess",
         description=(
             "Tokenize JSONL files (one document per line) or a folder of text/code files "
             "(one document per file) into a Megatron indexed dataset PREFIX.bin / PREFIX.idx."
