@@ -18,10 +18,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-from megatron_hdp.attention.kernels.base import accumulation_dtype
 from megatron_hdp.checkpoint_files import read_meta
 from megatron_hdp.data.batching import IndexedTokens
 from megatron_hdp.data.loader import GlobalBatchLoader
@@ -42,19 +40,13 @@ from megatron_hdp.megatron.config import device_profile, model_config, optim_con
 from megatron_hdp.megatron.engine import Engine, build_engine, offload_manager
 from megatron_hdp.megatron.model import model_shape
 from megatron_hdp.megatron.resume_checks import scheduler_override
+from megatron_hdp.megatron.run_report import RunReporter
 from megatron_hdp.megatron.step import (
     StepResult,
     StepRuntime,
     evaluate,
     train_step,
 )
-from megatron_hdp.report.prediction import (
-    predicted_step_seconds,
-    ring_attention_bytes,
-    static_mesh_cp,
-)
-from megatron_hdp.report.summary import format_summary, run_summary
-from megatron_hdp.report.timeline import timeline_record, write_timeline
 from megatron_hdp.scheduler import StepPlan, plan_step
 from megatron_hdp.scheduler.cost import CostModel
 from megatron_hdp.scheduler.stats import plan_statistics
@@ -135,6 +127,15 @@ class Trainer:
         # Validation refuses the flag together with resuming from --save itself.
         self._discard_on_save = bool(args.hdp_overwrite_checkpoints)
         self._writer = None
+        self.report = RunReporter(
+            args,
+            self.engine,
+            runtime,
+            self.cost_model,
+            pool_size=self.pool_size,
+            capacity=self.capacity,
+            policy=self.policy,
+        )
         if args.tensorboard_dir and self.rank == 0:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -384,141 +385,9 @@ class Trainer:
                     self._writer.add_scalar(f"train/{key}", value, self.iteration)
             self._writer.flush()
 
-    def _static_plan(self, plan: StepPlan) -> tuple[StepPlan | None, int | None]:
-        """The static mesh's plan of `plan`'s batch and its CP size (None if it has none).
-
-        The mesh trains `--seq-length` with this run's capacity: `--context-parallel-size`
-        if its context holds the sequence length, else the smallest CP that does.
-        """
-        args = self.args
-        try:
-            cp = static_mesh_cp(
-                args.seq_length, self.capacity, self.pool_size, args.context_parallel_size
-            )
-            if self.policy == "static" and cp == args.context_parallel_size:
-                return plan, cp
-            static = plan_step(
-                plan.seqlens,
-                pool_size=self.pool_size,
-                capacity=self.capacity,
-                policy="static",
-                cp_size=cp,
-                cost_model=self.cost_model,
-                pipeline_stages=args.pipeline_model_parallel_size,
-            )
-        except ValueError as err:  # e.g. no lock-step static plan of this batch for pipelines
-            logger.debug("no static mesh plan for iteration %d: %s", self.iteration, err)
-            return None, None
-        return static, cp
-
-    def _predictions(self, plan: StepPlan) -> dict:
-        """The cost model's step time and attention bytes of `plan` and of the static mesh.
-
-        Local (rank 0 calls it for the metrics record); the static mesh's numbers are None
-        when it has no plan for the batch.
-        """
-        stages = self.args.pipeline_model_parallel_size
-        shape = self.cost_model.model
-        dtype = self.engine.cfg.dtype
-        sizes = {
-            "num_layers": shape.num_layers,
-            "kv_dim": shape.kv_dim,
-            "kv_element_bytes": torch.empty((), dtype=dtype).element_size(),
-            "grad_element_bytes": torch.empty((), dtype=accumulation_dtype(dtype)).element_size(),
-        }
-        static, cp = self._static_plan(plan)
-        return {
-            "predicted_step_s": predicted_step_seconds(plan, stages),
-            "attention_bytes_predicted": ring_attention_bytes(plan, **sizes),
-            "static_cp_size": cp,
-            "static_predicted_step_s": (
-                predicted_step_seconds(static, stages) if static is not None else None
-            ),
-            "static_attention_bytes_predicted": (
-                ring_attention_bytes(static, **sizes) if static is not None else None
-            ),
-        }
-
-    def _timeline_folder(self) -> Path | None:
-        """`timelines/` next to the metrics file, or None without one."""
-        if not self.args.hdp_metrics_file:
-            return None
-        return Path(self.args.hdp_metrics_file).parent / "timelines"
-
-    def _timeline_due(self) -> bool:
-        """Whether this step's timeline is recorded (the same answer on every rank)."""
-        args = self.args
-        interval = args.hdp_timeline_interval
-        if interval is None:
-            interval = args.log_interval
-        if not interval or self._timeline_folder() is None:
-            return False
-        if args.pipeline_model_parallel_size > 1:  # 1F1B interleaves the micro-batches
-            return False
-        return self.iteration % interval == 0 or self.iteration == args.train_iters
-
-    def _record_timeline(self, plan: StepPlan, result: StepResult) -> None:
-        """Collective over the job (one all-gather): write this step's timeline on rank 0.
-
-        Every process sends its pool rank, its compute seconds and its micro-batch times
-        (the TP ranks of a replica run the same micro-batches; TP rank 0's are kept).
-        """
-        most = max(plan.num_micro_batches_per_rank(), default=0)
-        times = result.micro_batch_times
-        rows = torch.zeros((most + 1, 3), dtype=torch.float64)
-        own = self.pool_rank if self.engine.tp_rank == 0 else -1
-        rows[0] = torch.tensor([own, len(times), result.compute_seconds], dtype=torch.float64)
-        if times:
-            rows[1 : len(times) + 1, :2] = torch.tensor(times, dtype=torch.float64)
-        rows = rows.to(self.runtime.device)
-        gathered = [
-            torch.empty_like(rows) for _ in range(dist.get_world_size(self.runtime.all_ranks))
-        ]
-        dist.all_gather(gathered, rows, group=self.runtime.all_ranks)
-        if self.rank != 0:
-            return
-        measured = {}
-        for block in gathered:
-            block = block.cpu()
-            rank, count, compute_s = int(block[0, 0]), int(block[0, 1]), float(block[0, 2])
-            if rank >= 0:
-                measured[rank] = (compute_s, block[1 : count + 1, :2].tolist())
-        static, cp = self._static_plan(plan)
-        record = timeline_record(
-            plan, measured, iteration=self.iteration, static_plan=static, static_cp=cp
-        )
-        self._timelines.append(write_timeline(self._timeline_folder(), record))
-
     def log_summary(self, records: list[dict]) -> None:
         """Rank 0: log the run's summary, computed from its per-step records (local)."""
-        if self.rank != 0 or not records:
-            return
-        args = self.args
-        run = Path(args.hdp_metrics_file).parent if args.hdp_metrics_file else None
-        saved = f" (latest: iteration {self.last_saved})" if self.last_saved else ""
-        timelines = self._timeline_folder()
-        written = getattr(self, "_timelines", [])
-        locations = [
-            ("checkpoints", f"{args.save}{saved}" if args.save else "none (no --save)"),
-            ("metrics", args.hdp_metrics_file or "none (no --hdp-metrics-file)"),
-            ("tensorboard", args.tensorboard_dir or "none (no --tensorboard-dir)"),
-            (
-                "timelines",
-                f"{timelines} ({len(written)} steps)"
-                if written
-                else "none (--hdp-metrics-file and --hdp-timeline-interval record them)",
-            ),
-            (
-                "pictures",
-                f"{run / 'pictures'} (drawn by: python -m megatron_hdp.plot {run})"
-                if run is not None
-                else "none (python -m megatron_hdp.plot draws them from a metrics file)",
-            ),
-        ]
-        summary = run_summary(
-            records, pool_size=self.pool_size, policy=self.policy, locations=locations
-        )
-        logger.info("%s", format_summary(summary))
+        self.report.log_summary(records, self.last_saved)
 
     def train(self, progress=None) -> list[dict]:
         """Collective: train to `--train-iters`; returns one record per step (rank 0 logs).
@@ -535,7 +404,6 @@ class Trainer:
         args = self.args
         window = _Window()
         steps = []
-        self._timelines: list[Path] = []
         metrics = None
         if args.hdp_metrics_file and self.rank == 0:
             Path(args.hdp_metrics_file).parent.mkdir(parents=True, exist_ok=True)
@@ -567,9 +435,9 @@ class Trainer:
                 record["moe_aux_loss"] = result.moe_aux_loss
             record["attention_bytes"] = result.attention_bytes_total
             if self.rank == 0:
-                record.update(self._predictions(plan))
-            if self._timeline_due():
-                self._record_timeline(plan, result)
+                record.update(self.report.predictions(plan))
+            if self.report.timeline_due(self.iteration):
+                self.report.record_timeline(self.iteration, plan, result)
             if metrics is not None:
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
