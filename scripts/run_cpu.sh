@@ -13,7 +13,7 @@ ARGS=(
   --num-layers 2 --hidden-size 64 --num-attention-heads 4
   --group-query-attention --num-query-groups 2
   --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
-  --seq-length 4096 --hdp-capacity 1024 --hdp-global-batch-tokens 16384
+  --seq-length 4096 --hdp-capacity 2048 --hdp-global-batch-tokens 16384
   --train-iters 30 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 3
   --log-interval 5 --eval-interval 15 --eval-iters 2
   --save "$OUT/checkpoints" --save-interval 15
