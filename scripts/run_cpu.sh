@@ -7,8 +7,10 @@ cd "$(dirname "$0")/.."
 NPROC="${NPROC:-4}"
 OUT="${OUT:-runs/cpu-$(date +%Y%m%d-%H%M%S)}"  # a new folder per run
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-# On the embedded corpus (median document 499 bytes = tokens) a capacity of 1024 tokens packs
-# most sequences whole on one rank; the tail gets rings of 2-4 ranks, cut at 4096 tokens.
+# On the embedded corpus (median document 499 bytes = tokens) a capacity of 2048 tokens packs
+# most sequences whole on one rank; the tail gets rings of 2-4 ranks, cut at 4096 tokens. The
+# static mesh to compare with is then DP 2 x CP 2 (at capacity 1024 it would be DP 1 x CP 4,
+# one group with nothing to balance).
 ARGS=(
   --num-layers 2 --hidden-size 64 --num-attention-heads 4
   --group-query-attention --num-query-groups 2

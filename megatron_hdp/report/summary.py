@@ -183,12 +183,17 @@ def format_summary(s: Mapping) -> str:
     if s["attention_bytes"] is not None:
         own = s["attention_bytes_predicted"]
         own_text = f" ({_bytes(own)} predicted)" if own is not None else ""
-        share = s["attention_bytes_saved_share"]
-        share_text = f" ({share:.1%})" if share is not None else ""
+        saved, share = s["attention_bytes_saved"], s["attention_bytes_saved_share"]
+        share_text = f" ({abs(share):.1%})" if share is not None else ""
+        verdict = (
+            f"{_bytes(saved)}{share_text} saved"
+            if saved >= 0
+            else f"{_bytes(-saved)}{share_text} more (wider rings that shorten the step)"
+        )
         lines.append(
             f"  attention    ring traffic {_bytes(s['attention_bytes'])} measured{own_text} vs "
             f"{_bytes(s['static_attention_bytes_predicted'])} predicted for the static mesh: "
-            f"{_bytes(s['attention_bytes_saved'])}{share_text} saved"
+            + verdict
         )
     for label, text in s["locations"]:
         lines.append(f"  {label:<12} {text}")

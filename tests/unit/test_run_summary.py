@@ -260,3 +260,17 @@ def test_timeline_record_joins_measured_times_with_the_plan():
     assert (ring["measured_start"], ring["measured_end"]) == (1.5, 3.0)
     assert record["static"] is None
     assert math.isclose(lanes[1]["micro_batches"][1]["predicted_cost"], 0.5)
+
+
+def test_more_ring_traffic_than_the_static_mesh_is_called_more_not_negative_savings():
+    records = [
+        {
+            **{k: v for k, v in r.items() if "attention" not in k},
+            "attention_bytes": 1500,
+            "static_attention_bytes_predicted": 1000,
+        }
+        for r in RECORDS[:1]
+    ]
+    text = format_summary(run_summary(records, pool_size=4, policy="balanced", locations=[]))
+    assert "500 B (50.0%) more (wider rings that shorten the step)" in text
+    assert "saved" not in text
