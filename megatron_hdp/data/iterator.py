@@ -115,7 +115,11 @@ class HDPDataIterator:
         self.sampler.load_state_dict(state)
 
     def close(self) -> None:
-        """Stop the background thread (call before the job exits, or let it die with it)."""
+        """Stop the background thread; the sampler continues after the last batch handed out.
+
+        Call it before saving a checkpoint you will resume from, or let the thread die with
+        the job.
+        """
         if self._loader is not None:
             self._loader.close()
             self._loader = None

@@ -35,8 +35,9 @@ class GlobalBatchLoader:
         service: The Ray data service's client when `batches` comes from it.
 
     `next()` returns a `Prepared` whose `value` is `(plan, token source, (local batches,
-    read error))`; a read error is handed over, not raised, so that the step can raise it
-    on every rank together.
+    read error))`; a read error (a bad token, or a fetch from the Ray service that failed
+    after its retries) is handed over, not raised, so that the step's all-reduce can raise
+    it on every rank together.
     """
 
     def __init__(
@@ -58,16 +59,19 @@ class GlobalBatchLoader:
 
     def _prepare(self, batch):
         if isinstance(batch, PlannedBatch):
-            plan = batch.plan
-            source = self.service.tokens(batch, self.rank, read_local, vocab_size=self.vocab_size)
+            plan, source = batch.plan, None
         else:
             plan = self.plan([u.length for u in batch])
             source = IndexedTokens(self.readers, batch, vocab_size=self.vocab_size)
         if self.rank is None:
             return plan, source, None
         try:
+            if source is None:  # fetch this rank's token ranges from the source loaders
+                source = self.service.tokens(
+                    batch, self.rank, read_local, vocab_size=self.vocab_size
+                )
             read = (read_local(plan, source, self.rank), None)
-        except ValueError as err:  # raised in the step, on every rank together
+        except Exception as err:  # raised in the step, on every rank together
             read = ([], err)
         return plan, source, read
 
@@ -80,5 +84,12 @@ class GlobalBatchLoader:
         return self._feed.state_dict()
 
     def close(self) -> None:
-        """Stop the background thread; batches prepared ahead are dropped."""
+        """Stop the background thread; batches prepared ahead are dropped.
+
+        An in-process sampler is rewound to the last batch handed out, so that it (and a
+        checkpoint of it) continues exactly after the batches that were used.
+        """
         self._feed.close()
+        sampler = self._feed.sampler
+        if hasattr(sampler, "load_state_dict"):
+            sampler.load_state_dict(self._feed.state_dict())

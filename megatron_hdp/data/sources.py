@@ -9,6 +9,7 @@ tokens.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 
@@ -91,3 +92,9 @@ def open_source(source: SourceSpec, *, tokenizer_type: str, tokenizer_model: str
 def blend_sources(prefixes) -> list[SourceSpec]:
     """A `--data-path` blend (or the embedded corpus) as sources, one per dataset prefix."""
     return [SourceSpec(f"dataset{k}", 1.0, path=prefix) for k, prefix in enumerate(prefixes)]
+
+
+def lengths_digest(reader) -> str:
+    """A short hash of a reader's document lengths: equal sources, equal digests."""
+    lengths = np.ascontiguousarray(np.asarray(reader.sequence_lengths, dtype=np.int64))
+    return hashlib.sha256(lengths.tobytes()).hexdigest()[:16]

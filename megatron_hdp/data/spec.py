@@ -64,7 +64,9 @@ class SourceSpec:
     @property
     def kind(self) -> str:
         """The kind of source: indexed, jsonl or builtin."""
-        return "indexed" if self.path else "jsonl" if self.jsonl else "builtin"
+        if self.builtin is not None:
+            return "builtin"
+        return "indexed" if self.path else "jsonl"
 
 
 @dataclass(frozen=True)
@@ -149,13 +151,6 @@ class DataSpec:
                 "phase that reaches it"
             )
 
-    def digest_dict(self) -> dict:
-        """What the data stream depends on, JSON-serialisable (for checkpoints' set-up)."""
-        return {
-            "streams": list(self.streams),
-            "schedule": [[p.until_step, dict(sorted(p.weights.items()))] for p in self.schedule],
-        }
-
 
 def _fail(origin: str, message: str) -> ValueError:
     return ValueError(f"data spec {origin}: {message}")
@@ -202,6 +197,8 @@ def _source(origin: str, index: int, raw, base: Path) -> SourceSpec:
     if kinds[0] == "path":
         return SourceSpec(name, weight, path=resolve(raw["path"]), loaders=loaders)
     files = raw["jsonl"] if isinstance(raw["jsonl"], list) else [raw["jsonl"]]
+    if not files:
+        raise _fail(origin, f"source {name!r}: jsonl names no file")
     key = raw.get("json_key", "text")
     if not isinstance(key, str) or not key:
         raise _fail(origin, f"source {name!r}: json_key must be a non-empty string")
@@ -219,6 +216,9 @@ def _buckets(origin: str, raw) -> tuple[Bucket, ...]:
     for k, item in enumerate(raw):
         if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
             raise _fail(origin, f"length_buckets[{k}] needs a 'name', got {item!r}")
+        unknown = sorted(set(item) - {"name", "max_tokens"})
+        if unknown:
+            raise _fail(origin, f"length_buckets[{k}] has unknown keys {unknown}")
         limit = item.get("max_tokens")
         last = k == len(raw) - 1
         if last and limit is not None:
@@ -291,6 +291,9 @@ def parse_spec(data, *, origin: str = "<spec>", base: str | Path = ".") -> DataS
         previous = 0
         for k, item in enumerate(raw_schedule):
             until = item.get("until_step") if isinstance(item, dict) else None
+            unknown = sorted(set(item) - {"until_step", "weights"}) if until is not None else []
+            if unknown:
+                raise _fail(origin, f"schedule[{k}] has unknown keys {unknown}")
             if isinstance(until, bool) or not isinstance(until, int) or until <= previous:
                 raise _fail(
                     origin,

@@ -169,11 +169,13 @@ def _spec_data(cfg: DataConfig, vocab_size: int) -> TrainingData:
     tokens = [u.num_tokens for u in streams]
     phases = [(until, spec.stream_weights(w, tokens)) for until, w in spec.phase_weights()]
     for (until, weights), (_, named) in zip(phases, spec.phase_weights(), strict=True):
-        if sum(weights) <= 0:
+        when = f" (the phase up to step {until})" if until else ""
+        empty = [spec.streams[k] for k, w in enumerate(weights) if w > 0 and not len(streams[k])]
+        if empty or sum(weights) <= 0:
             raise ValueError(
-                f"data spec {spec.origin}: the weights {dict(named)} "
-                f"{'up to step ' + str(until) if until else ''} select only streams without "
-                "training sequences"
+                f"data spec {spec.origin}: the weights {dict(named)}{when} select "
+                f"{', '.join(empty) or 'streams'} with no training sequence "
+                f"(--seq-length {cfg.seq_length}, --split {','.join(map(str, cfg.split))})"
             )
     train = TokenBudgetSampler(
         streams,

@@ -25,7 +25,7 @@ from megatron_hdp.data.batching import IndexedTokens
 from megatron_hdp.data.loader import GlobalBatchLoader
 from megatron_hdp.data.service.address import resolve_ray_address
 from megatron_hdp.data.service.client import RayDataService
-from megatron_hdp.data.sources import blend_sources
+from megatron_hdp.data.sources import blend_sources, lengths_digest
 from megatron_hdp.data.training_data import DEFAULT_CACHE, TrainingData
 from megatron_hdp.distributed.layout import ParallelLayout
 from megatron_hdp.distributed.stall_watchdog import StallWatchdog
@@ -169,7 +169,6 @@ class Trainer:
         self.iteration = state.iteration
         self.consumed_tokens = state.consumed_tokens
         self.close()
-        self.feed = None
         self.data.train.load_state_dict(saved_data["sampler"])
         self.run_id = self._resume_meta.get("run_id") or self.run_id
 
@@ -259,33 +258,53 @@ class Trainer:
         return self.feed
 
     def close(self) -> None:
-        """Stop the prefetch thread (the data state stays at the last batch trained)."""
+        """Stop the prefetch thread and leave the data service.
+
+        The sampler is rewound to the last batch trained (batches prepared ahead are
+        dropped), so a later save or step continues exactly there.
+        """
         if self.feed is not None:
+            state = self.feed.state_dict()
             self.feed.close()
+            self.data.train.load_state_dict(state)
+            self.feed = None
+        if self.service is not None:
+            self.service.close()
+            self.service = None
 
     def _connect_service(self) -> RayDataService:
-        """Collective: join the Ray data service (the first rank starts the planner)."""
+        """Collective: join the Ray data service (rank 0 starts the planner, then the rest)."""
         key = [uuid.uuid4().hex]
         dist.broadcast_object_list(
             key, src=dist.get_global_rank(self.runtime.all_ranks, 0), group=self.runtime.all_ranks
         )
         cfg = self.data.cfg
         sources = cfg.spec.sources if cfg.spec is not None else blend_sources(self.data.prefixes)
-        depth = self.args.hdp_prefetch_depth
-        return RayDataService.connect(
-            resolve_ray_address(self.args.hdp_ray_address),
-            job_key=key[0],
-            sampler=self.data.train,
-            plan=self._plan_lengths(),
-            sources=sources,
-            open_args={
-                "tokenizer_type": cfg.tokenizer_type,
-                "tokenizer_model": cfg.tokenizer_model,
-                "cache_dir": cfg.cache_dir or DEFAULT_CACHE,
-            },
-            keep=2 * depth + 4,
-            timeout_s=self.args.distributed_timeout_minutes * 60,
+        address = resolve_ray_address(self.args.hdp_ray_address)
+        timeout_s = self.args.distributed_timeout_minutes * 60
+        service = None
+        if self.rank == 0:  # one rank starts the planner, so the sampler is shipped once
+            service = RayDataService.start(
+                address,
+                job_key=key[0],
+                sampler=self.data.train,
+                plan=self._plan_lengths(),
+                sources=sources,
+                open_args={
+                    "tokenizer_type": cfg.tokenizer_type,
+                    "tokenizer_model": cfg.tokenizer_model,
+                    "cache_dir": cfg.cache_dir or DEFAULT_CACHE,
+                },
+                keep=2 * self.args.hdp_prefetch_depth + 4,
+                timeout_s=timeout_s,
+            )
+        dist.barrier(group=self.runtime.all_ranks)
+        if service is None:
+            service = RayDataService.attach(address, job_key=key[0], timeout_s=timeout_s)
+        service.check_sources(
+            [source.name for source in sources], [lengths_digest(d) for d in self.data.datasets]
         )
+        return service
 
     def step(self) -> tuple[StepResult, StepPlan, dict, float, list, float]:
         """Collective: one training step.

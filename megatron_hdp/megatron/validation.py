@@ -27,7 +27,11 @@ from pathlib import Path
 
 from megatron_hdp.checkpoint_files import TRACKER, read_meta
 from megatron_hdp.data.sampler import parse_split
-from megatron_hdp.data.service.address import check_ray_address, resolve_ray_address
+from megatron_hdp.data.service.address import (
+    address_origin,
+    check_ray_address,
+    resolve_ray_address,
+)
 from megatron_hdp.data.spec import load_spec
 from megatron_hdp.distributed.layout import layout_problems
 from megatron_hdp.megatron.arguments import (
@@ -315,7 +319,9 @@ def _check_data_service(args: argparse.Namespace) -> None:
         raise ValueError(
             "--hdp-data-service ray needs Ray: pip install 'megatron-hdp[ray]' (Ray >= 2.40)"
         )
-    check_ray_address(resolve_ray_address(args.hdp_ray_address))
+    check_ray_address(
+        resolve_ray_address(args.hdp_ray_address), origin=address_origin(args.hdp_ray_address)
+    )
 
 
 def _check_training(args: argparse.Namespace) -> None:

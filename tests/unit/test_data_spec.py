@@ -84,6 +84,15 @@ def test_yaml_and_json_files_give_the_same_spec(tmp_path):
             "names 'code/medium', which is no source or stream",
         ),
         ({"schedule": [{"until_step": 5, "weights": {"web": -0.5}}]}, "got -0.5"),
+        ({"sources": [{"name": "a", "jsonl": []}], "schedule": None}, "jsonl names no file"),
+        (
+            {"length_buckets": [{"name": "s", "max_token": 5}, {"name": "l"}]},
+            "length_buckets[0] has unknown keys ['max_token']",
+        ),
+        (
+            {"schedule": [{"until_step": 5, "wieghts": {"code": 1}}]},
+            "schedule[0] has unknown keys ['wieghts']",
+        ),
     ],
 )
 def test_bad_specs_are_refused_with_the_entry_named(tmp_path, change, message):
@@ -177,3 +186,22 @@ def test_bad_blend_weights_are_refused(weights, message):
     with pytest.raises(ValueError, match="blend weights must be positive") as info:
         TokenBudgetSampler([_units([3]), _units([3])], weights, seed=0, tokens_per_batch=9)
     assert message in str(info.value)
+
+
+def test_the_ray_address_comes_from_the_flag_the_environment_or_the_default(monkeypatch):
+    from megatron_hdp.data.service.address import (
+        address_origin,
+        resolve_ray_address,
+        split_address,
+    )
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert resolve_ray_address(None) == "127.0.0.1:6379"
+    assert address_origin(None) == "the default Ray address"
+    monkeypatch.setenv("RAY_ADDRESS", "auto")
+    assert (resolve_ray_address(None), address_origin(None)) == ("auto", "RAY_ADDRESS")
+    with pytest.raises(ValueError, match="RAY_ADDRESS 'auto' is not HOST:PORT"):
+        split_address("auto", "RAY_ADDRESS")
+    assert resolve_ray_address("10.0.0.1:6380") == "10.0.0.1:6380"
+    with pytest.raises(ValueError, match="not a Ray Client URL"):
+        split_address("ray://head:10001")

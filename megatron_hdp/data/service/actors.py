@@ -18,12 +18,11 @@ inside the planner's methods that start or hand out other actors and objects.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from megatron_hdp.data.sources import open_source
+from megatron_hdp.data.sources import lengths_digest, open_source
 from megatron_hdp.data.spec import SourceSpec
 
 logger = logging.getLogger(__name__)
@@ -36,9 +35,9 @@ class SourceLoader:
         self.source = source
         self.reader = open_source(source, **open_args)
 
-    def ready(self) -> int:
-        """This loader's process id, once its source is open (a start-up barrier)."""
-        return os.getpid()
+    def ready(self) -> str:
+        """The digest of its source's document lengths, once open (a start-up barrier)."""
+        return lengths_digest(self.reader)
 
     def read(self, requests: Sequence[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
         """Tokens of `(doc, offset, length)` requests, concatenated, and each one's length."""
@@ -81,8 +80,10 @@ class PlannerActor:
         self.replacements = 0
         self.loaders = [[self._start(k) for _ in range(s.loaders)] for k, s in enumerate(sources)]
         self.shadows = [self._start(k) for k in range(len(sources))]
-        ray.get([h.ready.remote() for group in self.loaders for h in group])
-        ray.get([h.ready.remote() for h in self.shadows])
+        self.digests = [
+            sorted(set(ray.get([h.ready.remote() for h in [*group, shadow]])))
+            for group, shadow in zip(self.loaders, self.shadows, strict=True)
+        ]
 
     def _start(self, source: int):
         loader = self._ray.remote(SourceLoader).options(num_cpus=0, max_restarts=0)
@@ -130,6 +131,10 @@ class PlannerActor:
             self.replacements,
         )
         return replacement
+
+    def source_digests(self) -> list[list[str]]:
+        """Per source, the distinct length digests its loaders opened (one when they agree)."""
+        return self.digests
 
     def status(self) -> dict:
         """Batches planned, the first one, and loader replacements so far."""

@@ -63,6 +63,22 @@ class _Fetched:
         return self.ranges[(int(idx), int(offset), int(length))]
 
 
+def _init(address: str) -> None:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING
+        )
+
+
+def ray_remote(cls):
+    """`ray.remote(cls)` (Ray imported here, not at module import)."""
+    import ray
+
+    return ray.remote(cls)
+
+
 class RemoteBatches:
     """The planner actor's batches in order, as a sampler for `Prefetcher`.
 
@@ -98,8 +114,26 @@ class RayDataService:
         self.planner, self.timeout_s = planner, timeout_s
         self.loaders = ray.get(planner.loader_handles.remote(), timeout=timeout_s)
 
+    def check_sources(self, names: Sequence[str], digests: Sequence[str]) -> None:
+        """ValueError naming a source whose loaders opened other documents than this rank.
+
+        A loader opens its source on its own node (the embedded corpus is built from that
+        node's Python, JSONL is tokenized there): its document lengths must be the ones
+        this rank planned with.
+        """
+        import ray
+
+        theirs = ray.get(self.planner.source_digests.remote(), timeout=self.timeout_s)
+        for name, mine, found in zip(names, digests, theirs, strict=True):
+            if found != [mine]:
+                raise ValueError(
+                    f"data source {name!r}: the Ray source loaders opened documents of other "
+                    f"lengths than this rank (digests {found} vs {mine}); the cluster's nodes "
+                    "must see the same files, Python (for the embedded corpus) and tokenizer"
+                )
+
     @classmethod
-    def connect(
+    def start(
         cls,
         address: str,
         *,
@@ -111,25 +145,33 @@ class RayDataService:
         keep: int,
         timeout_s: float = 300.0,
     ) -> RayDataService:
-        """Join the cluster at `address`; the first rank of the job starts the planner.
+        """Join the cluster at `address` and start the job's planner (one rank does this).
 
-        Every rank of one job passes the same `job_key` and the same arguments; the
-        planner actor is named after the key, so one job never uses another's.
+        Returns once the planner's loaders have opened their sources. The planner actor is
+        named after `job_key`, so one job never uses another's; the other ranks `attach`.
         """
-        import ray
-
-        if not ray.is_initialized():
-            ray.init(
-                address=address,
-                namespace=NAMESPACE,
-                log_to_driver=False,
-                logging_level=logging.WARNING,
-            )
-        actor = ray.remote(PlannerActor).options(
-            name=f"planner-{job_key}", get_if_exists=True, num_cpus=0, max_restarts=0
+        _init(address)
+        actor = ray_remote(PlannerActor).options(
+            name=f"planner-{job_key}", num_cpus=0, max_restarts=0
         )
         planner = actor.remote(sampler, plan, list(sources), open_args, keep)
         return cls(planner, timeout_s=timeout_s)
+
+    @classmethod
+    def attach(cls, address: str, *, job_key: str, timeout_s: float = 300.0) -> RayDataService:
+        """Join the cluster at `address` and the planner another rank started (`start`)."""
+        import ray
+
+        _init(address)
+        planner = ray.get_actor(f"planner-{job_key}", namespace=NAMESPACE)
+        return cls(planner, timeout_s=timeout_s)
+
+    def close(self) -> None:
+        """Leave the cluster (the planner and its loaders end with the rank that started them)."""
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
 
     def batches(self, state: dict) -> RemoteBatches:
         """The batches after the sampler state `state` (what a resume restored)."""
@@ -138,7 +180,7 @@ class RayDataService:
     def tokens(self, batch: PlannedBatch, rank: int, collect: Callable, **kwargs) -> IndexedTokens:
         """A token source holding what pool rank `rank` reads of `batch`, fetched remotely.
 
-        `collect(plan, source, rank)` is the reading function (`step.read_local`): it runs
+        `collect(plan, source, rank)` is the reading function (`batching.read_local`): it runs
         once on a recorder to learn which ranges this rank's micro-batches read. `kwargs`
         go to `IndexedTokens` (the vocabulary check).
         """
