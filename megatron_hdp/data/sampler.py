@@ -285,11 +285,11 @@ class TokenBudgetSampler:
         would break "every document once per epoch", so it is refused.
         """
         saved, mine = data["setup"], self.setup()
-        for key, value in mine.items():
-            if saved.get(key) != value:
+        for key in sorted(set(mine) | set(saved)):
+            if saved.get(key) != mine.get(key):
                 raise ValueError(
                     f"the data state was saved with {key}={saved.get(key)!r}, but this run has "
-                    f"{key}={value!r} (changed --seed, --data-path, --split, --seq-length or "
-                    "global batch size?)"
+                    f"{key}={mine.get(key)!r} (changed --seed, --data-path, --hdp-data-spec, "
+                    "--split, --seq-length or global batch size?)"
                 )
         self.state = SamplerState.from_dict(data)

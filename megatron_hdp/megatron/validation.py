@@ -529,10 +529,11 @@ def check_resume_matches(
                 f"--load {load}: the checkpoint was trained on {saved_data['prefixes']}, this "
                 f"run reads {prefixes}"
             )
-        for key, value in data_setup.items():
-            if saved_data["setup"].get(key) != value:
+        for key in sorted(set(data_setup) | set(saved_data["setup"])):
+            if saved_data["setup"].get(key) != data_setup.get(key):
                 raise ValueError(
                     f"--load {load}: the data set-up differs from the checkpoint's: {key} was "
-                    f"{saved_data['setup'].get(key)!r}, now {value!r} (changed --seed, "
-                    "--data-path, --split, --seq-length or the global batch size?)"
+                    f"{saved_data['setup'].get(key)!r}, now {data_setup.get(key)!r} (changed "
+                    "--seed, --data-path, --hdp-data-spec, --split, --seq-length or the global "
+                    "batch size?)"
                 )

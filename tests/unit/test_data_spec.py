@@ -205,3 +205,14 @@ def test_the_ray_address_comes_from_the_flag_the_environment_or_the_default(monk
     assert resolve_ray_address("10.0.0.1:6380") == "10.0.0.1:6380"
     with pytest.raises(ValueError, match="not a Ray Client URL"):
         split_address("ray://head:10001")
+
+
+def test_a_scheduled_state_is_refused_by_a_sampler_without_the_schedule():
+    streams = [_units(np.arange(1, 61)), _units(np.arange(1, 41) * 2)]
+    scheduled = TokenBudgetSampler(
+        streams, [1, 1], seed=9, tokens_per_batch=90, schedule=[(3, [1, 3]), (20, [2, 1])]
+    )
+    scheduled.next_batch()
+    plain = TokenBudgetSampler(streams, [1, 1], seed=9, tokens_per_batch=90)
+    with pytest.raises(ValueError, match="schedule=.*but this run has schedule=None"):
+        plain.load_state_dict(scheduled.state_dict())
