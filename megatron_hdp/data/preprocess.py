@@ -39,6 +39,7 @@ from megatron_hdp.data.tokenizers import (
     ByteTokenizer,
     HFTokenizer,
     build_tokenizer,
+    document_ids,
     train_bpe,
 )
 
@@ -180,12 +181,7 @@ def _token_documents(
     bar = tqdm(desc="tokenizing", unit=" docs", file=sys.stderr, disable=not sys.stderr.isatty())
     with bar:
         for _, text in _documents(args):
-            if isinstance(tokenizer, ByteTokenizer):
-                ids = np.frombuffer(text, dtype=np.uint8).astype(np.int32)  # == encode(text)
-            else:
-                ids = np.asarray(tokenizer.encode(text), dtype=np.int32)
-            if args.append_eod:
-                ids = np.append(ids, np.int32(tokenizer.eod))
+            ids = document_ids(text, tokenizer, append_eod=args.append_eod)
             if ids.size == 0:
                 continue
             stats["documents"] += 1

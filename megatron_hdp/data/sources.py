@@ -17,7 +17,7 @@ import numpy as np
 
 from megatron_hdp.data.corpus import jsonl_documents
 from megatron_hdp.data.spec import SourceSpec
-from megatron_hdp.data.tokenizers import ByteTokenizer, build_tokenizer
+from megatron_hdp.data.tokenizers import build_tokenizer, document_ids
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +33,7 @@ class JsonlTokens:
         start = time.perf_counter()
         pieces, lengths = [], []
         for _, text in jsonl_documents(list(files), json_key=json_key):
-            if isinstance(tokenizer, ByteTokenizer):
-                ids = np.frombuffer(text, dtype=np.uint8).astype(np.int32)
-            else:
-                ids = np.asarray(tokenizer.encode(text), dtype=np.int32)
-            pieces.append(np.append(ids, np.int32(tokenizer.eod)))
+            pieces.append(document_ids(text, tokenizer))
             lengths.append(len(pieces[-1]))
         if not pieces:
             raise ValueError(f"JSONL source {list(files)} holds no document")

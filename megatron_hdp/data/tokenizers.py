@@ -245,3 +245,14 @@ def build_tokenizer(
     raise ValueError(
         f"unknown tokenizer type {tokenizer_type!r}; supported: {', '.join(TOKENIZER_TYPES)}"
     )
+
+
+def document_ids(text: bytes, tokenizer, *, append_eod: bool = True):
+    """A document's token ids as int32, plus the end-of-document id (as preprocessing writes)."""
+    import numpy as np
+
+    if isinstance(tokenizer, ByteTokenizer):
+        ids = np.frombuffer(text, dtype=np.uint8).astype(np.int32)  # == encode(text)
+    else:
+        ids = np.asarray(tokenizer.encode(text), dtype=np.int32)
+    return np.append(ids, np.int32(tokenizer.eod)) if append_eod else ids

@@ -248,10 +248,7 @@ def draw_run(run_dir: str | Path, *, step: int | None = None) -> list[Path]:
     """
     run = Path(run_dir)
     records, timelines = load_run(run)
-    out = run / "pictures"
-    out.mkdir(exist_ok=True)
-    written = [draw_curves(records, out / "curves.png")]
-    if step is not None:
+    if step is not None:  # refused before anything is drawn
         chosen = [p for p in timelines if p.name == f"step-{step:06d}.json"]
         if not chosen:
             steps = ", ".join(str(int(p.stem.split("-")[1])) for p in timelines) or "none"
@@ -259,6 +256,9 @@ def draw_run(run_dir: str | Path, *, step: int | None = None) -> list[Path]:
                 f"no timeline of step {step} in {run / 'timelines'} (recorded: {steps})"
             )
         timelines = chosen
+    out = run / "pictures"
+    out.mkdir(exist_ok=True)
+    written = [draw_curves(records, out / "curves.png")]
     if not timelines:
         logger.warning(
             "no timeline in %s (the job records them next to --hdp-metrics-file every "

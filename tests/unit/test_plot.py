@@ -79,9 +79,10 @@ def test_plot_draws_the_timeline_and_the_curves(tmp_path):
 
 def test_plot_of_a_chosen_step_and_of_a_step_never_recorded(tmp_path):
     run = write_run(tmp_path / "run")
-    assert plot(run, "--step", 8).returncode == 0
     done = plot(run, "--step", 3)
     assert done.returncode == 2
+    assert not (run / "pictures").exists()  # refused before anything is drawn
+    assert plot(run, "--step", 8).returncode == 0
     assert done.stderr.strip().splitlines() == [
         f"python -m megatron_hdp.plot: error: no timeline of step 3 in {run / 'timelines'} "
         "(recorded: 8)"
