@@ -128,7 +128,7 @@ class HDPDataIterator:
         item = self._feed().next()
         if item.error is not None:
             raise item.error
-        plan, source, read = item.value
+        plan, source, read, _ = item.value
         local, error = read if read is not None else (None, None)
         return HDPGlobalBatch(
             plan=plan, source=source, local=local, read_error=error, rank=self.pool_rank

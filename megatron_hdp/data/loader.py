@@ -33,9 +33,11 @@ class GlobalBatchLoader:
         vocab_size: Refuse token ids outside the vocabulary (see `IndexedTokens`).
         depth: Batches prepared ahead (0: when asked for, no thread).
         service: The Ray data service's client when `batches` comes from it.
+        annotate: Optional local work on each plan, done ahead with it (the trainer's
+            cost-model predictions for the metrics file); its result is `notes`.
 
     `next()` returns a `Prepared` whose `value` is `(plan, token source, (local batches,
-    read error))`; a read error (a bad token, or a fetch from the Ray service that failed
+    read error), notes)`; a read error (a bad token, or a fetch from the Ray service that failed
     after its retries) is handed over, not raised, so that the step's all-reduce can raise
     it on every rank together.
     """
@@ -50,11 +52,13 @@ class GlobalBatchLoader:
         vocab_size: int | None = None,
         depth: int = 2,
         service=None,
+        annotate: Callable | None = None,
     ) -> None:
         if service is not None and rank is None:
             raise ValueError("the Ray data service fetches a rank's own tokens: give its rank")
         self.plan, self.readers = plan, list(readers)
         self.rank, self.vocab_size, self.service = rank, vocab_size, service
+        self.annotate = annotate
         self._feed = Prefetcher(batches, self._prepare, depth)
 
     def _prepare(self, batch):
@@ -63,8 +67,9 @@ class GlobalBatchLoader:
         else:
             plan = self.plan([u.length for u in batch])
             source = IndexedTokens(self.readers, batch, vocab_size=self.vocab_size)
+        notes = self.annotate(plan) if self.annotate is not None else None
         if self.rank is None:
-            return plan, source, None
+            return plan, source, None, notes
         try:
             if source is None:  # fetch this rank's token ranges from the source loaders
                 source = self.service.tokens(
@@ -73,7 +78,7 @@ class GlobalBatchLoader:
             read = (read_local(plan, source, self.rank), None)
         except Exception as err:  # raised in the step, on every rank together
             read = ([], err)
-        return plan, source, read
+        return plan, source, read, notes
 
     def next(self) -> Prepared:
         """The next batch, in sampler order (its `wait_s`: how long this call blocked)."""

@@ -96,8 +96,8 @@ class RunReporter:
     def predictions(self, plan: StepPlan) -> dict:
         """The cost model's step time and attention bytes of `plan` and of the static mesh.
 
-        Local (rank 0 calls it for the metrics record); the static mesh's numbers are None
-        when it has no plan for the batch.
+        Local: rank 0's prefetch thread runs it on each plan ahead of its step, for the
+        metrics record. The static mesh's numbers are None when it has no plan for the batch.
         """
         stages = self.args.pipeline_model_parallel_size
         shape = self.cost_model.model

@@ -254,6 +254,8 @@ class Trainer:
                 vocab_size=self.data.vocab_size,
                 depth=self.args.hdp_prefetch_depth,
                 service=self.service,
+                # rank 0's metrics record: predicted ahead, off the step's critical path
+                annotate=self.report.predictions if self.rank == 0 else None,
             )
         return self.feed
 
@@ -306,23 +308,25 @@ class Trainer:
         )
         return service
 
-    def step(self) -> tuple[StepResult, StepPlan, dict, float, list, float]:
+    def step(self) -> tuple[StepResult, StepPlan, dict, float, list, float, dict | None]:
         """Collective: one training step.
 
         Returns the result, the plan, plan statistics, seconds (from the batch in hand to
-        the update), units, and the seconds this step waited for its batch.
+        the update), units, the seconds this step waited for its batch, and (rank 0) the
+        cost model's predictions for the metrics record.
         """
         self._mark("reading and planning the batch", iteration=self.iteration + 1)
         item = self._feed().next()
         if item.error is not None:
             raise item.error
-        plan, source, read = item.value
+        plan, source, read, predictions = item.value
         start = time.perf_counter()
         result = train_step(self.engine, plan, source, self.runtime, prepared=read)
         elapsed = time.perf_counter() - start
         self.iteration += 1
         self.consumed_tokens += result.num_loss_tokens
-        return result, plan, plan_statistics(plan), elapsed, item.units, item.wait_s
+        stats = plan_statistics(plan)
+        return result, plan, stats, elapsed, item.units, item.wait_s, predictions
 
     def evaluate(self) -> float | None:
         """Collective: mean validation loss over `--eval-iters` batches (None if no data)."""
@@ -428,7 +432,7 @@ class Trainer:
             Path(args.hdp_metrics_file).parent.mkdir(parents=True, exist_ok=True)
             metrics = open(args.hdp_metrics_file, "a")  # noqa: SIM115 - closed below
         while self.iteration < args.train_iters:
-            result, plan, stats, elapsed, units, data_wait = self.step()
+            result, plan, stats, elapsed, units, data_wait, predictions = self.step()
             self._check_finite(result)
             record = {
                 "iteration": self.iteration,
@@ -453,8 +457,8 @@ class Trainer:
             if self.engine.cfg.num_experts is not None:
                 record["moe_aux_loss"] = result.moe_aux_loss
             record["attention_bytes"] = result.attention_bytes_total
-            if self.rank == 0:
-                record.update(self.report.predictions(plan))
+            if predictions is not None:
+                record.update(predictions)
             if self.report.timeline_due(self.iteration):
                 self.report.record_timeline(self.iteration, plan, result)
             if metrics is not None:

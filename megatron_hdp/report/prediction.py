@@ -13,7 +13,6 @@ import numpy as np
 
 from megatron_hdp.scheduler.pipeline_timeline import simulate_plan
 from megatron_hdp.scheduler.plan import StepPlan
-from megatron_hdp.sharding import rank_token_counts
 from megatron_hdp.sim.timeline import timeline
 
 
@@ -69,14 +68,17 @@ def ring_attention_bytes(
     share, so the job's total is this.
     """
     widths = plan.ring_sizes()
-    total = 0
-    seq_offsets, seq_ids, lengths = plan.seq_offsets, plan.seq_ids, plan.lengths
-    for m in np.nonzero(widths > 1)[0].tolist():
-        docs = lengths[seq_ids[seq_offsets[m] : seq_offsets[m + 1]]].tolist()
-        n = sum(1 for c in rank_token_counts(docs, int(widths[m])) if c > 0)
-        if n < 2:
-            continue
-        tokens = sum(docs)
-        per_token = 2 * kv_dim * (2 * (n - 1) * kv_element_bytes + n * grad_element_bytes)
-        total += num_layers * tokens * per_token
-    return int(total)
+    rings = np.nonzero(widths > 1)[0]
+    if len(rings) == 0:
+        return 0
+    # Every micro-batch holds >= 1 sequence, so reduceat over all of them is well formed.
+    tokens = np.add.reduceat(plan.lengths[plan.seq_ids], plan.seq_offsets[:-1])[rings]
+    # Zigzag sharding hands tokens out round-robin over the members (`sharding.chunk_sizes`
+    # carries the remainder's offset from document to document), so min(k, T) of the k
+    # members hold tokens.
+    members = np.minimum(widths[rings], tokens)
+    total = 0  # Python ints: exact at any size
+    for n, t in zip(members.tolist(), tokens.tolist(), strict=True):
+        if n >= 2:
+            total += t * 2 * kv_dim * (2 * (n - 1) * kv_element_bytes + n * grad_element_bytes)
+    return int(num_layers * total)

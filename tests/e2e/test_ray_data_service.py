@@ -30,8 +30,6 @@ import pytest
 
 from tests.e2e.harness import SMALL_MODEL, run_pretrain
 
-pytest.importorskip("ray", reason="the Ray data service's tests need Ray (the dev extra)")
-
 VENV_BIN = Path(sys.executable).parent
 STEPS = 8
 SWITCH = 3  # the schedule's first phase ends after this step

@@ -69,6 +69,6 @@ def test_a_failed_fetch_is_handed_to_the_step_not_raised_on_one_rank():
     finally:
         loader.close()
     assert item.error is None  # the batch itself is fine: its plan and units are there
-    plan, _, (local, error) = item.value
+    plan, _, (local, error), _ = item.value
     assert plan.num_micro_batches > 0 and local == []
     assert isinstance(error, RuntimeError) and "failed 3 times" in str(error)
