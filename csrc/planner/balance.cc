@@ -457,6 +457,9 @@ class FreeRanks {
   std::vector<Group> heap_;
 };
 
+// Rule 8 looks for a ring's window among this many of the shortest gaps that hold it.
+inline size_t window_scan(int64_t width) { return 64 + 4 * static_cast<size_t>(width); }
+
 // The idle gaps, an ordered multiset by (length, start, rank) that answers "the first gap
 // that is not less than (cost, -inf, min)", i.e. the shortest gap of length >= cost (ties:
 // earlier start, lower rank). New gaps wait in a max-heap by length and are sorted in only
@@ -494,6 +497,66 @@ class GapSet {
                                    block.begin())};
   }
 
+  // Rule 8 of balance.py: the earliest window of `width` gaps that each cover
+  // [t, t + cost], t being a gap's start, with t + cost < finish, among the
+  // window_scan(width) shortest gaps that hold `cost`. On success fills `chosen` with the
+  // `width` gaps that end first (ties: lower rank) and returns true with `t` in `at`.
+  // Only gaps that start early enough can take part (start + cost < finish).
+  bool find_window(int64_t width, double cost, double finish, double& at,
+                   std::vector<Gap>& chosen) {
+    const Position from = first_fit(cost);  // sorts in every gap that could hold it
+    if (!found(from)) return false;
+    window_.clear();
+    size_t scanned = 0;
+    const size_t limit = window_scan(width);
+    for (size_t b = from.block; b < blocks_.size() && scanned < limit; ++b) {
+      const std::vector<Gap>& block = blocks_[b];
+      for (size_t j = b == from.block ? from.index : 0; j < block.size() && scanned < limit;
+           ++j, ++scanned) {
+        if (block[j].start + cost < finish) window_.push_back(block[j]);
+      }
+    }
+    if (window_.size() < static_cast<size_t>(width)) return false;
+    std::sort(window_.begin(), window_.end(), [](const Gap& a, const Gap& b) {
+      return a.start < b.start || (a.start == b.start && a.rank < b.rank);
+    });
+    // Min-heap of the gaps that began by t, by (end, rank).
+    open_.clear();
+    const auto later = [](const Open& a, const Open& b) {
+      return a.end > b.end || (a.end == b.end && a.rank > b.rank);
+    };
+    for (size_t j = 0; j < window_.size();) {
+      const double t = window_[j].start;
+      for (; j < window_.size() && window_[j].start == t; ++j) {
+        open_.push_back({window_[j].start + window_[j].length, window_[j].rank, j});
+        std::push_heap(open_.begin(), open_.end(), later);
+      }
+      const double end = t + cost;
+      if (!(end < finish)) return false;
+      while (!open_.empty() && open_.front().end < end) {
+        std::pop_heap(open_.begin(), open_.end(), later);
+        open_.pop_back();
+      }
+      if (open_.size() >= static_cast<size_t>(width)) {
+        std::sort(open_.begin(), open_.end(), [&later](const Open& a, const Open& b) {
+          return later(b, a);
+        });
+        chosen.clear();
+        for (int64_t c = 0; c < width; ++c) {
+          chosen.push_back(window_[open_[static_cast<size_t>(c)].index]);
+        }
+        at = t;
+        return true;
+      }
+    }
+    return false;
+  }
+
+  // Removes a gap that find_window returned.
+  void erase_gap(const Gap& gap) { erase(find(gap)); }
+
+  bool empty() const { return waiting_.empty() && blocks_.empty(); }
+
   bool found(const Position& at) const { return at.block < blocks_.size(); }
   const Gap& at(const Position& at) const { return blocks_[at.block][at.index]; }
 
@@ -510,6 +573,21 @@ class GapSet {
 
  private:
   static constexpr size_t kMaxBlock = 128;
+
+  struct Open {
+    double end;
+    int64_t rank;
+    size_t index;  // into window_
+  };
+
+  // The position of a gap that is sorted in (it must be).
+  Position find(const Gap& gap) const {
+    const size_t b = static_cast<size_t>(
+        std::lower_bound(lasts_.begin(), lasts_.end(), gap) - lasts_.begin());
+    const std::vector<Gap>& block = blocks_[b];
+    return {b, static_cast<size_t>(std::lower_bound(block.begin(), block.end(), gap) -
+                                   block.begin())};
+  }
 
   // The heap order: by length (as keys, a strict weak order even for NaN).
   static bool shorter(const Gap& a, const Gap& b) {
@@ -542,6 +620,8 @@ class GapSet {
   }
 
   std::vector<Gap> waiting_;  // max-heap by length
+  std::vector<Gap> window_;   // scratch of take_window
+  std::vector<Open> open_;
   std::vector<std::vector<Gap>> blocks_;
   std::vector<Gap> lasts_;
 };
@@ -699,6 +779,7 @@ PlanArrays balance_core_arrays(std::vector<int64_t> lengths, std::vector<int64_t
   GapSet gaps;
 
   std::vector<double> member_times;
+  std::vector<Gap> window_gaps, trial_gaps;
   for (size_t position = 0; position < m; ++position) {
     const Item& item = items[position];
     ring_begin[position] = static_cast<int64_t>(store.size());
@@ -744,6 +825,49 @@ PlanArrays balance_core_arrays(std::vector<int64_t> lengths, std::vector<int64_t
         }
       } else {
         free_at.pop_many(k, member_times);
+      }
+      // Rule 8: a window of idle gaps that finishes the ring strictly earlier.
+      double finish = member_times[static_cast<size_t>(k) - 1] + cost;
+      bool in_gaps = false;
+      double window_start = 0.0;
+      const int64_t options = ranged ? widths.offsets[seq + 1] - widths.offsets[seq] : 1;
+      const bool waits = member_times[static_cast<size_t>(k) - 1] - member_times[0] > delta;
+      for (int64_t j = 0; j < options && waits && !gaps.empty(); ++j) {
+        const int64_t w = ranged ? widths.low[seq] + j : item.k;
+        const double c = ranged ? widths.costs[static_cast<size_t>(widths.offsets[seq] + j)]
+                                : item.cost;
+        double t = 0.0;
+        if (gaps.find_window(w, c, finish, t, trial_gaps)) {
+          window_gaps.swap(trial_gaps);
+          finish = t + c;
+          k = w;
+          cost = c;
+          window_start = t;
+          in_gaps = true;
+        }
+      }
+      if (in_gaps) {
+        for (size_t j = 0; j < member_times.size();) {  // every popped rank goes back
+          size_t e = j + 1;
+          while (e < member_times.size() && member_times[e] == member_times[j]) ++e;
+          free_at.push(member_times[j], static_cast<int64_t>(begin + j),
+                       static_cast<int64_t>(begin + e));
+          j = e;
+        }
+        const double t = window_start;
+        for (const Gap& gap : window_gaps) gaps.erase_gap(gap);
+        ring_begin[position] = static_cast<int64_t>(store.size());
+        for (const Gap& gap : window_gaps) {
+          if (t - gap.start > delta) gaps.insert({t - gap.start, gap.start, gap.rank});
+          const double rest = gap.start + gap.length - (t + cost);
+          if (rest > delta) gaps.insert({rest, t + cost, gap.rank});
+          store.push_back(gap.rank);
+        }
+        std::sort(store.begin() + ring_begin[position], store.end());
+        starts[position] = window_start;
+        width[position] = k;
+        item_cost[position] = cost;
+        continue;
       }
       const size_t taken = begin + static_cast<size_t>(k);
       double start = member_times[0];  // max() keeps the first of equal maxima

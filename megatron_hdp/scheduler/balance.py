@@ -35,6 +35,15 @@ The paper leaves most of Alg. 2 open (bytescale-paper.md, section 7, item 7). De
    starts when the `w`-th of them is free, and `start_w + cost_w` is minimal (ties: the
    narrower width). The ranks it does not take stay free as they were. Which widths are
    worth listing is the caller's decision (`ring_sizing.py`).
+8. *Rings back-fill gaps too.* A ring whose placement by rule 3 (or 7) would leave a
+   member waiting longer than `delta` may instead run inside the idle gaps of rule 4: on
+   width `w` at cost `c`, at the earliest `t` (a gap's start) at which at least `w` gaps
+   each cover `[t, t + c]` (among the `64 + 4 w` shortest gaps that hold `c`), on the `w`
+   of them that end first (ties: lower rank). It runs there when that finishes strictly
+   before its placement by rule 3 (or 7), and the earliest finish over its widths wins
+   (ties: the narrower). What is left of each gap before `t` and after `t + c` stays a
+   gap (if longer than `delta`). Without this only packs use a ring's wait: two rings of
+   174 ranks on 509 left the other 161 ranks idle for a whole ring's time.
 
 Float arithmetic is plain IEEE double in a fixed order, so the C++ core reproduces the
 same starts bit for bit.
@@ -51,6 +60,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_hdp.scheduler.plan import StepPlan
+
+#: Rule 8 looks for a ring's window among this many of the shortest gaps that hold it.
+WINDOW_SCAN_BASE = 64
+WINDOW_SCAN_PER_MEMBER = 4
 
 
 @dataclass(frozen=True)
@@ -147,18 +160,70 @@ def balance_core(
                 end = popped[width - 1][0] + width_cost
                 if finish is None or end < finish:
                     k, cost, finish = width, width_cost, end
-            members = popped[:k]
-            for t, rank in popped[k:]:
-                heapq.heappush(free, (t, rank))
-            start = max(t for t, _ in members)
-            for t, rank in members:
-                if start - t > delta:
-                    bisect.insort(gaps, (start - t, t, rank))
-                heapq.heappush(free, (start + cost, rank))
-            ring = tuple(sorted(rank for _, rank in members))
+            window = None
+            waits = popped[k - 1][0] - popped[0][0] > delta
+            for width, width_cost in choices if gaps and waits else ():
+                found = _gap_window(gaps, width, width_cost, finish)
+                if found is not None:
+                    k, cost, finish, window = width, width_cost, found[0] + width_cost, found
+            if window is not None:
+                for member in popped:
+                    heapq.heappush(free, member)
+                start, chosen = window
+                for gap in chosen:
+                    gaps.remove(gap)
+                    length, gap_start, rank = gap
+                    if start - gap_start > delta:
+                        bisect.insort(gaps, (start - gap_start, gap_start, rank))
+                    rest = gap_start + length - (start + cost)
+                    if rest > delta:
+                        bisect.insort(gaps, (rest, start + cost, rank))
+                ring = tuple(sorted(rank for _, _, rank in chosen))
+            else:
+                members = popped[:k]
+                for t, rank in popped[k:]:
+                    heapq.heappush(free, (t, rank))
+                start = max(t for t, _ in members)
+                for t, rank in members:
+                    if start - t > delta:
+                        bisect.insort(gaps, (start - t, t, rank))
+                    heapq.heappush(free, (start + cost, rank))
+                ring = tuple(sorted(rank for _, rank in members))
         placed.append((start, -k, ring[0], position, Placement(start, cost, ring, seqs)))
     placed.sort(key=lambda p: p[:4])
     return [p[4] for p in placed]
+
+
+def _gap_window(gaps, width: int, cost: float, finish: float):
+    """Rule 8: `(t, gaps)` of the earliest window of `width` gaps covering `[t, t + cost]`.
+
+    `gaps` is the sorted list of `(length, start, rank)`; None when no window finishes
+    before `finish` (`t + cost < finish`). Only the `WINDOW_SCAN_BASE +
+    WINDOW_SCAN_PER_MEMBER * width` shortest gaps that hold `cost` take part (the best
+    fits; this bounds the work per ring). Candidates `t` are the gaps' starts, ascending;
+    at each, the gaps that began by `t` and end at or after `t + cost` qualify, and the
+    `width` ending first (ties: lower rank) are taken.
+    """
+    first = bisect.bisect_left(gaps, (cost, float("-inf"), -1))
+    scanned = gaps[first : first + WINDOW_SCAN_BASE + WINDOW_SCAN_PER_MEMBER * width]
+    by_start = sorted((g for g in scanned if g[1] + cost < finish), key=lambda g: g[1:])
+    if len(by_start) < width:
+        return None
+    open_gaps: list = []  # heap of (end, rank, gap)
+    j = 0
+    while j < len(by_start):
+        t = by_start[j][1]
+        if not t + cost < finish:
+            return None
+        while j < len(by_start) and by_start[j][1] == t:
+            gap = by_start[j]
+            heapq.heappush(open_gaps, (gap[1] + gap[0], gap[2], gap))
+            j += 1
+        while open_gaps and open_gaps[0][0] < t + cost:
+            heapq.heappop(open_gaps)
+        if len(open_gaps) >= width:
+            return t, [entry[2] for entry in heapq.nsmallest(width, open_gaps)]
+    return None
 
 
 def _width_options(widths, ring_sizes, ring_cost, pool_size) -> dict:

@@ -264,7 +264,9 @@ def plan_balanced(
         pack_tokens = pack_limit(cost_model, capacity, bound.value)
         runner = _CoreRunner(core, lengths, local, costs, capacity, pack_tokens, delta)
         small = pack_tokens < capacity or len(lengths) < 2 * pool_size
-        placements = plan_ring_sizes(costs, runner, bound=bound, try_singles=small).placements
+        placements = plan_ring_sizes(
+            costs, runner, bound=bound, try_singles=small, balance_attention=not offload
+        ).placements
     else:
         kwargs = dict(pool_size=pool_size, capacity=capacity, delta=delta)
         placements = _place(core, lengths, ring_sizes, local, ring, **kwargs)

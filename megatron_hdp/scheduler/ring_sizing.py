@@ -30,8 +30,10 @@ builds, share ring messages and are bounded by their compute alone).
 
 **The sizes.** `target_widths(T)` gives each sequence the fewest ranks that finish it
 within `T` (at least `k_min`); at the bound that is the allotment the bound itself uses.
-`plan_ring_sizes` then searches a few candidates with the balance core and keeps the one
-with the shortest predicted step (`balance.py` rule 7 for widths chosen at placement):
+`plan_ring_sizes` then searches a few candidates with the balance core, following the one
+with the shortest predicted step (`balance.py` rule 7 for widths chosen at placement), and
+keeps, of those within `BALANCE_SLACK` of the fastest and `TIME_CEILING` of the bound, the
+one whose worse ratio (time, or attention over its mean) is least:
 
 1. fixed widths `target_widths(T_bound)`: accepted at once within 1% of the bound;
 2. on small batches (`try_singles`), the same widths with every packed sequence a
@@ -48,7 +50,8 @@ with the shortest predicted step (`balance.py` rule 7 for widths chosen at place
 
 Steps 2-5 share a budget of core runs that shrinks with the batch (`SEARCH_BUDGET`), so
 planning 16,384 ranks costs at most three core runs more than the first; candidates
-that repeat one already run are skipped.
+that repeat one already run are skipped. Once the step time is accepted, the search goes on
+for attention balance only within `ATTENTION_BUDGET` (no run at 16,384 ranks).
 """
 
 from __future__ import annotations
@@ -58,8 +61,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-#: A plan within this share of the bound is accepted without searching further.
+#: A plan within this share of the bound (and of the attention bound, below) is accepted
+#: without searching further.
 ACCEPT = 0.01
+#: The attention share accepted at once: a rank's sum of s^2 / ring size over the batch's
+#: mean (Megatron-Core's own measure of balance).
+ATTENTION_ACCEPT = 0.02
+#: Candidates within this share of the fastest, and within `TIME_CEILING` of the bound,
+#: compete on their worse ratio (time or attention) to its bound.
+BALANCE_SLACK = 0.02
+TIME_CEILING = 0.03
+#: Batch size (sequences + ranks) times runs the search may spend on attention balance
+#: once the step time is accepted (none at 16,384 ranks: plan time stays as it was).
+ATTENTION_BUDGET = 32_768
 #: Widths chosen at placement may cost this much more work than the target width's.
 WORK_SLACK = 0.02
 #: Tighter targets tried (fractions of the bound), coarse steps first.
@@ -319,7 +333,24 @@ class _Candidate:
     ranges: tuple | None
     singles: bool
     last: tuple  # (sequence indices, ring width) of the item that finishes last
+    attention: float  # the largest per-rank sum of s^2 / ring size
     placements: object  # whatever `run_core` returned for them
+
+
+def attention_peak(placements, seqlens: np.ndarray, pool_size: int) -> float:
+    """The largest per-rank sum of `s^2 / ring size` of flat placements (`placement_arrays`).
+
+    Megatron-Core's scheduler balances this (its `get_total_workload`); a plan that is
+    fast under the cost model but concentrates attention on some ranks is scored by it.
+    """
+    _, _, ring_offsets, ring_ranks, seq_offsets, seq_indices = placements
+    squares = np.asarray(seqlens, dtype=np.float64)[seq_indices] ** 2
+    per_item = np.add.reduceat(squares, seq_offsets[:-1]) if len(squares) else squares
+    widths = np.diff(ring_offsets)
+    load = np.bincount(
+        ring_ranks, weights=np.repeat(per_item / widths, widths), minlength=pool_size
+    )
+    return float(load.max())
 
 
 def plan_ring_sizes(
@@ -328,6 +359,7 @@ def plan_ring_sizes(
     *,
     bound: StepBound | None = None,
     try_singles: bool = False,
+    balance_attention: bool = True,
 ):
     """Search ring sizes with the balance core; return the best candidate.
 
@@ -337,14 +369,25 @@ def plan_ring_sizes(
 
     `run_core(widths, ranges, singles)` runs the core with per-sequence ring sizes
     `widths` (1 = packed), optional ranges and packing, and returns `(makespan, last,
-    placements)`; `last` is the last-finishing item's (sequence indices, width).
+    placements)`; `last` is the last-finishing item's (sequence indices, width), and
+    `placements` are flat arrays (`balance.placement_arrays`).
     `try_singles`: also try unpacked sequences (small batches).
+
+    The search follows the fastest candidate. The one returned is, of the candidates
+    within `BALANCE_SLACK` of the fastest, the one whose worse ratio (predicted step over
+    the bound, attention peak over the mean `sum(s^2) / N`) is least (ties: faster): a plan
+    a little slower under the cost model but with attention spread evenly over the ranks
+    is less exposed to the cost model's error on attention, where it is largest. Without
+    `balance_attention` (offloading plans: wider rings would undo the offload) the fastest
+    candidate is returned and the search stops once the step time is accepted.
     """
     if bound is None:
         bound = step_lower_bound(costs)
     target = bound.value
+    attention_bound = float(np.sum(costs.s**2)) / costs.pool_size
     n = len(costs.s)
     seen = set()
+    tried: list[_Candidate] = []
 
     def candidate(widths, ranged=False, singles=False) -> _Candidate | None:
         key = (widths.tobytes(), ranged, singles)
@@ -353,11 +396,35 @@ def plan_ring_sizes(
         seen.add(key)
         ranges = width_ranges(costs, widths) if ranged else None
         makespan, last, placements = run_core(widths, ranges, singles)
-        return _Candidate(makespan, widths, ranges, singles, last, placements)
+        peak = attention_peak(placements, costs.s, costs.pool_size)
+        tried.append(_Candidate(makespan, widths, ranges, singles, last, peak, placements))
+        return tried[-1]
+
+    attention_runs = min(SEARCH_RUNS, ATTENTION_BUDGET // (n + costs.pool_size))
+    if not balance_attention:
+        attention_runs = 0
+
+    def done() -> bool:
+        fast = [c for c in tried if c.makespan <= (1.0 + ACCEPT) * target]
+        return bool(fast) and (
+            len(tried) > attention_runs
+            or any(c.attention <= (1.0 + ATTENTION_ACCEPT) * attention_bound for c in fast)
+        )
+
+    def chosen() -> _Candidate:
+        fastest = min(c.makespan for c in tried)
+        if not balance_attention:
+            return next(c for c in tried if c.makespan == fastest)
+        limit = min((1.0 + BALANCE_SLACK) * fastest, max(fastest, (1.0 + TIME_CEILING) * target))
+        close = [c for c in tried if c.makespan <= limit]
+        return min(
+            close,
+            key=lambda c: (max(c.makespan / target, c.attention / attention_bound), c.makespan),
+        )
 
     best = candidate(target_widths(costs, target))
-    if best.makespan <= (1.0 + ACCEPT) * target:
-        return best
+    if done():
+        return chosen()
     runs = min(SEARCH_RUNS, SEARCH_BUDGET // (n + costs.pool_size))
     packings = (False, True) if try_singles else (False,)
     tries = []
@@ -375,7 +442,7 @@ def plan_ring_sizes(
     tries.append(lambda: candidate(costs.k_min.copy(), singles=best.singles))
     spent = 0
     for make in tries:
-        if spent >= runs or best.makespan <= (1.0 + ACCEPT) * target:
+        if spent >= runs or done():
             break
         c = make()
         if c is None:
@@ -384,7 +451,7 @@ def plan_ring_sizes(
         if c.makespan < best.makespan:
             best = c
     for _ in range(runs - spent):
-        if best.makespan <= (1.0 + ACCEPT) * target:
+        if done():
             break
         seqs, width = best.last
         widths = best.widths.copy()
@@ -404,7 +471,7 @@ def plan_ring_sizes(
         if trial is None or trial.makespan >= best.makespan:
             break
         best = trial
-    return best
+    return chosen()
 
 
 def offload_ratios_for(seqlens, widths, capacity: int, num_layers: int) -> np.ndarray:

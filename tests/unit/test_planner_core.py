@@ -403,6 +403,55 @@ def test_gap_backfill_by_hand(delta, expected):
 
 
 @pytest.mark.parametrize(
+    "delta, expected",
+    [
+        # Ring D would take ranks 3 (free at 12) and 0 (free at 14); ranks 4 and 5 idle
+        # [0, 12) waiting for ring C, so D runs there from 0, and pack E takes what is
+        # left at 8.
+        (
+            0.0,
+            [
+                (0.0, (0, 1), (1,)),
+                (0.0, (2, 3), (0,)),
+                (0.0, (4, 5), (3,)),
+                (8.0, (4,), (4,)),
+                (12.0, (2, 4, 5), (2,)),
+            ],
+        ),
+        # D's wait of 2 is within delta: it runs at 14 after all; E back-fills rank 4.
+        (
+            5.0,
+            [
+                (0.0, (0, 1), (1,)),
+                (0.0, (2, 3), (0,)),
+                (0.0, (4,), (4,)),
+                (12.0, (2, 4, 5), (2,)),
+                (14.0, (0, 3), (3,)),
+            ],
+        ),
+    ],
+)
+def test_ring_backfills_idle_gaps_by_hand(delta, expected):
+    # Rings B (14 s) and A (12 s) take ranks 0-3 at 0, longest first; ring C (3 ranks,
+    # 10 s) then waits for rank 2 on ranks 4 and 5. Ring D (2 ranks, 8 s) fits in their
+    # wait (rule 8).
+    lengths, ring_sizes = [8, 8, 8, 8, 3], [2, 2, 3, 2, 1]
+    local, ring = [0.0, 0.0, 0.0, 0.0, 3.0], [12.0, 14.0, 10.0, 8.0, 0.0]
+    kwargs = dict(pool_size=6, capacity=4, delta=delta)
+    got = cpp_core(lengths, ring_sizes, local, ring, **kwargs)
+    assert exact(got) == exact(reference_core(lengths, ring_sizes, local, ring, **kwargs))
+    assert [(p.start, p.ring, p.seq_indices) for p in got] == expected
+    # Every rank runs its micro-batches one after another, without overlap.
+    busy = {}
+    for p in got:
+        for r in p.ring:
+            busy.setdefault(r, []).append((p.start, p.start + p.cost))
+    for spans in busy.values():
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
+@pytest.mark.parametrize(
     "lengths, ring_sizes, local, ring, pool_size, capacity, message",
     [
         ([1, 2], [1], [1.0, 1.0], [0.0, 0.0], 2, 4, "equal lengths, got 2, 1, 2, 2"),

@@ -11,11 +11,15 @@ import math
 import numpy as np
 import pytest
 
+from megatron_hdp.scheduler.balance import placement_arrays
 from megatron_hdp.scheduler.cost import H100, CostModel
 from megatron_hdp.scheduler.placement import plan_balanced
 from megatron_hdp.scheduler.planner import default_core, reference_core
 from megatron_hdp.scheduler.ring_sizing import (
+    TIME_CEILING,
     RingCosts,
+    attention_peak,
+    plan_ring_sizes,
     step_lower_bound,
     target_widths,
     width_ranges,
@@ -207,3 +211,58 @@ def test_a_long_sequence_that_sets_the_step_gets_more_ranks():
     assert ring.cp_size > 8
     minimal = plan_balanced(seqlens, pool_size=16, capacity=C, cost_model=MODEL, size_rings=False)
     assert makespan(plan) < 0.75 * makespan(minimal)
+
+
+@pytest.mark.parametrize("mix, pool, seqlens", list(batches())[::3])
+def test_attention_peak_is_the_busiest_rank_s_sum_of_s2_over_ring_size(mix, pool, seqlens):
+    plan = plan_balanced(seqlens, pool_size=pool, capacity=C, cost_model=MODEL)
+    load = [0.0] * pool
+    for mb in plan.micro_batches:
+        for r in mb.ring:
+            load[r] += sum(seqlens[i] ** 2 for i in mb.seq_indices) / mb.cp_size
+    flat = placement_arrays([_Placed(mb.ring, mb.seq_indices) for mb in plan.micro_batches])
+    assert attention_peak(flat, np.asarray(seqlens), pool) == pytest.approx(max(load), rel=1e-12)
+
+
+class _Placed:
+    """What `placement_arrays` reads of a placement."""
+
+    def __init__(self, ring, seq_indices, start=0.0, cost=1.0):
+        self.ring, self.seq_indices, self.start, self.cost = ring, seq_indices, start, cost
+
+
+def _fake_core(fixed_ratio, ranged_ratio, bound):
+    """A core whose fixed-width plan is `fixed_ratio` of the bound with both sequences on
+    rank 0 (attention on one rank) and whose ranged plan is `ranged_ratio` with one
+    sequence per rank (attention balanced)."""
+
+    def run(widths, ranges, singles):
+        if ranges is None:
+            placed = [_Placed((0,), (0, 1))]
+            makespan = fixed_ratio * bound
+        else:
+            placed = [_Placed((0,), (0,)), _Placed((1,), (1,))]
+            makespan = ranged_ratio * bound
+        return makespan, ((0,), 1), placement_arrays(placed)
+
+    return run
+
+
+@pytest.mark.parametrize(
+    "fixed, ranged, expect_ranged",
+    [
+        (1.015, 1.025, True),  # within 2% of the fastest and under the ceiling: balanced
+        (1.015, 1.036, False),  # over 1.03 of the bound: the fastest
+        (1.000, 1.025, False),  # more than 2% slower than the fastest: the fastest
+    ],
+)
+def test_attention_breaks_near_ties_within_the_time_ceiling(fixed, ranged, expect_ranged):
+    seqlens = [3000, 3000]
+    costs = costs_of(seqlens, 2)
+    bound = step_lower_bound(costs)
+    run = _fake_core(fixed, ranged, bound.value)
+    got = plan_ring_sizes(costs, run, bound=bound)
+    assert (got.ranges is not None) is expect_ranged
+    assert got.makespan <= max(fixed, 1 + TIME_CEILING) * bound.value
+    no_balance = plan_ring_sizes(costs, run, bound=bound, balance_attention=False)
+    assert no_balance.makespan == fixed * bound.value and no_balance.ranges is None
