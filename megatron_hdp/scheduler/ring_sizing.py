@@ -56,6 +56,7 @@ for attention balance only within `ATTENTION_BUDGET` (no run at 16,384 ranks).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -333,8 +334,14 @@ class _Candidate:
     ranges: tuple | None
     singles: bool
     last: tuple  # (sequence indices, ring width) of the item that finishes last
-    attention: float  # the largest per-rank sum of s^2 / ring size
     placements: object  # whatever `run_core` returned for them
+    seqlens: np.ndarray
+    pool_size: int
+
+    @functools.cached_property
+    def attention(self) -> float:
+        """The largest per-rank sum of s^2 / ring size (computed when first asked)."""
+        return attention_peak(self.placements, self.seqlens, self.pool_size)
 
 
 def attention_peak(placements, seqlens: np.ndarray, pool_size: int) -> float:
@@ -396,8 +403,11 @@ def plan_ring_sizes(
         seen.add(key)
         ranges = width_ranges(costs, widths) if ranged else None
         makespan, last, placements = run_core(widths, ranges, singles)
-        peak = attention_peak(placements, costs.s, costs.pool_size)
-        tried.append(_Candidate(makespan, widths, ranges, singles, last, peak, placements))
+        tried.append(
+            _Candidate(
+                makespan, widths, ranges, singles, last, placements, costs.s, costs.pool_size
+            )
+        )
         return tried[-1]
 
     attention_runs = min(SEARCH_RUNS, ATTENTION_BUDGET // (n + costs.pool_size))
@@ -417,6 +427,8 @@ def plan_ring_sizes(
             return next(c for c in tried if c.makespan == fastest)
         limit = min((1.0 + BALANCE_SLACK) * fastest, max(fastest, (1.0 + TIME_CEILING) * target))
         close = [c for c in tried if c.makespan <= limit]
+        if len(close) == 1:
+            return close[0]
         return min(
             close,
             key=lambda c: (max(c.makespan / target, c.attention / attention_bound), c.makespan),
