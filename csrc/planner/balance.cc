@@ -215,7 +215,25 @@ class NextSetBits {
 // bin id is the heap's top.
 void best_fit_by_room(const std::vector<int64_t>& first, int64_t capacity,
                       std::vector<int64_t>& bin_of, int64_t& num_bins) {
-  std::vector<std::vector<int64_t>> rooms(static_cast<size_t>(capacity) + 1);
+  // Up to kKeptRooms rooms, the heaps keep their buffers from call to call on this thread
+  // (the ring-size search runs the core several times on one batch): no allocation per
+  // room after the first run. At most kKeptEntries entries stay allocated between calls.
+  constexpr size_t kKeptRooms = size_t{1} << 16;
+  constexpr size_t kKeptEntries = size_t{1} << 20;
+  thread_local std::vector<std::vector<int64_t>> kept;
+  std::vector<std::vector<int64_t>> once;
+  const size_t num_rooms = static_cast<size_t>(capacity) + 1;
+  std::vector<std::vector<int64_t>>& rooms = num_rooms <= kKeptRooms ? kept : once;
+  if (rooms.size() < num_rooms) rooms.resize(num_rooms);
+  for (size_t r = 0; r < num_rooms; ++r) rooms[r].clear();
+  struct Release {  // on every way out: drop the buffers if they grew too large
+    std::vector<std::vector<int64_t>>& rooms;
+    ~Release() {
+      size_t entries = 0;
+      for (const std::vector<int64_t>& heap : rooms) entries += heap.capacity();
+      if (entries > kKeptEntries) std::vector<std::vector<int64_t>>().swap(rooms);
+    }
+  } release{rooms};
   NextSetBits nonempty(static_cast<size_t>(capacity) + 1);
   const std::greater<int64_t> min_heap;
   for (int64_t key = 0; key <= capacity; ++key) {

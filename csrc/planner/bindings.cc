@@ -330,6 +330,20 @@ py::tuple balance_core_arrays(py::handle lengths, py::handle ring_sizes, py::han
                         to_numpy(std::move(placed.seq_indices)));
 }
 
+// A list or tuple of exact Python ints as an int64 array, or None where any element is not
+// one (bools, numpy integers, floats, ints beyond int64) or `obj` is not a list or tuple:
+// the caller then takes its element-by-element path, which names the bad value.
+py::object exact_int_array(py::handle obj) {
+  if (!PyList_Check(obj.ptr()) && !PyTuple_Check(obj.ptr())) return py::none();
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(obj.ptr());
+  PyObject** items = PySequence_Fast_ITEMS(obj.ptr());
+  std::vector<int64_t> out(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!read_exact<int64_t>(items[i], &out[static_cast<size_t>(i)])) return py::none();
+  }
+  return to_numpy(std::move(out));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_planner, m) {
@@ -343,6 +357,10 @@ PYBIND11_MODULE(_planner, m) {
         "Same contract as megatron_hdp.scheduler.balance.balance_core; raises ValueError "
         "for invalid input. The inputs may be sequences or 1-d numpy arrays. The GIL is "
         "released while the plan is computed.");
+  m.def("exact_int_array", &exact_int_array, py::arg("values"),
+        "A list or tuple of exact ints as an int64 numpy array in one pass; None if any "
+        "element is not an exact int within int64 (bools and numpy integers included) or "
+        "values is not a list or tuple.");
   m.def("balance_core_arrays", &balance_core_arrays, py::arg("lengths"), py::arg("ring_sizes"),
         py::arg("local_cost"), py::arg("ring_cost"), py::kw_only(), py::arg("pool_size"),
         py::arg("capacity"), py::arg("delta") = 0.0, py::arg("widths") = py::none(),

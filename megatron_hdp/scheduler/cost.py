@@ -283,8 +283,11 @@ class CostModel:
             k = np.maximum(1, np.ceil(s / capacity)).astype(np.int64)
         else:
             k = np.asarray(ring_sizes, dtype=np.int64)
-        local = np.asarray(self.time(s, 1), dtype=np.float64)
-        ring = np.where(k > 1, self.time(s, k), 0.0)
+        # time(s, 1) is the compute alone (no ring): one pass, rings priced where k > 1.
+        local = np.asarray(self.linear_time(s) + self.attention_time(s), dtype=np.float64)
+        ring = np.zeros(len(s))
+        wide = np.nonzero(k > 1)[0]
+        ring[wide] = self.time(s[wide], k[wide])
         return k, local, ring
 
 

@@ -258,7 +258,12 @@ def plan_balanced(
         core = default_core()
     if cost_model is not None and size_rings:
         costs = RingCosts(
-            lengths, cost_model, pool_size, ring_sizes, np.where(ring_sizes > 1, ring, local)
+            lengths,
+            cost_model,
+            pool_size,
+            ring_sizes,
+            np.where(ring_sizes > 1, ring, local),
+            compute=local,
         )
         bound = step_lower_bound(costs)
         pack_tokens = pack_limit(cost_model, capacity, bound.value)
@@ -322,6 +327,16 @@ class _CoreRunner:
         if pack_tokens < capacity:
             scaled = -(-lengths * self.capacity // max(1, int(pack_tokens)))
             self.pack_lengths = np.minimum(self.capacity, scaled).astype(np.int64)
+        # The core's inputs at the minimal widths; a call patches where its widths differ.
+        self._ring_at_min = np.where(costs.k_min > 1, costs.min_time, 0.0)
+        self._core_lengths = {}
+
+    def _lengths_at_min(self, singles: bool) -> np.ndarray:
+        """The core's lengths at the minimal widths: rings their own, packed ones scaled."""
+        if singles not in self._core_lengths:
+            packed = self.capacity if singles else self.pack_lengths
+            self._core_lengths[singles] = np.where(self.costs.k_min > 1, self.lengths, packed)
+        return self._core_lengths[singles]
 
     def __call__(self, widths, ranges, singles):
         """Place with these widths: `(makespan, last item, flat placements)`.
@@ -329,9 +344,14 @@ class _CoreRunner:
         Packs hold at most `pack_tokens` tokens; with `singles` every packed sequence is a
         micro-batch of its own (its packing length is the whole capacity).
         """
-        ring = np.where(widths > 1, self.costs.times(widths), 0.0)
-        packed = self.capacity if singles else self.pack_lengths
-        lengths = np.where(widths > 1, self.lengths, packed)
+        ring, lengths = self._ring_at_min, self._lengths_at_min(singles)
+        wider = np.nonzero(widths != self.costs.k_min)[0]
+        if len(wider):
+            ring, lengths = ring.copy(), lengths.copy()
+            packed = self.capacity if singles else self.pack_lengths[wider]
+            k = widths[wider]
+            ring[wider] = np.where(k > 1, self.costs.time(wider, k), 0.0)
+            lengths[wider] = np.where(k > 1, self.lengths[wider], packed)
         placed = _place(
             self.core,
             lengths,

@@ -33,6 +33,11 @@ import numpy as np
 
 from megatron_hdp.sharding import rank_token_counts
 
+try:
+    from megatron_hdp._planner import exact_int_array as _exact_int_array
+except ImportError:  # without the C++ extension lengths are read in Python
+    _exact_int_array = None
+
 
 @dataclass(frozen=True, slots=True)
 class MicroBatch:
@@ -503,6 +508,10 @@ def _integer_array(seqlens) -> np.ndarray | None:
         if seqlens.ndim == 1 and seqlens.dtype.kind in "iu":
             return seqlens
         return None
+    if _exact_int_array is not None:
+        fast = _exact_int_array(seqlens)  # a list of exact ints in one C pass
+        if fast is not None:
+            return fast
     types = set(map(type, seqlens))
     if not all(t is int or (issubclass(t, np.integer)) for t in types):
         return None
@@ -562,7 +571,9 @@ def _rank_index(ring_offsets: np.ndarray, ring_ranks: np.ndarray, pool_size: int
         ranks, owner = ring_ranks[inside], owner[inside]
     else:
         ranks = ring_ranks
-    by_rank = np.argsort(ranks, kind="stable")
+    # numpy sorts 16-bit keys stably by radix (about 10x faster than int64 keys).
+    keys = ranks.astype(np.uint16) if pool_size <= 1 << 16 else ranks
+    by_rank = np.argsort(keys, kind="stable")
     offsets = np.zeros(pool_size + 1, dtype=np.int64)
     np.cumsum(np.bincount(ranks, minlength=pool_size), out=offsets[1:])
     items = owner[by_rank]

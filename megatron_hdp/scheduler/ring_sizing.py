@@ -51,7 +51,8 @@ one whose worse ratio (time, or attention over its mean) is least:
 Steps 2-5 share a budget of core runs that shrinks with the batch (`SEARCH_BUDGET`), so
 planning 16,384 ranks costs at most three core runs more than the first; candidates
 that repeat one already run are skipped. Once the step time is accepted, the search goes on
-for attention balance only within `ATTENTION_BUDGET` (no run at 16,384 ranks).
+for attention balance only within `ATTENTION_BUDGET` (no run at 16,384 ranks), and only
+while the candidate it would return is more than `CHOSEN_ACCEPT` above either bound.
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ ATTENTION_ACCEPT = 0.02
 #: compete on their worse ratio (time or attention) to its bound.
 BALANCE_SLACK = 0.02
 TIME_CEILING = 0.03
+#: The search also stops, once the step time is accepted, when the candidate it would
+#: return is within this share of both bounds (time and attention): further runs could
+#: only improve ratios already this close.
+CHOSEN_ACCEPT = 0.025
 #: Batch size (sequences + ranks) times runs the search may spend on attention balance
 #: once the step time is accepted (none at 16,384 ranks: plan time stays as it was).
 ATTENTION_BUDGET = 32_768
@@ -104,9 +109,19 @@ class RingCosts:
     """Per-member times of sequences on rings of any width (`CostModel.time`)."""
 
     def __init__(
-        self, seqlens: Sequence[int], cost_model, pool_size: int, min_widths, min_time=None
+        self,
+        seqlens: Sequence[int],
+        cost_model,
+        pool_size: int,
+        min_widths,
+        min_time=None,
+        compute=None,
     ):
-        """`min_time`: each sequence's per-member time on its minimal ring, if known."""
+        """Costs of `seqlens` on `pool_size` ranks, each on at least `min_widths`.
+
+        `min_time`: each sequence's per-member time on its minimal ring, if known;
+        `compute`: its compute alone (`time(s, 1)`), if known.
+        """
         self.s = np.asarray(seqlens, dtype=np.float64)
         self.cost_model = cost_model
         self.pool_size = int(pool_size)
@@ -114,9 +129,9 @@ class RingCosts:
         if min_time is None:
             min_time = cost_model.time(self.s, self.k_min)
         self.min_time = np.asarray(min_time, dtype=np.float64)
-        self.compute = np.asarray(
-            cost_model.linear_time(self.s) + cost_model.attention_time(self.s), dtype=np.float64
-        )
+        if compute is None:
+            compute = cost_model.linear_time(self.s) + cost_model.attention_time(self.s)
+        self.compute = np.asarray(compute, dtype=np.float64)
         # The widest ring a plan gives: every member holds a token, within the pool.
         self.k_max = np.maximum(self.k_min, np.minimum(self.pool_size, self.s.astype(np.int64)))
 
@@ -203,8 +218,8 @@ class _Conflicts:
             grid = _width_grid(k, hi)
             slow = np.min(costs.time(idx[:, None], grid), axis=1) > self.lo
             maybe[idx[slow]] = True
+        maybe[top] = False
         extra = np.nonzero(maybe)[0]
-        extra = extra[~np.isin(extra, top)]
         if len(extra):
             tables.update(zip(extra.tolist(), zip(*self._tables(extra))))
         self.cand = np.array(sorted(tables), dtype=np.int64)
@@ -219,9 +234,17 @@ class _Conflicts:
         Sequences of equal length and ring limits share one table.
         """
         costs, k_min, k_max = self.costs, self.costs.k_min, self.costs.k_max
-        keys = np.stack([costs.s[idx], k_min[idx], k_max[idx]], axis=1)
-        keys, inverse = np.unique(keys, axis=0, return_inverse=True)
-        first = idx[np.unique(inverse.ravel(), return_index=True)[1]]
+        keys: dict = {}  # (length, k_min, k_max) -> its table's row; few rows
+        inverse = np.empty(len(idx), dtype=np.int64)
+        first = []
+        for j, key in enumerate(
+            zip(costs.s[idx].tolist(), k_min[idx].tolist(), k_max[idx].tolist())
+        ):
+            row = keys.setdefault(key, len(keys))
+            if row == len(first):
+                first.append(idx[j])
+            inverse[j] = row
+        first = np.asarray(first, dtype=np.int64)
         span = np.arange(int((k_max[first] - k_min[first]).max()) + 1)
         widths = np.minimum(k_min[first][:, None] + span, k_max[first][:, None])
         table = costs.time(first[:, None], widths)  # rows padded with their widest ring
@@ -233,7 +256,6 @@ class _Conflicts:
                 for i, t in zip(first, tables)
             ]
         )
-        inverse = inverse.ravel()
         return best[inverse], best_half[inverse], [tables[j] for j in inverse]
 
     def chain(self, t: float) -> float:
@@ -397,7 +419,8 @@ def plan_ring_sizes(
     tried: list[_Candidate] = []
 
     def candidate(widths, ranged=False, singles=False) -> _Candidate | None:
-        key = (widths.tobytes(), ranged, singles)
+        wider = np.nonzero(widths != costs.k_min)[0]  # a short key: where widths differ
+        key = (wider.tobytes(), widths[wider].tobytes(), ranged, singles)
         if key in seen:
             return None
         seen.add(key)
@@ -416,10 +439,14 @@ def plan_ring_sizes(
 
     def done() -> bool:
         fast = [c for c in tried if c.makespan <= (1.0 + ACCEPT) * target]
-        return bool(fast) and (
-            len(tried) > attention_runs
-            or any(c.attention <= (1.0 + ATTENTION_ACCEPT) * attention_bound for c in fast)
-        )
+        if not fast:
+            return False
+        if len(tried) > attention_runs or any(
+            c.attention <= (1.0 + ATTENTION_ACCEPT) * attention_bound for c in fast
+        ):
+            return True
+        pick = chosen()
+        return max(pick.makespan / target, pick.attention / attention_bound) <= 1.0 + CHOSEN_ACCEPT
 
     def chosen() -> _Candidate:
         fastest = min(c.makespan for c in tried)

@@ -89,6 +89,41 @@ def test_for_rank_makes_only_its_own_micro_batches():
     assert sorted(i for mb in plan.micro_batches for i in mb.seq_indices) == list(range(2000))
 
 
+@pytest.mark.parametrize("pool", [7, 65536, 70_001])
+def test_for_rank_lists_each_rank_s_micro_batches_in_order_at_any_pool_size(pool):
+    # Per-rank lists are sorted by rank with 16-bit keys up to 65,536 ranks, by full
+    # integers beyond: either way, each rank's micro-batches in plan order.
+    rng = np.random.default_rng(pool)
+    m = 300
+    rings = [
+        sorted(rng.choice(pool, size=int(rng.integers(1, 6)), replace=False)) for _ in range(m)
+    ]
+    rings[0] = [0, pool - 1]
+    plan = StepPlan(
+        pool_size=pool,
+        capacity=8,
+        seqlens=[3] * m,
+        policy="x",
+        order=np.arange(m),
+        ring_offsets=np.cumsum([0] + [len(r) for r in rings]),
+        ring_ranks=np.concatenate(rings),
+        seq_offsets=np.arange(m + 1),
+        seq_ids=np.arange(m),
+    )
+    for rank in {0, pool - 1, *rings[1], *rings[-1]}:
+        expected = [n for n, ring in enumerate(rings) if rank in ring]
+        assert [mb.order for mb in plan.for_rank(int(rank))] == expected
+
+
+def test_exact_int_array_reads_only_exact_ints():
+    assert _planner.exact_int_array([3, 0, -2, 2**62]).tolist() == [3, 0, -2, 2**62]
+    assert _planner.exact_int_array((5,)).dtype == np.int64
+    assert _planner.exact_int_array([]).tolist() == []
+    # Anything else goes back to the element-by-element path, which names it.
+    for other in ([1, True], [1, np.int64(2)], [1, 2.0], [1, 2**63], np.arange(3), range(3)):
+        assert _planner.exact_int_array(other) is None
+
+
 def test_round_trip_digest_and_read_only_columns():
     plan = plan_step([900, 40, 3000, 7, 512, 2048], pool_size=4, capacity=1024, policy="balanced")
     again = StepPlan.from_dict(json.loads(plan.to_json()))

@@ -16,6 +16,7 @@ from megatron_hdp.scheduler.cost import H100, CostModel
 from megatron_hdp.scheduler.placement import plan_balanced
 from megatron_hdp.scheduler.planner import default_core, reference_core
 from megatron_hdp.scheduler.ring_sizing import (
+    CHOSEN_ACCEPT,
     TIME_CEILING,
     RingCosts,
     attention_peak,
@@ -266,3 +267,27 @@ def test_attention_breaks_near_ties_within_the_time_ceiling(fixed, ranged, expec
     assert got.makespan <= max(fixed, 1 + TIME_CEILING) * bound.value
     no_balance = plan_ring_sizes(costs, run, bound=bound, balance_attention=False)
     assert no_balance.makespan == fixed * bound.value and no_balance.ranges is None
+
+
+@pytest.mark.parametrize("ranged, runs", [(1.02, 2), (1.028, None)])
+def test_search_stops_once_its_choice_is_close_on_both_counts(ranged, runs):
+    # The fixed-width plan is fast (1.005) but puts all attention on one rank; the ranged
+    # one balances it. At 1.02 the ranged plan is the choice, within CHOSEN_ACCEPT of
+    # both bounds: the search stops after it. At 1.028 it is more than 2% slower than the
+    # fastest, the choice stays unbalanced and the search goes on.
+    seqlens = [3000, 3000]
+    costs = costs_of(seqlens, 2)
+    bound = step_lower_bound(costs)
+    fake = _fake_core(1.005, ranged, bound.value)
+    calls = []
+
+    def run(widths, ranges, singles):
+        calls.append(ranges is not None)
+        return fake(widths, ranges, singles)
+
+    got = plan_ring_sizes(costs, run, bound=bound)
+    assert 1.02 <= 1 + CHOSEN_ACCEPT < 1.028
+    if runs is None:
+        assert len(calls) > 2 and got.ranges is None
+    else:
+        assert calls == [False, True] and got.ranges is not None
