@@ -128,6 +128,21 @@ def test_no_schedule_of_a_small_batch_beats_the_bound(pool, seqlens):
     assert bound <= best * (1 + 1e-9)
 
 
+def few_long_sequences():
+    for mix in ("github_like", "byted_like", "stdlib_like", "pareto_like"):
+        for pool in (8, 16, 61):
+            yield pool, first_sequences(BENCH_MIXES[mix], [pool, 5], 8, pool * C)
+
+
+@pytest.mark.parametrize("pool, seqlens", list(few_long_sequences()) + CONFLICTS)
+def test_with_few_sequences_the_work_term_is_the_exact_fluid_one(pool, seqlens):
+    # Up to 8 sequences all have tables of every width: the work term charges each the
+    # fewest ranks that finish it within T (the brute force tries every width), not just
+    # ceil(A / T) of them, which left the bound up to 7% below this on these batches.
+    bound = step_lower_bound(costs_of(seqlens, pool)).value
+    assert bound >= brute_force_fluid_bound(seqlens, pool) * (1 - 2e-6)
+
+
 def test_sequences_that_cannot_share_the_pool_lift_the_bound_above_the_fluid_one():
     lifted = [
         step_lower_bound(costs_of(seqlens, pool)).value / brute_force_fluid_bound(seqlens, pool)
