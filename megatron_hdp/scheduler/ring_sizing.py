@@ -17,18 +17,20 @@ busy time `sum_i W_i(k_i)` fits in `N T`. The bound is the least `T` with
     N T >= sum_i W_i(max(k_min_i, ceil(A_i / T)))   (the work at the widths T forces)
     T >= sum of best times over sequences that cannot share the pool at T (below)
 
-found by bisection (every right side falls as `T` grows). For the longest few sequences
-(those with a table of every width, below) the work term uses the width `T` really
-forces, the fewest ranks that finish them within `T` (at least `ceil(A_i / T)`, so the
-term only grows, and it still falls as `T` grows): on small batches with a few long
-sequences this lifts the bound up to 5% (`extra_work`). Two sequences cannot run at the
-same time when the fewest ranks that finish each within `T` add up to more than `N`: a
-sequence that needs more than `N / 2` ranks at `T` (its best time on at most `N / 2`
-ranks exceeds `T`) excludes every other such sequence, and also every sequence whose
-forced width exceeds what the narrowest of them leaves. Those run one after another, each
-taking at least its best ring's time. It is at least the classic
-`max(longest item at its best ring, total work at minimal rings / N)` and, like it,
-assumes the cost model prices each sequence on its own ring (as every HDP plan and
+found by bisection (every right side falls as `T` grows). For the sequences with a table
+of every width (the 8 longest, and those that may need more than half the pool, below)
+the work term uses the width `T` really forces, the fewest ranks that finish them within
+`T` (at least `ceil(A_i / T)`, so the term only grows, and it still falls as `T` grows):
+with up to 8 sequences that is the exact fluid bound, up to 7% above the estimate on
+small test batches and 4.7% in the planner benchmark (`_Conflicts.extra_work`).
+
+Two sequences cannot run at the same time when the fewest ranks that finish each within
+`T` add up to more than `N`: a sequence that needs more than `N / 2` ranks at `T` (its
+best time on at most `N / 2` ranks exceeds `T`) excludes every other such sequence, and
+also every sequence whose forced width exceeds what the narrowest of them leaves. Those
+run one after another, each taking at least its best ring's time. It is at least the
+classic `max(longest item at its best ring, total work at minimal rings / N)` and, like
+it, assumes the cost model prices each sequence on its own ring (as every HDP plan and
 Megatron-Core's scheduler do; packs of several documents on one ring, as the static mesh
 builds, share ring messages and are bounded by their compute alone).
 
@@ -143,13 +145,6 @@ class RingCosts:
     def time(self, idx, k) -> np.ndarray:
         """Per-member seconds of sequences `idx` on rings of `k` ranks (broadcasts)."""
         return np.asarray(self.cost_model.time(self.s[idx], k), dtype=np.float64)
-
-    def times(self, widths: np.ndarray) -> np.ndarray:
-        """Per-member seconds of every sequence at `widths` (computed where not minimal)."""
-        out = self.min_time.copy()
-        wider = np.nonzero(widths != self.k_min)[0]
-        out[wider] = self.time(wider, widths[wider])
-        return out
 
 
 def step_lower_bound(costs: RingCosts) -> StepBound:
