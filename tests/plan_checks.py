@@ -1,6 +1,21 @@
 """Independent checks of plans shared by the planner tests."""
 
-from megatron_hdp.scheduler.plan import StepPlan
+from megatron_hdp.scheduler.plan import MicroBatch, StepPlan, plan_from_rank_lists
+
+
+def ring_waits_plan() -> StepPlan:
+    """Two ranks busy for 1 and 3 s, then a ring of both for 2 s: it runs 3-5 s."""
+    return plan_from_rank_lists(
+        [4, 4, 16],
+        2,
+        8,
+        "manual",
+        [
+            MicroBatch(order=0, ring=(0,), seq_indices=(0,), predicted_cost=1.0),
+            MicroBatch(order=1, ring=(1,), seq_indices=(1,), predicted_cost=3.0),
+            MicroBatch(order=2, ring=(0, 1), seq_indices=(2,), predicted_cost=2.0),
+        ],
+    )
 
 
 def run_to_completion(plan: StepPlan) -> bool:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_hdp.checkpoint_files import latest_iteration
+from tests import polling
 from tests.e2e.harness import SMALL_MODEL, torchrun_command
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,13 +54,7 @@ def finish(proc, timeout=120):
 
 
 def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    return polling.wait_for(predicate, timeout, what, poll=0.1)
 
 
 def steps_done(tmp_path):

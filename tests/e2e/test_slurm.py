@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from megatron_hdp.checkpoint_files import iteration_dir, latest_iteration
+from tests.polling import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "scripts" / "slurm" / "pretrain_hdp.sbatch"
@@ -76,6 +77,17 @@ def _clean_env() -> dict:
     return {**env, "PATH": SEARCH_PATH}
 
 
+def _local_slurm(verb: str, folder: Path, env: dict, timeout: float):
+    """`local_slurm.sh VERB FOLDER`, its output captured."""
+    return subprocess.run(
+        ["bash", str(LOCAL_SLURM), verb, str(folder)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 @pytest.fixture
 def slurm():
     """A single-node SLURM started for this test and stopped after it, also on failure."""
@@ -83,25 +95,13 @@ def slurm():
     folder = Path(tempfile.mkdtemp(prefix="hdp-slurm-"))
     env = {**_clean_env(), "SLURM_CONF": str(folder / "slurm.conf")}
     try:
-        started = subprocess.run(
-            ["bash", str(LOCAL_SLURM), "start", str(folder)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        started = _local_slurm("start", folder, env, timeout=120)
         assert started.returncode == 0, (
             f"local_slurm.sh start failed:\n{started.stdout}\n{started.stderr}"
         )
         yield Cluster(folder, env)
     finally:
-        stopped = subprocess.run(
-            ["bash", str(LOCAL_SLURM), "stop", str(folder)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=180,
-        )
+        stopped = _local_slurm("stop", folder, env, timeout=180)
         if stopped.returncode != 0:
             log.warning("local_slurm.sh stop: %s %s", stopped.stdout, stopped.stderr)
         shutil.rmtree(folder, ignore_errors=True)
@@ -128,17 +128,6 @@ def diagnostics(cluster: Cluster, job_id: str, out_file: Path) -> str:
             parts.append(f"---- {daemon_log.name}\n{_tail(daemon_log, 30)}")
     parts.append(f"---- {out_file}\n{_tail(out_file, 60)}")
     return "\n".join(parts)
-
-
-def wait_for(predicate, timeout: float, what: str, diagnose):
-    """Poll `predicate` until it returns something true; a timeout fails with `diagnose()`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{diagnose()}")
 
 
 def metric_iterations(path: Path) -> list[int]:

@@ -15,6 +15,7 @@ from megatron_hdp.report.timeline import timeline_record
 from megatron_hdp.scheduler import plan_step
 from megatron_hdp.scheduler.plan import MicroBatch, plan_from_rank_lists
 from megatron_hdp.sharding import rank_token_counts
+from tests.plan_checks import ring_waits_plan
 
 RECORDS = [
     {
@@ -212,17 +213,7 @@ def test_static_mesh_cp_names_an_impossible_pool():
 
 
 def test_predicted_step_time_waits_for_ring_members():
-    plan = plan_from_rank_lists(
-        [4, 4, 16],
-        2,
-        8,
-        "manual",
-        [
-            MicroBatch(order=0, ring=(0,), seq_indices=(0,), predicted_cost=1.0),
-            MicroBatch(order=1, ring=(1,), seq_indices=(1,), predicted_cost=3.0),
-            MicroBatch(order=2, ring=(0, 1), seq_indices=(2,), predicted_cost=2.0),
-        ],
-    )
+    plan = ring_waits_plan()
     # rank 1 is busy until 3, so the ring runs 3-5
     assert predicted_step_seconds(plan) == 5.0
 

@@ -3,22 +3,12 @@
 import pytest
 
 from megatron_hdp.scheduler import plan_step
-from megatron_hdp.scheduler.plan import MicroBatch, plan_from_rank_lists
 from megatron_hdp.sim.timeline import timeline
+from tests.plan_checks import ring_waits_plan
 
 
 def test_ring_waits_for_its_slowest_member():
-    plan = plan_from_rank_lists(
-        [4, 4, 16],
-        2,
-        8,
-        "manual",
-        [
-            MicroBatch(order=0, ring=(0,), seq_indices=(0,), predicted_cost=1.0),
-            MicroBatch(order=1, ring=(1,), seq_indices=(1,), predicted_cost=3.0),
-            MicroBatch(order=2, ring=(0, 1), seq_indices=(2,), predicted_cost=2.0),
-        ],
-    )
+    plan = ring_waits_plan()
     t = timeline(plan)
     assert t.starts == (0.0, 0.0, 3.0)
     assert t.finish == (5.0, 5.0) and t.busy == (3.0, 5.0) and t.step_time == 5.0
