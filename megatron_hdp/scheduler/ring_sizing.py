@@ -52,13 +52,19 @@ one whose worse ratio (time, or attention over its mean) is least:
    without ring sizing);
 5. from the best so far, the critical item grows: the last ring to finish gets one rank
    more, or the longest sequence of the last pack gets a ring of two; kept while the
-   predicted step falls.
+   predicted step falls;
+6. on small batches, looser targets `f T` (`LOOSER_TARGETS`, single), each grown as in 5,
+   then step 5 from every other candidate, fastest first, while runs remain: with about
+   one sequence per rank the best plan often starts from a candidate that is not the
+   fastest (a sequence on a wide ring that fills the ranks two rings leave free).
 
-Steps 2-5 share a budget of core runs that shrinks with the batch (`SEARCH_BUDGET`), so
-planning 16,384 ranks costs at most three core runs more than the first; candidates
-that repeat one already run are skipped. Once the step time is accepted, the search goes on
-for attention balance only within `ATTENTION_BUDGET` (no run at 16,384 ranks), and only
-while the candidate it would return is more than `CHOSEN_ACCEPT` above either bound.
+A packed run whose micro-batches each hold one sequence is also the single run of the
+same widths; that one is not run again. Steps 2-6 share a budget of core runs that
+shrinks with the batch (`SEARCH_BUDGET`), so planning 16,384 ranks costs at most three
+core runs more than the first; candidates that repeat one already run are skipped. Once
+the step time is accepted, the search goes on for attention balance only within
+`ATTENTION_BUDGET` (no run at 16,384 ranks), and only while the candidate it would
+return is more than `CHOSEN_ACCEPT` above either bound.
 """
 
 from __future__ import annotations
@@ -91,6 +97,9 @@ ATTENTION_BUDGET = 32_768
 WORK_SLACK = 0.02
 #: Tighter targets tried (fractions of the bound), coarse steps first.
 TIGHTER_TARGETS = (0.7, 0.5, 0.25, 0.125, 0.85, 0.35, 0.18)
+#: Looser targets tried on small batches: a ring that just misses the bound on `k` ranks
+#: may finish on `k - 1` a little later, freeing a rank for the rest.
+LOOSER_TARGETS = (1.03, 1.06, 1.1, 1.2)
 #: Core runs the search may spend after the first, and the batch size (sequences + ranks)
 #: times runs it may spend at most (3 runs at 16,384 ranks with ~8 micro-batches each).
 SEARCH_RUNS = 48
@@ -391,6 +400,12 @@ class _Candidate:
         return attention_peak(self.placements, self.seqlens, self.pool_size)
 
 
+def _no_packs(placements) -> bool:
+    """Whether every micro-batch of flat placements holds one sequence."""
+    seq_offsets = placements[4]
+    return len(seq_offsets) - 1 == seq_offsets[-1]
+
+
 def attention_peak(placements, seqlens: np.ndarray, pool_size: int) -> float:
     """The largest per-rank sum of `s^2 / ring size` of flat placements (`placement_arrays`).
 
@@ -451,6 +466,8 @@ def plan_ring_sizes(
         seen.add(key)
         ranges = width_ranges(costs, widths) if ranged else None
         makespan, last, placements = run_core(widths, ranges, singles)
+        if not singles and _no_packs(placements):
+            seen.add(key[:3] + (True,))  # unpacking would place the same items
         tried.append(
             _Candidate(
                 makespan, widths, ranges, singles, last, placements, costs.s, costs.pool_size
@@ -514,27 +531,50 @@ def plan_ring_sizes(
         spent += 1
         if c.makespan < best.makespan:
             best = c
-    for _ in range(runs - spent):
-        if done():
-            break
-        seqs, width = best.last
-        widths = best.widths.copy()
-        if width > 1:
-            i = int(seqs[0])
-            if best.ranges is not None:  # fix the width the core chose, then grow it
-                widths[i] = width
-            if widths[i] >= costs.k_max[i]:
+    grown = set()  # candidates the growth has started from (by identity)
+
+    def grow(best: _Candidate) -> _Candidate:
+        """Grow the critical item from `best` while the predicted step falls (step 5)."""
+        nonlocal spent
+        grown.add(id(best))
+        while spent < runs and not done():
+            seqs, width = best.last
+            widths = best.widths.copy()
+            if width > 1:
+                i = int(seqs[0])
+                if best.ranges is not None:  # fix the width the core chose, then grow it
+                    widths[i] = width
+                if widths[i] >= costs.k_max[i]:
+                    break
+                widths[i] += 1
+            else:
+                i = max((int(j) for j in seqs), key=lambda j: (costs.s[j], -j))
+                if costs.k_max[i] < 2:
+                    break
+                widths[i] = 2
+            trial = candidate(widths, best.ranges is not None, best.singles)
+            if trial is None:
                 break
-            widths[i] += 1
-        else:
-            i = max((int(j) for j in seqs), key=lambda j: (costs.s[j], -j))
-            if costs.k_max[i] < 2:
+            spent += 1
+            if trial.makespan >= best.makespan:
                 break
-            widths[i] = 2
-        trial = candidate(widths, best.ranges is not None, best.singles)
-        if trial is None or trial.makespan >= best.makespan:
-            break
-        best = trial
+            best = trial
+        return best
+
+    grow(best)
+    if try_singles:  # step 6
+        for f in LOOSER_TARGETS:
+            if spent >= runs or done():
+                break
+            start = candidate(target_widths(costs, f * target), singles=True)
+            if start is not None:
+                spent += 1
+                grow(start)
+        while spent < runs and not done():
+            starts = [c for c in tried if id(c) not in grown]
+            if not starts:
+                break
+            grow(min(starts, key=lambda c: c.makespan))
     return chosen()
 
 

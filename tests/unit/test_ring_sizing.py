@@ -13,12 +13,13 @@ import pytest
 
 from megatron_hdp.scheduler.balance import placement_arrays
 from megatron_hdp.scheduler.cost import H100, CostModel
-from megatron_hdp.scheduler.placement import plan_balanced
+from megatron_hdp.scheduler.placement import _CoreRunner, plan_balanced
 from megatron_hdp.scheduler.planner import default_core, reference_core
 from megatron_hdp.scheduler.ring_sizing import (
     CHOSEN_ACCEPT,
     TIME_CEILING,
     RingCosts,
+    _no_packs,
     attention_peak,
     plan_ring_sizes,
     step_lower_bound,
@@ -87,17 +88,19 @@ def test_bound_is_near_the_exact_fluid_bound_and_above_the_classic_one(mix, pool
     assert bound.value >= max(work, best) * (1 - 1e-12)
 
 
-def brute_force_best_schedule(seqlens, pool):
+def brute_force_best_schedule(seqlens, pool, wider=None):
     """The shortest list schedule over every width of every sequence and every order.
 
     Each sequence runs alone on a ring of its width (single-rank when 1), on the ranks
     that become free first, starting when the last of them is free. Any such schedule is
-    a plan, so no lower bound may exceed the best one.
+    a plan, so no lower bound may exceed the best one. `wider`: widths at most this many
+    ranks above the minimal ring (None: up to the pool).
     """
     s = np.asarray(seqlens, dtype=np.float64)
     k_min = np.maximum(1, np.ceil(s / C)).astype(np.int64)
+    top = [pool if wider is None else min(pool, int(k) + wider) for k in k_min]
     choices = [
-        [(k, float(MODEL.time(x, k))) for k in range(k_min[i], pool + 1)] for i, x in enumerate(s)
+        [(k, float(MODEL.time(x, k))) for k in range(k_min[i], top[i] + 1)] for i, x in enumerate(s)
     ]
     best = math.inf
     for widths in itertools.product(*choices):
@@ -307,3 +310,49 @@ def test_search_stops_once_its_choice_is_close_on_both_counts(ranged, runs):
         assert len(calls) > 2
     else:
         assert calls == [False, True] and got.ranges is not None
+
+
+# Five sequences on 6-8 ranks (seeds where the search once stopped 5-11% above the best
+# list schedule): one of them belongs on a ring wider than its target, filling the ranks
+# two other rings leave free, or just misses the bound on `k` ranks and fits on `k - 1`.
+TINY = [
+    ("github_like", 6, 0),
+    ("github_like", 6, 1),
+    ("github_like", 8, 2),
+    ("byted_like", 6, 1),
+    ("pareto_like", 6, 0),
+]
+
+
+@pytest.mark.parametrize("mix, pool, seed", TINY)
+def test_tiny_batches_find_the_best_list_schedule(mix, pool, seed):
+    seqlens = [int(x) for x in first_sequences(BENCH_MIXES[mix], [pool, seed, 11], 5, pool * C)]
+    plan = plan_balanced(seqlens, pool_size=pool, capacity=C, cost_model=MODEL)
+    best = brute_force_best_schedule(seqlens, pool, wider=3)
+    assert makespan(plan) <= best * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("core", [default_core(), reference_core], ids=["cpp", "python"])
+def test_a_packed_run_without_packs_is_the_single_run(core):
+    # The search skips the single run of widths whose packed run made no pack: the core
+    # then places the same items (lengths only decide the packing).
+    checked = 0
+    for _, pool, seqlens in batches():
+        s = np.asarray(seqlens, dtype=np.int64)
+        costs = costs_of(seqlens, pool)
+        local = MODEL.time(costs.s, 1)
+        bound = step_lower_bound(costs).value
+        for pack_tokens in (C, C // 8, C // 64):
+            run = _CoreRunner(core, s, local, costs, C, pack_tokens, 0.0)
+            for target in (0.5 * bound, bound, 2.0 * bound):
+                widths = target_widths(costs, target)
+                packed = run(widths, None, False)
+                if not _no_packs(packed[2]):
+                    continue
+                single = run(widths, None, True)
+                assert packed[0] == single[0] and packed[1][1] == single[1][1]
+                np.testing.assert_array_equal(packed[1][0], single[1][0])
+                for a, b in zip(packed[2], single[2]):
+                    np.testing.assert_array_equal(a, b)
+                checked += 1
+    assert checked >= 5
