@@ -16,9 +16,12 @@ long-context fine-tuning and RL batches are).
 - plan quality: predicted step time over the lower bound `ring_sizing.step_lower_bound`
   (no plan that runs each sequence on its own ring or packs it on one rank can be
   shorter: the widths a step time forces, their work, and the longest sequence at its
-  best ring), for `balanced` (ring sizes decided), `balanced_min_rings` (the balance
-  scheduler with every ring at its minimal size, as before ring sizing), `greedy`, the
-  `static` DP x CP mesh (smallest CP that holds the longest sequence and divides N) and
+  best ring) or, where sequences x ranks <= `--relaxation-size` and it is higher, the
+  rank-load relaxation's bound (`rank_load_relaxation.py`: the same plans with ring
+  members free to run at different moments, solved by HiGHS within `--relaxation-limit`
+  seconds; needs scipy), for `balanced` (ring sizes decided), `balanced_min_rings` (the
+  balance scheduler with every ring at its minimal size, as before ring sizing), `greedy`,
+  the `static` DP x CP mesh (smallest CP that holds the longest sequence and divides N) and
   Megatron-Core 0.16.1's `BalancedCPScheduler` (barrier-separated groups; scored under our
   cost model with its actual CP per sequence and under its own s^2/cp measure).
 
@@ -62,6 +65,9 @@ from megatron_hdp.sim.distributions import (  # noqa: E402
     first_sequences,
 )
 from megatron_hdp.sim.models import MODELS  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rank_load_relaxation import rank_load_bound  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 CAPACITY = 8192
@@ -118,6 +124,18 @@ def parse_args(argv=None):
         help="stop repeating a Python-core timing once one run exceeds this many seconds",
     )
     p.add_argument(
+        "--relaxation-limit",
+        type=float,
+        default=30.0,
+        help="seconds the rank-load relaxation's solver may run per batch (0: not run)",
+    )
+    p.add_argument(
+        "--relaxation-size",
+        type=int,
+        default=400,
+        help="run the rank-load relaxation where sequences x ranks is at most this",
+    )
+    p.add_argument(
         "--mcore-limit",
         type=float,
         default=60.0,
@@ -128,6 +146,8 @@ def parse_args(argv=None):
         p.error(f"--repeats must be >= 1, got {args.repeats}")
     if any(n < 1 for n in args.pools):
         p.error(f"pool sizes must be >= 1, got {args.pools}")
+    if args.relaxation_limit < 0:
+        p.error(f"--relaxation-limit must be >= 0, got {args.relaxation_limit}")
     return args
 
 
@@ -324,6 +344,7 @@ def run_case(mix, pool, size, args, cost_model, cpp_core, mcore_cls) -> dict:
         "seed": args.seed,
         "batch": describe(seqlens),
         "lower_bound_s": lb,
+        "lower_bound_fluid_s": lb,
         "lower_bound_work_at_min_rings_s": bound.work_at_min_rings,
         "lower_bound_longest_at_best_ring_s": bound.longest_at_best_ring,
         "lower_bound_s2": lb_s2,
@@ -369,6 +390,25 @@ def run_case(mix, pool, size, args, cost_model, cpp_core, mcore_cls) -> dict:
     else:
         t["cpp"] = None
         min_rings = whole_plan(seqlens, pool, cost_model, python_core, size_rings=False)
+
+    if args.relaxation_limit > 0 and len(seqlens) * pool <= args.relaxation_size:
+        upper = max(mb.predicted_start + mb.predicted_cost for mb in balanced.micro_batches)
+        try:
+            relaxation = rank_load_bound(
+                seqlens,
+                pool,
+                cost_model,
+                CAPACITY,
+                lower=lb,
+                upper=upper,
+                time_limit=args.relaxation_limit,
+            )
+        except ImportError as err:
+            relaxation = {"skipped": f"{err}"}
+        else:
+            lb = relaxation["value"]
+        case["lower_bound_s"] = lb
+        case["lower_bound_relaxation"] = relaxation
 
     q = case["quality"]
     greedy, static = (
@@ -509,8 +549,9 @@ def _mcore(q, key):
 def markdown(results) -> str:
     lines = [
         "| mix | size | N | seqs | C++ core ms | C++ plan_step ms (min rings) | Py plan_step ms "
-        "| balanced | min rings | greedy | static (cp) | MCore ours | balanced s2 | MCore s2 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| bound / fluid | balanced | min rings | greedy | static (cp) | MCore ours "
+        "| balanced s2 | MCore s2 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in results:
         t, q = c["plan_time"], c["quality"]
@@ -519,6 +560,7 @@ def markdown(results) -> str:
             f"| {_ms(t['cpp'], 'core')} "
             f"| {_ms(t['cpp'], 'plan_step')} ({_ms(t['cpp'], 'plan_step_min_rings')}) "
             f"| {_ms(t['python'], 'plan_step')} "
+            f"| {c['lower_bound_s'] / c['lower_bound_fluid_s']:.4f} "
             f"| {q['balanced']['ratio_to_lower_bound']:.3f} "
             f"| {q['balanced_min_rings']['ratio_to_lower_bound']:.3f} "
             f"| {q['greedy']['ratio_to_lower_bound']:.3f} "
@@ -528,8 +570,9 @@ def markdown(results) -> str:
             f"| {_mcore(q, 's2_ratio_to_lower_bound')} |"
         )
     lines.append(
-        "\nQuality = predicted step time / lower bound (1.0 is optimal); s2 = Megatron-Core's "
-        "own s^2/cp measure over sum(s^2)/N."
+        "\nQuality = predicted step time / lower bound (1.0 is optimal); bound / fluid > 1: "
+        "the rank-load relaxation raised the bound; s2 = Megatron-Core's own s^2/cp measure "
+        "over sum(s^2)/N."
     )
     return "\n".join(lines)
 
@@ -552,8 +595,11 @@ def main(argv=None) -> int:
                     flush=True,
                 )
     versions = environment()
-    for pkg in ("numpy", "matplotlib"):
-        versions[pkg] = metadata.version(pkg)
+    for pkg in ("numpy", "matplotlib", "scipy"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
     report = {
         "benchmark": "planner_bench",
         "config": {
@@ -571,6 +617,8 @@ def main(argv=None) -> int:
             "seed": args.seed,
             "python_limit_s": args.python_limit,
             "mcore_limit_s": args.mcore_limit,
+            "relaxation_limit_s": args.relaxation_limit,
+            "relaxation_size": args.relaxation_size,
             "mcore_seconds_per_seq_rank_estimate": MCORE_SECONDS_PER_SEQ_RANK,
             "definitions": {
                 "plan_time.core": "balance core call alone (numpy inputs prepared), returning "
@@ -584,7 +632,10 @@ def main(argv=None) -> int:
                 "lower_bound_s": "ring_sizing.step_lower_bound: least T with every sequence "
                 "fitting some ring within T and the work of the widths T forces fitting in "
                 "N T; at least max(longest item at its best ring, total work at minimal "
-                "rings / N); same bound for every system",
+                "rings / N); where sequences x ranks <= relaxation_size, the higher of that "
+                "(lower_bound_fluid_s) and the rank-load relaxation's "
+                "(lower_bound_relaxation: rank_load_relaxation.py, HiGHS dual bound within "
+                "relaxation_limit_s); same bound for every system",
                 "balanced_min_rings": "the balanced policy with every ring at ceil(s / C) "
                 "(plan_balanced(size_rings=False)), the planner before ring sizing",
                 "plan_time.ring_sizing_time_growth": "C++ plan_step / plan_step with "
