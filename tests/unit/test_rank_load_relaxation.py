@@ -57,4 +57,4 @@ def test_on_tiny_batches_the_relaxation_shows_the_plan_optimal(mix, pool, seed):
         seqlens, pool, MODEL, C, lower=fluid, upper=plan, time_limit=30
     )
     assert fluid < 0.95 * plan  # the fluid bound alone leaves a gap of 5-13%
-    assert got["value"] >= plan * (1 - 1e-5)
+    assert got["value"] >= plan * (1 - 2e-5)  # the bound is shaded by 1e-5 (SAFETY)
