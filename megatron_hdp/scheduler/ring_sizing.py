@@ -53,10 +53,11 @@ one whose worse ratio (time, or attention over its mean) is least:
 5. from the best so far, the critical item grows: the last ring to finish gets one rank
    more, or the longest sequence of the last pack gets a ring of two; kept while the
    predicted step falls;
-6. on small batches, looser targets `f T` (`LOOSER_TARGETS`, single), each grown as in 5,
-   then step 5 from every other candidate, fastest first, while runs remain: with about
-   one sequence per rank the best plan often starts from a candidate that is not the
-   fastest (a sequence on a wide ring that fills the ranks two rings leave free).
+6. with `try_singles` (small batches, or packs below capacity), looser targets `f T`
+   (`LOOSER_TARGETS`, single), each grown as in 5, then step 5 from every other
+   candidate, fastest first, while runs remain: with about one sequence per rank the
+   best plan often starts from a candidate that is not the fastest (a sequence on a wide
+   ring that fills the ranks two rings leave free).
 
 A packed run whose micro-batches each hold one sequence is also the single run of the
 same widths; that one is not run again. Steps 2-6 share a budget of core runs that

@@ -635,7 +635,8 @@ def main(argv=None) -> int:
                 "rings / N); where sequences x ranks <= relaxation_size, the higher of that "
                 "(lower_bound_fluid_s) and the rank-load relaxation's "
                 "(lower_bound_relaxation: rank_load_relaxation.py, HiGHS dual bound within "
-                "relaxation_limit_s); same bound for every system",
+                "relaxation_limit_s); same bound for every system (both price each "
+                "sequence on its own ring: static's packs on one ring can score below 1)",
                 "balanced_min_rings": "the balanced policy with every ring at ceil(s / C) "
                 "(plan_balanced(size_rings=False)), the planner before ring sizing",
                 "plan_time.ring_sizing_time_growth": "C++ plan_step / plan_step with "

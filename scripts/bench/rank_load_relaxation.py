@@ -12,11 +12,14 @@ moment) and keeps everything else a plan must satisfy:
 - the `k` members are distinct ranks;
 - every rank's busy time is at most the step time `T`.
 
-Any plan satisfies these, so the least `T` they allow is a lower bound on every plan's
-step time. It is found with HiGHS (`scipy.optimize.milp`), where the solver's dual bound
-is a lower bound even when it stops at its time limit. A plan of step `U` is known (our
-own), so widths with `t(s, k) > U` are left out: a plan shorter than `U` cannot use them,
-and the bound returned is at most `U`.
+Any plan that prices each sequence on its own ring (ours, greedy, Megatron-Core's as the
+benchmark scores it) satisfies these, so the least `T` they allow is a lower bound on its
+step time. The static mesh's packs of several documents on one ring make one ring pass
+per layer for the whole pack and fall outside: its ratio can drop below 1 (as it can
+below the fluid bound). The least `T` is found with HiGHS (`scipy.optimize.milp`), whose
+dual bound is a lower bound even when it stops at its time limit. A plan of step `U` is
+known (our own), so widths with `t(s, k) > U` are left out: a plan shorter than `U`
+cannot use them, and the bound returned is at most `U`.
 
 Variables: `y[o]` (sequence i runs at width k, for each option `o = (i, k)`), `x[o, r]`
 (rank r is a member of that ring) and `T`:
@@ -37,8 +40,8 @@ import time
 
 import numpy as np
 
-#: The dual bound is shaded by this share for the solver's tolerances (HiGHS: rows within
-#: 1e-7, the gap within 1e-6 of the bound; a step of 0.05 s is 2e-6 of it).
+#: The dual bound is shaded by this share for the solver's tolerances. HiGHS's are
+#: absolute (rows within 1e-7), so times are solved in units of `upper` (T near 1).
 SAFETY = 1e-5
 
 
@@ -57,9 +60,10 @@ def rank_load_bound(
     `lower`: a bound already known (the fluid one; the result is at least this);
     `upper`: the step time of a known plan (widths slower than it are left out);
     `time_limit`: seconds the solver may run (its dual bound at the limit is still a bound).
-    Returns `value` (the bound, at most `upper`), `optimal` (the solver closed the gap),
-    `incumbent` (its best rank-load assignment's `T`, not necessarily a plan), `options`,
-    `seconds`.
+    Returns `value` (the bound: the dual bound shaded by `SAFETY`, at least `lower`, at
+    most `upper`), `dual` (the solver's dual bound as it is), `optimal` (the solver closed
+    the gap), `incumbent` (its best rank-load assignment's `T`, not necessarily a plan),
+    `options`, `seconds`.
     """
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
@@ -78,7 +82,8 @@ def rank_load_bound(
         opt_k += ks[keep].tolist()
         opt_t += ts[keep].tolist()
     n_opt, n_seq = len(opt_k), len(s)
-    opt_seq, opt_k, opt_t = np.array(opt_seq), np.array(opt_k), np.array(opt_t)
+    scale = float(upper)  # solved in units of `upper`: the solver's tolerances are absolute
+    opt_seq, opt_k, opt_t = np.array(opt_seq), np.array(opt_k), np.array(opt_t) / scale
     n_var = n_opt + n_opt * pool + 1  # y, x (option-major), T
     x_of = n_opt + np.arange(n_opt * pool).reshape(n_opt, pool)
     t_var = n_var - 1
@@ -115,17 +120,17 @@ def rank_load_bound(
         cost,
         constraints=LinearConstraint(matrix, lo_b, hi_b),
         integrality=integrality,
-        bounds=Bounds(np.where(np.arange(n_var) == t_var, lower, 0.0), upper_b),
+        bounds=Bounds(np.where(np.arange(n_var) == t_var, lower / scale, 0.0), upper_b),
         options={"time_limit": float(time_limit), "mip_rel_gap": 1e-6, "disp": False},
     )
     seconds = time.perf_counter() - t0
     dual = getattr(res, "mip_dual_bound", None)
-    if dual is None or not np.isfinite(dual):
-        dual = 0.0
+    dual = float(dual) * scale if dual is not None and np.isfinite(dual) else 0.0
     return {
-        "value": min(float(upper), max(float(lower), float(dual) * (1 - SAFETY))),
+        "value": min(float(upper), max(float(lower), dual * (1 - SAFETY))),
+        "dual": dual,
         "optimal": bool(res.status == 0),
-        "incumbent": float(res.fun) if res.fun is not None else None,
+        "incumbent": float(res.fun) * scale if res.fun is not None else None,
         "options": int(n_opt),
         "seconds": seconds,
     }
