@@ -21,6 +21,7 @@ import contextlib
 import logging
 import os
 import sys
+import time
 
 from megatron_hdp.launch import setup_logging
 from megatron_hdp.megatron.arguments import build_parser
@@ -29,10 +30,22 @@ from megatron_hdp.megatron.validation import NothingToTrain, check_resume_matche
 logger = logging.getLogger("pretrain_hdp")
 
 
+# How long a node's other ranks wait before exiting with a failure: torchrun stops the
+# remaining workers, printing a SIGTERM notice, as soon as the first one fails, so the rank
+# that prints the message must be the first to fail.
+OTHER_RANKS_WAIT_S = 30.0
+
+
 def _say(parser, status: int, message: str) -> None:
-    """Exit with `status`; the message is printed once per node (torchrun's local rank 0)."""
+    """Exit with `status`; the message is printed once per node (torchrun's local rank 0).
+
+    On a failure the node's other ranks wait (up to `OTHER_RANKS_WAIT_S`) for torchrun to stop
+    them after local rank 0 has printed and exited, so the message is the first line.
+    """
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         parser.exit(status, f"{parser.prog}: {message}\n")
+    if status != 0:
+        time.sleep(OTHER_RANKS_WAIT_S)
     parser.exit(status)
 
 

@@ -189,3 +189,20 @@ def test_under_torchrun_the_message_comes_first_and_once(tmp_path):
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert lines[0] == "pretrain_hdp.py: error: --lr nan: must be a finite number"
     assert done.stderr.count("must be a finite number") == 1
+
+
+def test_other_ranks_leave_a_failure_to_local_rank_0(tmp_path, monkeypatch, capsys):
+    """torchrun stops the other workers at the first failure and prints a SIGTERM notice; a
+    silent rank that failed first would put that notice above the message (seen once in CI)."""
+    import pretrain_hdp
+
+    slept = []
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(pretrain_hdp.time, "sleep", slept.append)
+    with pytest.raises(SystemExit) as failed:
+        pretrain_hdp.main(job_args(tmp_path, ["--lr", "nan"]))
+    assert failed.value.code == 2 and slept == [pretrain_hdp.OTHER_RANKS_WAIT_S]
+    with pytest.raises(SystemExit) as done:  # nothing to train: no failure, no wait
+        pretrain_hdp._say(pretrain_hdp.build_parser(), 0, "already at --train-iters")
+    assert done.value.code == 0 and slept == [pretrain_hdp.OTHER_RANKS_WAIT_S]
+    assert capsys.readouterr().err == ""
