@@ -356,3 +356,21 @@ def test_a_packed_run_without_packs_is_the_single_run(core):
                     np.testing.assert_array_equal(a, b)
                 checked += 1
     assert checked >= 5
+
+
+def test_widening_what_the_last_ring_waits_for_reaches_the_ceiling(monkeypatch):
+    # The planner benchmark's Byted-like small batch on 509 ranks (764 sequences): the
+    # search up to step 6 ends at 1.033 of the bound with the last ring waiting on another.
+    from megatron_hdp.scheduler import ring_sizing
+
+    rng = np.random.default_rng([2025, 509, list(BENCH_MIXES).index("byted_like"), 1])
+    seqlens = first_sequences(BENCH_MIXES["byted_like"], rng, 764, 2 * 1024 * 1024)
+    costs = RingCosts(
+        seqlens, MODEL, 509, np.maximum(1, np.ceil(np.asarray(seqlens) / C)).astype(np.int64)
+    )
+    bound = step_lower_bound(costs).value
+    plan = plan_balanced(seqlens, pool_size=509, capacity=C, cost_model=MODEL)
+    assert makespan(plan) <= (1 + TIME_CEILING) * bound
+    monkeypatch.setattr(ring_sizing, "RESCUE_SHARE", 10**9)  # no runs for step 7
+    before = plan_balanced(seqlens, pool_size=509, capacity=C, cost_model=MODEL)
+    assert makespan(before) > (1 + TIME_CEILING) * bound
