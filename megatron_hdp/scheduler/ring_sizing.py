@@ -578,12 +578,12 @@ def plan_ring_sizes(
         current = min(tried, key=lambda c: c.makespan)
         while spent < runs and current.makespan > (1.0 + TIME_CEILING) * target:
             awaited = _awaited_item(current.placements)
-            widths = None if awaited is None else _one_rank_wider(current, costs, *awaited)
-            trial = (
-                None
-                if widths is None
-                else candidate(widths, current.ranges is not None, current.singles)
-            )
+            if awaited is None:
+                break
+            widths = _one_rank_wider(current, costs, *awaited)
+            if widths is None:
+                break
+            trial = candidate(widths, current.ranges is not None, current.singles)
             if trial is None:
                 break
             spent += 1
