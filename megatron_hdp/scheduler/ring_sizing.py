@@ -542,19 +542,21 @@ def plan_ring_sizes(
             best = c
     grown = set()  # candidates the growth has started from (by identity)
 
+    def widened(c: _Candidate, item: tuple) -> _Candidate | None:
+        """`c` run again with `item` (sequences, width) one step wider (None: not run)."""
+        nonlocal spent
+        widths = _one_rank_wider(c, costs, *item)
+        trial = None if widths is None else candidate(widths, c.ranges is not None, c.singles)
+        if trial is not None:
+            spent += 1
+        return trial
+
     def grow(best: _Candidate) -> _Candidate:
         """Grow the critical item from `best` while the predicted step falls (step 5)."""
-        nonlocal spent
         grown.add(id(best))
         while spent < runs and not done():
-            widths = _one_rank_wider(best, costs, *best.last)
-            if widths is None:
-                break
-            trial = candidate(widths, best.ranges is not None, best.singles)
-            if trial is None:
-                break
-            spent += 1
-            if trial.makespan >= best.makespan:
+            trial = widened(best, best.last)
+            if trial is None or trial.makespan >= best.makespan:
                 break
             best = trial
         return best
@@ -578,15 +580,9 @@ def plan_ring_sizes(
         current = min(tried, key=lambda c: c.makespan)
         while spent < runs and current.makespan > (1.0 + TIME_CEILING) * target:
             awaited = _awaited_item(current.placements)
-            if awaited is None:
-                break
-            widths = _one_rank_wider(current, costs, *awaited)
-            if widths is None:
-                break
-            trial = candidate(widths, current.ranges is not None, current.singles)
+            trial = None if awaited is None else widened(current, awaited)
             if trial is None:
                 break
-            spent += 1
             current = grow(trial)
     return chosen()
 
