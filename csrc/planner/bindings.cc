@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "attention_spread.h"
 #include "balance.h"
 
 namespace py = pybind11;
@@ -344,6 +345,22 @@ py::object exact_int_array(py::handle obj) {
   return to_numpy(std::move(out));
 }
 
+py::tuple spread_attention(py::handle costs, py::handle ring_offsets, py::handle ring_ranks,
+                           py::handle weights, int64_t pool_size, double limit,
+                           int64_t budget) {
+  std::vector<double> c = read_input<double>(costs, "costs");
+  std::vector<int64_t> o = read_input<int64_t>(ring_offsets, "ring_offsets");
+  std::vector<int64_t> r = read_input<int64_t>(ring_ranks, "ring_ranks");
+  std::vector<double> w = read_input<double>(weights, "weights");
+  megatron_hdp::planner::SpreadResult out;
+  {
+    py::gil_scoped_release release;
+    out = megatron_hdp::planner::spread_attention(c, o, r, w, pool_size, limit, budget);
+  }
+  return py::make_tuple(to_numpy(std::move(out.starts)), to_numpy(std::move(out.ring_ranks)),
+                        out.work);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_planner, m) {
@@ -371,4 +388,12 @@ PYBIND11_MODULE(_planner, m) {
         "per member, runs on ring_ranks[ring_offsets[p]:ring_offsets[p + 1]] and holds "
         "seq_indices[seq_offsets[p]:seq_offsets[p + 1]] (int64; the offsets have one "
         "entry more than there are placements and start at 0).");
+  m.def("spread_attention", &spread_attention, py::arg("costs"), py::arg("ring_offsets"),
+        py::arg("ring_ranks"), py::arg("weights"), py::kw_only(), py::arg("pool_size"),
+        py::arg("limit"), py::arg("budget"),
+        "Move ring members off the rank with the most attention while the plan ends within "
+        "limit; (starts, ring_ranks, work spent).\n\n"
+        "Same contract as megatron_hdp.scheduler.attention_spread."
+        "spread_attention_reference; raises ValueError for invalid input. The GIL is "
+        "released while it runs.");
 }

@@ -76,6 +76,7 @@ return is more than `CHOSEN_ACCEPT` above either bound.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -89,6 +90,9 @@ ACCEPT = 0.01
 #: The attention share accepted at once: a rank's sum of s^2 / ring size over the batch's
 #: mean (Megatron-Core's own measure of balance).
 ATTENTION_ACCEPT = 0.02
+#: Step 8 (spreading attention over ranks) goes on until the peak is within this share of
+#: the mean; Megatron-Core's scheduler reaches 1.016 of it on a Byted-like batch of 8 ranks.
+SPREAD_ACCEPT = 0.01
 #: Candidates within this share of the fastest, and within `TIME_CEILING` of the bound,
 #: compete on their worse ratio (time or attention) to its bound.
 BALANCE_SLACK = 0.02
@@ -503,7 +507,7 @@ def plan_ring_sizes(
         fastest = min(c.makespan for c in tried)
         if not balance_attention:
             return next(c for c in tried if c.makespan == fastest)
-        limit = min((1.0 + BALANCE_SLACK) * fastest, max(fastest, (1.0 + TIME_CEILING) * target))
+        limit = _time_limit(tried, target)
         close = [c for c in tried if c.makespan <= limit]
         if len(close) == 1:
             return close[0]
@@ -584,7 +588,51 @@ def plan_ring_sizes(
             if trial is None:
                 break
             current = grow(trial)
-    return chosen()
+    pick = chosen()
+    if attention_runs and pick.attention > (1.0 + ATTENTION_ACCEPT) * attention_bound:
+        limits = (_time_limit(tried, target), (1.0 + TIME_CEILING) * target)
+        minimal = [c.makespan for c in tried if np.array_equal(c.widths, costs.k_min)]
+        if minimal:  # sized rings never end later than the minimal rings' plan
+            limits = tuple(min(limit, min(minimal)) for limit in limits)
+        pick = _spread_attention(pick, tried, limits, target, attention_bound)
+    return pick
+
+
+def _time_limit(tried, target: float) -> float:
+    """The slowest predicted step `chosen` accepts.
+
+    Within `BALANCE_SLACK` of the fastest and `TIME_CEILING` of the bound (or the fastest,
+    if that is above it).
+    """
+    fastest = min(c.makespan for c in tried)
+    return min((1.0 + BALANCE_SLACK) * fastest, max(fastest, (1.0 + TIME_CEILING) * target))
+
+
+def _spread_attention(pick, tried, limits, target: float, attention_bound: float):
+    """Step 8: `pick`, or a plan with attention spread over more ranks, within `limits`.
+
+    `spread_plans` starts from the candidates within the first limit, fastest first. A
+    result replaces `pick` where the sum of its two ratios (step over `target`, attention
+    peak over `attention_bound`) is lower: a point of attention is worth a point of time.
+    """
+    from megatron_hdp.scheduler.attention_spread import spread_plans
+
+    def score(peak, makespan):
+        return makespan / target + peak / attention_bound
+
+    starts = sorted((c for c in tried if c.makespan <= limits[0]), key=lambda c: c.makespan)
+    results = spread_plans(
+        [(c.makespan, c.placements) for c in starts],
+        pick.seqlens,
+        pool_size=pick.pool_size,
+        limits=sorted(limits),
+        accept=(1.0 + SPREAD_ACCEPT) * attention_bound,
+    )
+    best = min(results, key=lambda r: (score(r[0], r[1]), r[1]), default=None)
+    if best is None or score(best[0], best[1]) >= score(pick.attention, pick.makespan):
+        return pick
+    _, makespan, placements, index = best
+    return dataclasses.replace(starts[index], makespan=makespan, placements=placements)
 
 
 def _one_rank_wider(c: _Candidate, costs: RingCosts, seqs, width: int):
