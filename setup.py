@@ -7,7 +7,11 @@ setup(
     ext_modules=[
         Pybind11Extension(
             "megatron_hdp._planner",
-            ["csrc/planner/attention_spread.cc", "csrc/planner/balance.cc", "csrc/planner/bindings.cc"],
+            [
+                "csrc/planner/attention_spread.cc",
+                "csrc/planner/balance.cc",
+                "csrc/planner/bindings.cc",
+            ],
             include_dirs=["csrc/planner"],
             depends=["csrc/planner/attention_spread.h", "csrc/planner/balance.h"],
             cxx_std=17,

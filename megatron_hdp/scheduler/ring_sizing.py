@@ -65,6 +65,16 @@ one whose worse ratio (time, or attention over its mean) is least:
    509 ranks, two such steps (rings of 286 and then 160 ranks one rank wider, the first
    alone slower) take the step from 1.033 to 1.023 of the bound.
 
+8. when the chosen plan's busiest rank holds more than `ATTENTION_ACCEPT` above the mean
+   attention (`sum(s^2) / ring size`, Megatron-Core's measure), `attention_spread` moves
+   ring members off that rank (alone, or trading places with a member of another item),
+   starting from each candidate within the chooser's time limit, fastest first: within its
+   own step time, then within that limit, then within `TIME_CEILING` of the bound, and
+   never later than the minimal rings' plan where that was run (stopping once the peak is
+   within `SPREAD_ACCEPT`). A result replaces the chosen plan where the sum of its two
+   ratios (time over the bound, attention over its mean) is lower. Pareto-like large
+   batches: 8 ranks 1.099 -> 1.004 of the mean attention, 16 ranks 1.133 -> 1.045.
+
 A packed run whose micro-batches each hold one sequence is also the single run of the
 same widths; that one is not run again. Steps 2-7 share a budget of core runs that
 shrinks with the batch (`SEARCH_BUDGET`), so planning 16,384 ranks costs at most three
