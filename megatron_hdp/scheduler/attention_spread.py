@@ -57,10 +57,17 @@ def retime(costs, ring_offsets, ring_ranks, pool_size: int) -> tuple[np.ndarray,
 
 def item_attention(seqlens, seq_offsets, seq_indices) -> np.ndarray:
     """Each item's `sum(s^2)` over its sequences (float64), the weights `spread_attention` takes."""
-    s = np.asarray(seqlens, dtype=np.float64)[np.asarray(seq_indices, dtype=np.int64)]
-    sums = np.concatenate(([0.0], np.cumsum(s * s)))
-    offsets = np.asarray(seq_offsets, dtype=np.int64)
-    return sums[offsets[1:]] - sums[offsets[:-1]]
+    squares = np.asarray(seqlens, dtype=np.float64)[np.asarray(seq_indices, dtype=np.int64)] ** 2
+    if not len(squares):
+        return squares
+    return np.add.reduceat(squares, np.asarray(seq_offsets, dtype=np.int64)[:-1])
+
+
+def rank_attention_peak(weights, ring_offsets, ring_ranks, pool_size: int) -> float:
+    """The largest per-rank sum of the items' `weight / width` (attention with `item_attention`)."""
+    widths = np.diff(ring_offsets)
+    shares = np.repeat(weights / widths, widths)
+    return float(np.bincount(ring_ranks, weights=shares, minlength=pool_size).max())
 
 
 def spread_attention_reference(
@@ -159,7 +166,7 @@ def spread_plans(plans, seqlens, *, pool_size: int, limits, accept: float) -> li
                 budget=left,
             )
             left -= work
-            peak = _peak(weights, ring_offsets, ring_ranks, pool_size)
+            peak = rank_attention_peak(weights, ring_offsets, ring_ranks, pool_size)
             if peak <= accept or left <= 0:
                 break
         end = float(np.max(starts + costs)) if len(costs) else 0.0
@@ -168,13 +175,6 @@ def spread_plans(plans, seqlens, *, pool_size: int, limits, accept: float) -> li
         if peak <= accept:
             break
     return results
-
-
-def _peak(weights, ring_offsets, ring_ranks, pool_size: int) -> float:
-    """The largest per-rank sum of the items' `weight / width`."""
-    widths = np.diff(ring_offsets)
-    shares = np.repeat(weights / widths, widths)
-    return float(np.bincount(ring_ranks, weights=shares, minlength=pool_size).max())
 
 
 def _check(costs, ring_offsets, ring_ranks, weights, pool_size, limit, budget) -> None:
@@ -228,6 +228,7 @@ def spread_attention(
 
 __all__ = [
     "item_attention",
+    "rank_attention_peak",
     "retime",
     "spread_attention",
     "spread_attention_reference",

@@ -94,6 +94,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_hdp.scheduler.attention_spread import (
+    item_attention,
+    rank_attention_peak,
+    spread_plans,
+)
+
 #: A plan within this share of the bound (and of the attention bound, below) is accepted
 #: without searching further.
 ACCEPT = 0.01
@@ -436,13 +442,8 @@ def attention_peak(placements, seqlens: np.ndarray, pool_size: int) -> float:
     fast under the cost model but concentrates attention on some ranks is scored by it.
     """
     _, _, ring_offsets, ring_ranks, seq_offsets, seq_indices = placements
-    squares = np.asarray(seqlens, dtype=np.float64)[seq_indices] ** 2
-    per_item = np.add.reduceat(squares, seq_offsets[:-1]) if len(squares) else squares
-    widths = np.diff(ring_offsets)
-    load = np.bincount(
-        ring_ranks, weights=np.repeat(per_item / widths, widths), minlength=pool_size
-    )
-    return float(load.max())
+    weights = item_attention(seqlens, seq_offsets, seq_indices)
+    return rank_attention_peak(weights, ring_offsets, ring_ranks, pool_size)
 
 
 def plan_ring_sizes(
@@ -625,7 +626,6 @@ def _spread_attention(pick, tried, limits, target: float, attention_bound: float
     result replaces `pick` where the sum of its two ratios (step over `target`, attention
     peak over `attention_bound`) is lower: a point of attention is worth a point of time.
     """
-    from megatron_hdp.scheduler.attention_spread import spread_plans
 
     def score(peak, makespan):
         return makespan / target + peak / attention_bound

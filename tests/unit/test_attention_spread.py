@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megatron_hdp import _planner
 from megatron_hdp.scheduler import attention_spread, ring_sizing
 from megatron_hdp.scheduler.attention_spread import (
     item_attention,
@@ -21,7 +22,7 @@ from megatron_hdp.scheduler.ring_sizing import TIME_CEILING, RingCosts, step_low
 from megatron_hdp.sim.distributions import BENCH_MIXES
 from tests.unit.test_ring_sizing import MODEL, C, makespan
 
-native = pytest.importorskip("megatron_hdp._planner").spread_attention
+native = _planner.spread_attention
 
 
 def simulate(costs, ring_offsets, ring_ranks, pool):
