@@ -19,7 +19,10 @@ long-context fine-tuning and RL batches are).
   best ring) or, where sequences x ranks <= `--relaxation-size` and it is higher, the
   rank-load relaxation's bound (`rank_load_relaxation.py`: the same plans with ring
   members free to run at different moments, solved by HiGHS within `--relaxation-limit`
-  seconds; needs scipy), for `balanced` (ring sizes decided), `balanced_min_rings` (the
+  seconds; needs scipy) and, where sequences x ranks <= `--search-size`, the same
+  relaxation's bound by branch and bound (`rank_load_search.py`: the largest step time it
+  rules out within `--search-nodes` nodes per decision), for `balanced` (ring sizes
+  decided), `balanced_min_rings` (the
   balance scheduler with every ring at its minimal size, as before ring sizing), `greedy`,
   the `static` DP x CP mesh (smallest CP that holds the longest sequence and divides N) and
   Megatron-Core 0.16.1's `BalancedCPScheduler` (barrier-separated groups; scored under our
@@ -68,6 +71,7 @@ from megatron_hdp.sim.models import MODELS  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rank_load_relaxation import rank_load_bound  # noqa: E402
+from rank_load_search import NODE_BUDGET, rank_load_search_bound  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 CAPACITY = 8192
@@ -136,6 +140,18 @@ def parse_args(argv=None):
         help="run the rank-load relaxation where sequences x ranks is at most this",
     )
     p.add_argument(
+        "--search-nodes",
+        type=int,
+        default=NODE_BUDGET,
+        help="nodes the rank-load search may visit per decision (0: not run)",
+    )
+    p.add_argument(
+        "--search-size",
+        type=int,
+        default=10_000,
+        help="run the rank-load search where sequences x ranks is at most this",
+    )
+    p.add_argument(
         "--mcore-limit",
         type=float,
         default=60.0,
@@ -148,6 +164,8 @@ def parse_args(argv=None):
         p.error(f"pool sizes must be >= 1, got {args.pools}")
     if args.relaxation_limit < 0:
         p.error(f"--relaxation-limit must be >= 0, got {args.relaxation_limit}")
+    if args.search_nodes < 0:
+        p.error(f"--search-nodes must be >= 0, got {args.search_nodes}")
     return args
 
 
@@ -409,6 +427,20 @@ def run_case(mix, pool, size, args, cost_model, cpp_core, mcore_cls) -> dict:
             lb = relaxation["value"]
         case["lower_bound_s"] = lb
         case["lower_bound_relaxation"] = relaxation
+    if args.search_nodes > 0 and len(seqlens) * pool <= args.search_size:
+        upper = max(mb.predicted_start + mb.predicted_cost for mb in balanced.micro_batches)
+        search = rank_load_search_bound(
+            seqlens,
+            pool,
+            cost_model,
+            CAPACITY,
+            lower=min(lb, upper),
+            upper=upper,
+            node_budget=args.search_nodes,
+        )
+        lb = max(lb, search["value"])
+        case["lower_bound_s"] = lb
+        case["lower_bound_search"] = search
 
     q = case["quality"]
     greedy, static = (
@@ -619,6 +651,8 @@ def main(argv=None) -> int:
             "mcore_limit_s": args.mcore_limit,
             "relaxation_limit_s": args.relaxation_limit,
             "relaxation_size": args.relaxation_size,
+            "search_nodes": args.search_nodes,
+            "search_size": args.search_size,
             "mcore_seconds_per_seq_rank_estimate": MCORE_SECONDS_PER_SEQ_RANK,
             "definitions": {
                 "plan_time.core": "balance core call alone (numpy inputs prepared), returning "
@@ -635,7 +669,10 @@ def main(argv=None) -> int:
                 "rings / N); where sequences x ranks <= relaxation_size, the higher of that "
                 "(lower_bound_fluid_s) and the rank-load relaxation's "
                 "(lower_bound_relaxation: rank_load_relaxation.py, HiGHS dual bound within "
-                "relaxation_limit_s); same bound for every system (both price each "
+                "relaxation_limit_s) and, where sequences x ranks <= search_size, the "
+                "same relaxation's by branch and bound (lower_bound_search: "
+                "rank_load_search.py, the largest step time ruled out within search_nodes "
+                "nodes per decision); same bound for every system (both price each "
                 "sequence on its own ring: static's packs on one ring can score below 1)",
                 "balanced_min_rings": "the balanced policy with every ring at ceil(s / C) "
                 "(plan_balanced(size_rings=False)), the planner before ring sizing",

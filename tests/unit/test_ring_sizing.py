@@ -16,6 +16,7 @@ from megatron_hdp.scheduler.cost import H100, CostModel
 from megatron_hdp.scheduler.placement import _CoreRunner, plan_balanced
 from megatron_hdp.scheduler.planner import default_core, reference_core
 from megatron_hdp.scheduler.ring_sizing import (
+    BALANCE_SLACK,
     CHOSEN_ACCEPT,
     TIME_CEILING,
     RingCosts,
@@ -210,11 +211,14 @@ def test_width_ranges_hold_the_target_and_cost_at_most_the_slack_more_work():
 
 
 @pytest.mark.parametrize("mix, pool, seqlens", list(batches()))
-def test_sized_rings_never_lose_to_minimal_rings_and_both_cores_agree(mix, pool, seqlens):
+def test_sized_rings_trade_at_most_the_slack_of_minimal_rings_and_both_cores_agree(
+    mix, pool, seqlens
+):
+    # The chooser and step 8 may give up BALANCE_SLACK of predicted time for attention.
     sized = plan_balanced(seqlens, pool_size=pool, capacity=C, cost_model=MODEL)
     minimal = plan_balanced(seqlens, pool_size=pool, capacity=C, cost_model=MODEL, size_rings=False)
     sized.validate(pool_size=pool)
-    assert makespan(sized) <= makespan(minimal) * (1 + 1e-12)
+    assert makespan(sized) <= makespan(minimal) * (1 + BALANCE_SLACK) * (1 + 1e-12)
     for mb in sized.micro_batches:  # at least the memory's ranks, at most one token each
         need = max(1, math.ceil(sum(sized.seqlens[i] for i in mb.seq_indices) / C))
         assert need <= mb.cp_size <= max(need, sum(sized.seqlens[i] for i in mb.seq_indices))
