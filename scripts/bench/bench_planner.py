@@ -603,8 +603,8 @@ def markdown(results) -> str:
         )
     lines.append(
         "\nQuality = predicted step time / lower bound (1.0 is optimal); bound / fluid > 1: "
-        "the rank-load relaxation raised the bound; s2 = Megatron-Core's own s^2/cp measure "
-        "over sum(s^2)/N."
+        "the rank-load relaxation (HiGHS or the search) raised the bound; "
+        "s2 = Megatron-Core's own s^2/cp measure over sum(s^2)/N."
     )
     return "\n".join(lines)
 
