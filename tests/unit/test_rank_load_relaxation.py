@@ -6,14 +6,12 @@ and on tiny batches it closes the fluid bound's gap, so that the planner's plan 
 shown optimal.
 """
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from megatron_hdp.scheduler.placement import plan_balanced
 from megatron_hdp.scheduler.ring_sizing import step_lower_bound
 from megatron_hdp.sim.distributions import BENCH_MIXES, first_sequences
+from tests.unit.scripts_loader import load_script
 from tests.unit.test_ring_sizing import (
     CONFLICTS,
     MODEL,
@@ -24,10 +22,7 @@ from tests.unit.test_ring_sizing import (
     makespan,
 )
 
-_PATH = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "rank_load_relaxation.py"
-_SPEC = importlib.util.spec_from_file_location("rank_load_relaxation", _PATH)
-relaxation = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(relaxation)
+relaxation = load_script("scripts/bench/rank_load_relaxation.py", "rank_load_relaxation")
 
 
 def tiny(mix, pool, seed):

@@ -6,15 +6,14 @@ brute force over list schedules, which are plans: the bound is valid (never abov
 exact where the search decides every step, and never claims more when its budget runs out.
 """
 
-import importlib.util
 import itertools
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from megatron_hdp.scheduler.placement import plan_balanced
 from megatron_hdp.scheduler.ring_sizing import step_lower_bound
+from tests.unit.scripts_loader import load_script
 from tests.unit.test_rank_load_relaxation import CASES
 from tests.unit.test_ring_sizing import (
     MODEL,
@@ -24,10 +23,7 @@ from tests.unit.test_ring_sizing import (
     makespan,
 )
 
-_PATH = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "rank_load_search.py"
-_SPEC = importlib.util.spec_from_file_location("rank_load_search", _PATH)
-search = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(search)
+search = load_script("scripts/bench/rank_load_search.py", "rank_load_search")
 
 
 def exhaustive_rank_load(seqlens, pool, model=MODEL, upper=np.inf):
