@@ -74,7 +74,7 @@ one whose worse ratio (time, or attention over its mean) is least:
    (the chooser's own allowance; stopping once the peak is within `SPREAD_ACCEPT`). A
    result replaces the chosen plan where the sum of its two ratios (time over the bound,
    attention over its mean) is lower. Pareto-like large batches: 8 ranks 1.099 -> 1.004
-   of the mean attention, 16 ranks 1.133 -> 1.039; Byted-like large 8: 1.020 -> 1.013.
+   of the mean attention, 16 ranks 1.133 -> 1.046; Byted-like large 8: 1.030 -> 1.013.
 
 A packed run whose micro-batches each hold one sequence is also the single run of the
 same widths; that one is not run again. Steps 2-7 share a budget of core runs that

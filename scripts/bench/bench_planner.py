@@ -22,8 +22,8 @@ long-context fine-tuning and RL batches are).
   seconds; needs scipy) and, where sequences x ranks <= `--search-size`, the same
   relaxation's bound by branch and bound (`rank_load_search.py`: the largest step time it
   rules out within `--search-nodes` nodes per decision), for `balanced` (ring sizes
-  decided), `balanced_min_rings` (the
-  balance scheduler with every ring at its minimal size, as before ring sizing), `greedy`,
+  decided), `balanced_min_rings` (the balance scheduler with every ring at its minimal
+  size, as before ring sizing), `greedy`,
   the `static` DP x CP mesh (smallest CP that holds the longest sequence and divides N) and
   Megatron-Core 0.16.1's `BalancedCPScheduler` (barrier-separated groups; scored under our
   cost model with its actual CP per sequence and under its own s^2/cp measure).
@@ -409,8 +409,8 @@ def run_case(mix, pool, size, args, cost_model, cpp_core, mcore_cls) -> dict:
         t["cpp"] = None
         min_rings = whole_plan(seqlens, pool, cost_model, python_core, size_rings=False)
 
+    upper = max(mb.predicted_start + mb.predicted_cost for mb in balanced.micro_batches)
     if args.relaxation_limit > 0 and len(seqlens) * pool <= args.relaxation_size:
-        upper = max(mb.predicted_start + mb.predicted_cost for mb in balanced.micro_batches)
         try:
             relaxation = rank_load_bound(
                 seqlens,
@@ -428,7 +428,6 @@ def run_case(mix, pool, size, args, cost_model, cpp_core, mcore_cls) -> dict:
         case["lower_bound_s"] = lb
         case["lower_bound_relaxation"] = relaxation
     if args.search_nodes > 0 and len(seqlens) * pool <= args.search_size:
-        upper = max(mb.predicted_start + mb.predicted_cost for mb in balanced.micro_batches)
         search = rank_load_search_bound(
             seqlens,
             pool,
