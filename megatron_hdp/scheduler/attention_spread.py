@@ -27,6 +27,11 @@ from __future__ import annotations
 
 import numpy as np
 
+try:
+    from megatron_hdp._planner import spread_attention as _native_spread
+except ImportError:  # without the C++ extension the reference runs
+    _native_spread = None
+
 #: Work (`spread_attention`'s units, about 1.5 ns each in C++) one plan's pass may spend
 #: over all its starting points.
 SPREAD_BUDGET = 4_000_000
@@ -92,8 +97,8 @@ def spread_attention_reference(
     work = 0
     eval_work = len(costs) + len(ring_ranks)
     while work < budget:
-        a = max(range(pool_size), key=lambda r: (load[r], -r))
         top = sorted(range(pool_size), key=lambda r: (-load[r], r))[:3]
+        a = top[0]
         moves = []
         for p in range(len(rings)):
             if a not in rings[p]:
@@ -207,21 +212,8 @@ def spread_attention(
     costs, ring_offsets, ring_ranks, weights, *, pool_size: int, limit: float, budget: int
 ):
     """`spread_attention_reference`'s result, from the C++ pass where it is built."""
-    try:
-        from megatron_hdp._planner import spread_attention as native
-    except ImportError:
-        native = None
-    if native is None:
-        return spread_attention_reference(
-            costs,
-            ring_offsets,
-            ring_ranks,
-            weights,
-            pool_size=pool_size,
-            limit=limit,
-            budget=budget,
-        )
-    return native(
+    run = spread_attention_reference if _native_spread is None else _native_spread
+    return run(
         costs, ring_offsets, ring_ranks, weights, pool_size=pool_size, limit=limit, budget=budget
     )
 

@@ -121,12 +121,12 @@ def _decide(table, pool: int, step: float, node_budget: int) -> tuple[bool | Non
     for (ks, ts), w in zip(widths, least):
         ok = ks * ts <= room - (total - w)
         items.append(list(zip(ks[ok].tolist(), ts[ok].tolist())))
-    items.sort(key=lambda options: -options[0][1])  # largest piece first
+    order = sorted(range(len(items)), key=lambda i: -items[i][0][1])  # largest piece first
+    items = [items[i] for i in order]
     n = len(items)
-    work_after = np.concatenate([np.cumsum(_least_work(items)[::-1])[::-1], [0.0]]).tolist()
-    piece_after = [min(t for _, t in options) for options in items] + [np.inf]
-    for j in range(n - 2, -1, -1):
-        piece_after[j] = min(piece_after[j], piece_after[j + 1])
+    work_after = np.concatenate([np.cumsum(least[order][::-1])[::-1], [0.0]]).tolist()
+    pieces = np.array([min(t for _, t in options) for options in items])
+    piece_after = np.minimum.accumulate(pieces[::-1])[::-1].tolist() + [np.inf]
 
     loads = [0.0] * pool
     used = 0.0
@@ -162,11 +162,6 @@ def _decide(table, pool: int, step: float, node_budget: int) -> tuple[bool | Non
         used += t * len(ranks)
         stack.append(_choices(items[j], loads, fit))
     return False, nodes
-
-
-def _least_work(items) -> np.ndarray:
-    """Each sequence's least work over its widths."""
-    return np.array([min(k * t for k, t in options) for options in items])
 
 
 def _choices(options, loads: list[float], fit: float):
