@@ -61,13 +61,19 @@ def _prepare(parser, args, world_size: int):
 
     import torch
 
+    from megatron_hdp.attention.kernels.device import DeviceFacts
     from megatron_hdp.attention.kernels.registry import resolve_kernel
     from megatron_hdp.data.training_data import build_training_data
     from megatron_hdp.megatron.config import data_config, model_config
 
     try:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        args.hdp_attention_backend = resolve_kernel(args.hdp_attention_backend, device)
+        args.hdp_attention_backend = resolve_kernel(
+            args.hdp_attention_backend,
+            DeviceFacts.of(device),
+            dtype=torch.bfloat16 if args.bf16 else torch.float32,
+            head_dim=args.hidden_size // args.num_attention_heads,
+        )
         data = build_training_data(data_config(args, world_size))
         if meta is not None:
             check_resume_matches(

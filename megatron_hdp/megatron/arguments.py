@@ -53,7 +53,15 @@ UNSUPPORTED_MEGATRON_FLAGS = {
 }
 
 #: `--hdp-attention-backend` choices (`attention.kernels.registry`, which needs torch).
-ATTENTION_BACKENDS = ("auto", "torch", "math", "torch_flash", "flash_attn")
+ATTENTION_BACKENDS = (
+    "auto",
+    "torch",
+    "math",
+    "torch_flash",
+    "torch_flash_fa3",
+    "torch_flash_fa4",
+    "flash_attn",
+)
 
 TOKENIZERS = ("ByteLevel", "HuggingFaceTokenizer", "NullTokenizer")
 
@@ -404,11 +412,13 @@ def add_hdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--hdp-attention-backend",
         choices=ATTENTION_BACKENDS,
         default="auto",
-        help="varlen attention kernel, one call per ring step: auto (by device and what is "
-        "installed: torch_flash, flash_attn or math on CUDA; torch on CPU), torch (aten's CPU "
-        "flash kernels, math elsewhere), math (matmul reference), torch_flash (PyTorch's CUDA "
-        "flash varlen ops), flash_attn (flash-attn 2.6-2.8); a named one that cannot run "
-        "here stops the job before start-up",
+        help="varlen attention kernel, one call per ring step: auto (on CUDA torch_flash, "
+        "else flash_attn; on CPU torch), torch / math (CPU kernels: aten's CPU flash kernels, "
+        "a matmul reference; refused on CUDA), torch_flash (PyTorch's CUDA flash varlen ops), "
+        "torch_flash_fa3 / torch_flash_fa4 (the same ops running FA3 or FA4, where this torch "
+        "can switch to them), flash_attn (flash-attn 2.6-2.8). Checked before start-up "
+        "against the device, dtype (GPU kernels need --bf16) and head dim; a kernel that "
+        "cannot run stops the job with the reason",
     )
     g.add_argument(
         "--hdp-load-if-exists",

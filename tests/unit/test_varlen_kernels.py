@@ -1,14 +1,12 @@
 """The varlen seam: kernels against a float64 per-document reference, one call per ring step,
-kernel selection by device, and the private GPU APIs' signatures checked at start-up."""
+and one kernel call per ring step (kernel choice and the GPU adapters: test_kernel_choice.py)."""
 
 import math
-import types
 
 import pytest
 import torch
 
-from megatron_hdp.attention.kernels import flash_attn as flash_attn_adapter
-from megatron_hdp.attention.kernels import registry, torch_flash
+from megatron_hdp.attention.kernels import registry
 from megatron_hdp.attention.kernels.base import VarlenBlocks
 from megatron_hdp.attention.ring import build_ring_spec, hdp_attention
 
@@ -66,8 +64,11 @@ class CountingKernel:
     def __init__(self, inner):
         self.inner, self.name, self.calls = inner, "counting", []
 
-    def unavailable_reason(self, device):
+    def unavailable_reason(self, facts, *, dtype, head_dim):
         return None
+
+    def activate(self):
+        pass
 
     def forward(self, q, k, v, blocks, *, scale):
         self.calls.append(("forward", blocks.lengths_q, blocks.causal))
@@ -91,58 +92,6 @@ def test_a_local_micro_batch_of_many_documents_is_one_kernel_call(monkeypatch):
     assert counting.calls == [("forward", lengths, True), ("backward",)]
     want, _ = reference(q, k, v, lengths, lengths, True, 1 / math.sqrt(8))
     torch.testing.assert_close(out.double(), want.detach(), rtol=1e-5, atol=1e-5)
-
-
-def test_auto_picks_the_cpu_kernels_on_cpu_and_named_gpu_kernels_are_refused_here():
-    cpu = torch.device("cpu")
-    assert registry.resolve_kernel("auto", cpu) == "torch"
-    assert registry.resolve_kernel("math", cpu) == "math"
-    with pytest.raises(ValueError, match="'torch_flash' cannot run here: needs a CUDA device"):
-        registry.resolve_kernel("torch_flash", cpu)
-    with pytest.raises(ValueError, match="unknown attention backend 'cudnn'"):
-        registry.resolve_kernel("cudnn", cpu)
-
-
-def test_torch_flash_keywords_match_the_registered_aten_schemas():
-    """The aten ops are registered in CPU builds too: the adapter's keywords are checked here
-    against this torch's schemas, and a drifted schema is reported by name."""
-    assert torch_flash.signature_problem() is None
-    schema = torch.ops.aten._flash_attention_backward.default._schema
-    assert [a.name for a in schema.arguments][:6] == [
-        "grad_out",
-        "query",
-        "key",
-        "value",
-        "out",
-        "logsumexp",
-    ]
-
-
-def test_flash_attn_signature_check_names_what_is_missing():
-    def forward(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        dropout_p,
-        softmax_scale,
-        causal,
-    ):
-        pass
-
-    def old_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k):
-        pass
-
-    fake = types.SimpleNamespace(
-        _flash_attn_varlen_forward=forward, _flash_attn_varlen_backward=old_backward
-    )
-    problem = flash_attn_adapter.signature_problem(fake)
-    assert "_flash_attn_varlen_backward lacks arguments" in problem and "max_seqlen_q" in problem
-    fake.__dict__.pop("_flash_attn_varlen_backward")
-    assert "has no _flash_attn_varlen_backward" in flash_attn_adapter.signature_problem(fake)
 
 
 def test_blocks_refuse_empty_and_unequal_causal_documents():

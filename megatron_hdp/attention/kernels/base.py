@@ -22,6 +22,8 @@ from typing import Protocol
 
 import torch
 
+from megatron_hdp.attention.kernels.device import DeviceFacts
+
 
 @dataclass(frozen=True)
 class VarlenBlocks:
@@ -88,8 +90,18 @@ class VarlenKernel(Protocol):
 
     name: str
 
-    def unavailable_reason(self, device: torch.device) -> str | None:
-        """None if the kernel runs on `device` here; otherwise why not (for the error)."""
+    def unavailable_reason(
+        self, facts: DeviceFacts, *, dtype: torch.dtype, head_dim: int
+    ) -> str | None:
+        """None if the kernel runs `dtype` tensors of `head_dim` on the device; else why not.
+
+        Checked once at start-up, before any process group, so that no rank fails inside a
+        ring step while its peers wait.
+        """
+        ...
+
+    def activate(self) -> None:
+        """Process-wide set-up once the kernel is chosen (most kernels need none)."""
         ...
 
     def forward(

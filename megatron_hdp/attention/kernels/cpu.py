@@ -1,9 +1,9 @@
 """The reference kernels: a loop over the documents inside the kernel, one dense block each.
 
-`"torch"` uses aten's flash-attention CPU kernels on CPU tensors (and the math kernel on any
-other device); `"math"` is plain matmul + logsumexp on every device and dtype, the
-cross-check. K/V heads are expanded per block here, inside the kernel (the GPU kernels
-take GQA natively).
+`"torch"` uses aten's flash-attention CPU kernels; `"math"` is plain matmul + logsumexp, the
+cross-check. Both are CPU kernels: on CUDA they would materialise a dense score matrix per
+document, so kernel choice refuses them there (tests may still call them on any device).
+K/V heads are expanded per block here, inside the kernel (the GPU kernels take GQA natively).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 
 from megatron_hdp.attention.backends import AttentionBackend, MathBackend, TorchBackend
 from megatron_hdp.attention.kernels.base import VarlenBlocks
+from megatron_hdp.attention.kernels.device import DeviceFacts
 
 
 def _expand(x_TGD: torch.Tensor, heads: int) -> torch.Tensor:
@@ -31,9 +32,18 @@ class BlockLoopKernel:
         self.name = name
         self._block = block
 
-    def unavailable_reason(self, device: torch.device) -> str | None:
-        """Runs everywhere."""
-        return None
+    def unavailable_reason(self, facts: DeviceFacts, *, dtype, head_dim) -> str | None:
+        """Runs on CPU only: on CUDA a dense block would hold a `[heads, s, s]` score matrix."""
+        if facts.type == "cpu":
+            return None
+        return (
+            f"is a CPU kernel: on {facts.type} it would compute dense [heads, s, s] scores per "
+            "document (out of memory at real lengths); use a flash kernel "
+            f"(torch_flash or flash_attn, with --bf16)"
+        )
+
+    def activate(self) -> None:
+        """Nothing to set up."""
 
     def _pieces(self, blocks: VarlenBlocks):
         q0 = k0 = 0

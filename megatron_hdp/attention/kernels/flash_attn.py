@@ -1,9 +1,13 @@
 """flash-attn 2.6-2.8's varlen kernels (`flash_attn.flash_attn_interface`), when installed.
 
 `_flash_attn_varlen_forward` / `_flash_attn_varlen_backward` are private and change between
-releases: they are called by keyword, after `signature_problem()` has checked with
-`inspect.signature` that they take every keyword passed (once, at start-up). From 2.6 the
-varlen log-sum-exp is float32 `[H, Tq]`; the backward fills `dq`, `dk`, `dv` in place.
+releases. From 2.7 they are `torch.library.custom_op` objects (with torch >= 2.4), whose
+`inspect.signature` is `(*args, **kwargs)`: their parameter names are read from the
+registered op schema (or the wrapped function) instead. 2.6 takes the sliding window as one
+`window_size` tuple, 2.7 and 2.8 as `window_size_left` / `window_size_right`; both forms are
+supported. Everything is passed by keyword, after `signature_problem()` has checked once, at
+start-up, that every keyword exists. The varlen log-sum-exp is float32 `[H, Tq]`; the
+backward fills `dq`, `dk`, `dv` in place.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import inspect
 import torch
 
 from megatron_hdp.attention.kernels.base import VarlenBlocks
+from megatron_hdp.attention.kernels.device import DeviceFacts, flash_limits
 
 FORWARD_KEYWORDS = (
     "q",
@@ -44,12 +49,13 @@ BACKWARD_KEYWORDS = (
     "dropout_p",
     "softmax_scale",
     "causal",
-    "window_size_left",
-    "window_size_right",
     "softcap",
     "alibi_slopes",
     "deterministic",
 )
+#: The backward's window arguments: 2.7/2.8 spell them apart, 2.6 as one tuple.
+WINDOW_SPLIT = ("window_size_left", "window_size_right")
+WINDOW_TUPLE = ("window_size",)
 
 
 def _interface():
@@ -57,6 +63,26 @@ def _interface():
         return importlib.import_module("flash_attn.flash_attn_interface")
     except ImportError:
         return None
+
+
+def parameter_names(function) -> tuple[str, ...]:
+    """The parameter names of a flash-attn entry point, whatever wraps it.
+
+    A `torch.library.custom_op` (flash-attn >= 2.7 with torch >= 2.4) has the op's schema and
+    the wrapped function; a plain function (2.6, or an older torch) has its own signature.
+    """
+    overload = getattr(function, "_opoverload", None)
+    if overload is not None:
+        return tuple(a.name for a in overload._schema.arguments)
+    wrapped = getattr(function, "_init_fn", function)
+    return tuple(inspect.signature(wrapped).parameters)
+
+
+def _window_keywords(names: tuple[str, ...]) -> tuple[str, ...] | None:
+    for form in (WINDOW_SPLIT, WINDOW_TUPLE):
+        if all(k in names for k in form):
+            return form
+    return None
 
 
 def signature_problem(interface=None) -> str | None:
@@ -71,10 +97,12 @@ def signature_problem(interface=None) -> str | None:
         function = getattr(interface, name, None)
         if function is None:
             return f"flash_attn.flash_attn_interface has no {name}"
-        parameters = inspect.signature(function).parameters
-        missing = [k for k in keywords if k not in parameters]
+        names = parameter_names(function)
+        missing = [k for k in keywords if k not in names]
+        if name.endswith("backward") and _window_keywords(names) is None:
+            missing.append("window_size_left/window_size_right (2.7+) or window_size (2.6)")
         if missing:
-            return f"flash_attn's {name} lacks arguments {missing} (tested: 2.6-2.8)"
+            return f"flash_attn's {name} lacks arguments {missing} (supported: 2.6-2.8)"
     return None
 
 
@@ -83,11 +111,16 @@ class FlashAttnKernel:
 
     name = "flash_attn"
 
-    def unavailable_reason(self, device: torch.device) -> str | None:
-        """Needs CUDA and flash-attn 2.6-2.8."""
-        if device.type != "cuda":
-            return f"needs a CUDA device (the tensors are on {device.type})"
-        return signature_problem()
+    def unavailable_reason(self, facts: DeviceFacts, *, dtype, head_dim) -> str | None:
+        """Needs CUDA (sm80+), 16-bit tensors, a head dim of 8k <= 256 and flash-attn 2.6-2.8.
+
+        The private entry points take no padding of the head dim (the public
+        `flash_attn_varlen_func` pads it), hence the multiple of 8.
+        """
+        return flash_limits(facts, dtype=dtype, head_dim=head_dim) or signature_problem()
+
+    def activate(self) -> None:
+        """Nothing to set up."""
 
     def forward(self, q_THD, k_TGD, v_TGD, blocks: VarlenBlocks, *, scale):
         """See `base.VarlenKernel.forward`."""
@@ -107,8 +140,14 @@ class FlashAttnKernel:
 
     def backward(self, dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_HT, blocks, *, scale):
         """See `base.VarlenKernel.backward`."""
+        interface = _interface()
+        function = interface._flash_attn_varlen_backward
+        window = _window_keywords(parameter_names(function))
+        no_window = {"window_size": (-1, -1)} if window == WINDOW_TUPLE else {}
+        if window == WINDOW_SPLIT:
+            no_window = {"window_size_left": -1, "window_size_right": -1}
         dq, dk, dv = torch.empty_like(q_THD), torch.empty_like(k_TGD), torch.empty_like(v_TGD)
-        _interface()._flash_attn_varlen_backward(
+        function(
             dout=dout_THD.contiguous(),
             q=q_THD,
             k=k_TGD,
@@ -125,10 +164,9 @@ class FlashAttnKernel:
             dropout_p=0.0,
             softmax_scale=scale,
             causal=blocks.causal,
-            window_size_left=-1,
-            window_size_right=-1,
             softcap=0.0,
             alibi_slopes=None,
             deterministic=False,
+            **no_window,
         )
         return dq, dk, dv

@@ -1,96 +1,172 @@
-"""PyTorch's own CUDA flash-attention varlen kernels (no extra package).
+"""PyTorch's own CUDA flash-attention varlen kernels (no extra package), and FA3/FA4 through them.
 
-`aten::_flash_attention_forward` / `_flash_attention_backward` are private, versioned ops:
-they are called by keyword, and `check_signature()` compares the keywords with the ops'
-registered schemas once at start-up (the ops are registered in CPU builds too, so the check
-runs everywhere; the kernels themselves need CUDA). Tensors are `[T, heads, D]` with native
-GQA; the log-sum-exp comes back as float32 `[H, Tq]`.
+`aten::_flash_attention_forward` / `_flash_attention_backward` are private ops. Their leading
+positional arguments have kept their order and types across releases while names changed
+(the backward's `philox_seed, philox_offset` became `rng_state, unused`) and keyword-only
+arguments were appended, so the adapter passes the positional core by position and only
+`scale` by keyword. `schema_problem()` checks exactly that against this torch's registered
+schemas (the ops are registered in CPU builds too, so the check runs everywhere; the kernels
+need CUDA). Tensors are `[T, heads, D]` with native GQA; the log-sum-exp is float32 `[H, Tq]`.
+
+Where this torch offers another flash implementation behind the same ops
+(`torch.nn.attention.activate_flash_attention_impl("FA3" | "FA4")`: FA3 from the
+`flash_attn_interface` module of flash-attention's hopper build, FA4 from the `flash-attn-4`
+package's `flash_attn.cute.interface`), the `torch_flash_fa3` / `torch_flash_fa4` kernels
+activate it once, process-wide, and then call the same ops.
 """
 
 from __future__ import annotations
 
+import importlib
+import logging
+
 import torch
 
 from megatron_hdp.attention.kernels.base import VarlenBlocks
+from megatron_hdp.attention.kernels.device import DeviceFacts, flash_limits
 
-FORWARD_KEYWORDS = (
-    "query",
-    "key",
-    "value",
-    "cum_seq_q",
-    "cum_seq_k",
-    "max_q",
-    "max_k",
-    "dropout_p",
-    "is_causal",
-    "return_debug_mask",
-    "scale",
+logger = logging.getLogger(__name__)
+
+# Leading positional arguments: (what the adapter passes there, the accepted schema types).
+_TENSOR, _OPT_TENSOR, _INT, _FLOAT, _BOOL = (
+    ("Tensor",),
+    ("Tensor", "Optional[Tensor]"),
+    ("int", "SymInt"),
+    ("float",),
+    ("bool",),
 )
-BACKWARD_KEYWORDS = (
-    "grad_out",
-    "query",
-    "key",
-    "value",
-    "out",
-    "logsumexp",
-    "cum_seq_q",
-    "cum_seq_k",
-    "max_q",
-    "max_k",
-    "dropout_p",
-    "is_causal",
-    "rng_state",
-    "unused",
-    "scale",
+FORWARD_POSITIONAL = (
+    ("query", _TENSOR),
+    ("key", _TENSOR),
+    ("value", _TENSOR),
+    ("cum_seq_q", _OPT_TENSOR),
+    ("cum_seq_k", _OPT_TENSOR),
+    ("max_q", _INT),
+    ("max_k", _INT),
+    ("dropout_p", _FLOAT),
+    ("is_causal", _BOOL),
+    ("return_debug_mask", _BOOL),
+)
+BACKWARD_POSITIONAL = (
+    ("grad_out", _TENSOR),
+    ("query", _TENSOR),
+    ("key", _TENSOR),
+    ("value", _TENSOR),
+    ("out", _TENSOR),
+    ("logsumexp", _TENSOR),
+    ("cum_seq_q", _TENSOR),
+    ("cum_seq_k", _TENSOR),
+    ("max_q", _INT),
+    ("max_k", _INT),
+    ("dropout_p", _FLOAT),
+    ("is_causal", _BOOL),
+    ("rng_state (philox_seed in older torch)", _TENSOR),
+    ("unused (philox_offset in older torch)", _TENSOR),
 )
 
 
-def _schema_arguments(op_name: str) -> tuple[str, ...] | None:
+def _schema(op_name: str):
     op = getattr(torch.ops.aten, op_name, None)
-    if op is None:
-        return None
-    return tuple(a.name for a in op.default._schema.arguments)
+    return None if op is None else op.default._schema
 
 
-def signature_problem() -> str | None:
-    """None if both ops take every keyword this adapter passes; otherwise what is missing."""
-    for op_name, keywords in (
-        ("_flash_attention_forward", FORWARD_KEYWORDS),
-        ("_flash_attention_backward", BACKWARD_KEYWORDS),
+def schema_problem(schemas: dict | None = None) -> str | None:
+    """None if both aten ops take the adapter's arguments; otherwise what differs.
+
+    `schemas` maps op name to a `torch.FunctionSchema` (tests pass older releases' schemas,
+    parsed with `torch._C.parse_schema`); default: this torch's registered ones.
+    """
+    for op_name, positional in (
+        ("_flash_attention_forward", FORWARD_POSITIONAL),
+        ("_flash_attention_backward", BACKWARD_POSITIONAL),
     ):
-        arguments = _schema_arguments(op_name)
-        if arguments is None:
+        schema = (schemas or {}).get(op_name) if schemas is not None else _schema(op_name)
+        if schema is None:
             return f"this torch {torch.__version__} has no aten::{op_name}"
-        missing = [k for k in keywords if k not in arguments]
-        if missing:
-            return f"aten::{op_name} of torch {torch.__version__} lacks arguments {missing}"
+        leading = [a for a in schema.arguments if not a.kwarg_only]
+        if len(leading) < len(positional):
+            return (
+                f"aten::{op_name} takes {len(leading)} positional arguments, "
+                f"expected {len(positional)}"
+            )
+        for index, ((what, types), arg) in enumerate(zip(positional, leading)):
+            if str(arg.type) not in types:
+                return (
+                    f"aten::{op_name}'s argument {index} ({arg.name}: {arg.type}) is not "
+                    f"{what}: {' or '.join(types)}"
+                )
+        if not any(a.name == "scale" and a.kwarg_only for a in schema.arguments):
+            return f"aten::{op_name} has no keyword argument 'scale'"
+    return None
+
+
+#: Where each alternative implementation's kernels come from (the module torch imports).
+IMPL_MODULES = {"FA3": "flash_attn_interface", "FA4": "flash_attn.cute.interface"}
+#: Compute capabilities (major) each implementation supports (torch's `_fa3.py`, `_fa4.py`).
+IMPL_MAJORS = {"FA3": (9,), "FA4": (9, 10)}
+
+
+def impl_problem(impl: str) -> str | None:
+    """None if this torch can activate flash implementation `impl` ("FA3", "FA4") here."""
+    attention = torch.nn.attention
+    if not hasattr(attention, "activate_flash_attention_impl"):
+        return f"this torch {torch.__version__} cannot switch flash implementations"
+    if impl not in attention.list_flash_attention_impls():
+        return f"this torch {torch.__version__} does not list {impl}"
+    try:
+        importlib.import_module(IMPL_MODULES[impl])
+    except ImportError as err:
+        package = "flash-attn-4" if impl == "FA4" else "flash-attention's hopper build"
+        return f"{IMPL_MODULES[impl]} does not import ({err}); install {package}"
     return None
 
 
 class TorchFlashKernel:
-    """`aten::_flash_attention_{forward,backward}`: one varlen call per ring step."""
+    """`aten::_flash_attention_{forward,backward}`: one varlen call per ring step.
 
-    name = "torch_flash"
+    Args:
+        impl: None for torch's built-in kernels (FlashAttention-2), "FA3" or "FA4" to run
+            that implementation behind the same ops.
+    """
 
-    def unavailable_reason(self, device: torch.device) -> str | None:
-        """Needs a CUDA device and the ops' expected signatures."""
-        if device.type != "cuda":
-            return f"needs a CUDA device (the tensors are on {device.type})"
-        return signature_problem()
+    def __init__(self, impl: str | None = None) -> None:
+        self.impl = impl
+        self.name = "torch_flash" if impl is None else f"torch_flash_{impl.lower()}"
+
+    def unavailable_reason(self, facts: DeviceFacts, *, dtype, head_dim) -> str | None:
+        """Needs CUDA (sm80+), 16-bit tensors, a head dim of 8k <= 256 and matching schemas."""
+        if self.impl is None:
+            problem = flash_limits(facts, dtype=dtype, head_dim=head_dim)
+            if problem is None and not facts.flash_built:
+                problem = f"this torch {torch.__version__} was built without flash attention"
+        else:
+            problem = flash_limits(
+                facts, dtype=dtype, head_dim=head_dim, capability_majors=IMPL_MAJORS[self.impl]
+            )
+            problem = problem or impl_problem(self.impl)
+        return problem or schema_problem()
+
+    def activate(self) -> None:
+        """Route the aten flash ops to FA3/FA4 (process-wide); nothing for the built-in one."""
+        if self.impl is not None:
+            current = torch.nn.attention.current_flash_attention_impl()
+            if current != self.impl:
+                torch.nn.attention.activate_flash_attention_impl(self.impl)
+                logger.info("aten flash-attention ops now run %s", self.impl)
 
     def forward(self, q_THD, k_TGD, v_TGD, blocks: VarlenBlocks, *, scale):
         """See `base.VarlenKernel.forward`."""
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
-            query=q_THD,
-            key=k_TGD,
-            value=v_TGD,
-            cum_seq_q=blocks.cu_seqlens_q,
-            cum_seq_k=blocks.cu_seqlens_k,
-            max_q=blocks.max_seqlen_q,
-            max_k=blocks.max_seqlen_k,
-            dropout_p=0.0,
-            is_causal=blocks.causal,
-            return_debug_mask=False,
+            q_THD,
+            k_TGD,
+            v_TGD,
+            blocks.cu_seqlens_q,
+            blocks.cu_seqlens_k,
+            blocks.max_seqlen_q,
+            blocks.max_seqlen_k,
+            0.0,
+            blocks.causal,
+            False,
             scale=scale,
         )
         if lse.shape != (q_THD.shape[1], q_THD.shape[0]):
@@ -101,23 +177,25 @@ class TorchFlashKernel:
         return out, lse
 
     def backward(self, dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_HT, blocks, *, scale):
-        """See `base.VarlenKernel.backward` (no dropout: the RNG state is not used)."""
-        empty = torch.empty(0, dtype=torch.int64, device=q_THD.device)
+        """See `base.VarlenKernel.backward` (no dropout: the RNG state is never read)."""
+        # What torch's own varlen attention passes without dropout (torch/nn/attention/varlen.py).
+        rng_state = torch.zeros(2, dtype=torch.uint64, device=q_THD.device)
+        unused = torch.empty(0, device=q_THD.device)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad_out=dout_THD.contiguous(),
-            query=q_THD,
-            key=k_TGD,
-            value=v_TGD,
-            out=out_THD.contiguous(),
-            logsumexp=lse_HT.to(torch.float32).contiguous(),
-            cum_seq_q=blocks.cu_seqlens_q,
-            cum_seq_k=blocks.cu_seqlens_k,
-            max_q=blocks.max_seqlen_q,
-            max_k=blocks.max_seqlen_k,
-            dropout_p=0.0,
-            is_causal=blocks.causal,
-            rng_state=empty,
-            unused=empty,
+            dout_THD.contiguous(),
+            q_THD,
+            k_TGD,
+            v_TGD,
+            out_THD.contiguous(),
+            lse_HT.to(torch.float32).contiguous(),
+            blocks.cu_seqlens_q,
+            blocks.cu_seqlens_k,
+            blocks.max_seqlen_q,
+            blocks.max_seqlen_k,
+            0.0,
+            blocks.causal,
+            rng_state,
+            unused,
             scale=scale,
         )
         return dq, dk, dv
