@@ -1,7 +1,8 @@
 """HDP attention: causal varlen attention, local or zigzag-ring, with GQA (ops layer).
 
-One autograd function covers both cases of a micro-batch:
-- a ring of one rank: causal attention per packed document, no communication;
+Two autograd functions cover the two cases of a micro-batch:
+- all its tokens on this rank (a ring of one: a pack): one varlen kernel call on the packed
+  tensors with the documents' offsets, forward and backward, in the model's dtype;
 - a ring of k ranks: zigzag ring attention. K/V circulate k-1 times around the ring in
   the forward pass; in the backward pass K/V circulate again together with a dK/dV
   accumulator that needs k hops to end at its owner. Partial results merge with
@@ -22,6 +23,7 @@ Every other chunk pair is masked out entirely. This holds for any chunk sizes.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,6 +34,7 @@ import torch.distributed as dist
 from megatron_hdp.attention.kernels.base import VarlenBlocks, VarlenKernel, accumulation_dtype
 from megatron_hdp.attention.kernels.registry import get_kernel
 from megatron_hdp.distributed.ring_comm import CommStats, RingComm
+from megatron_hdp.host_copy import pack_int64, to_device, unpack
 from megatron_hdp.sharding import RankShard, shard
 
 _TAG_FWD_KV, _TAG_BWD_KV, _TAG_BWD_DKV = 11, 12, 13
@@ -138,24 +141,42 @@ class _StepBlocks:
 
 
 def _step_blocks(spec: RingAttentionSpec, device: torch.device) -> dict[int, _StepBlocks]:
-    """The blocks against every active source (sources without any block are left out)."""
-    steps = {}
+    """The blocks against every active source (sources without any block are left out).
+
+    Row indices and offsets are built on the host and reach the device in one non-blocking
+    copy (`host_copy`): no host-device sync per micro-batch, none per layer.
+    """
+    plans = []
     for source in spec.active:
         segments = _segments(spec, source)
         if not segments:
             continue
         causal = {seg[4] for seg in segments}
         assert len(causal) == 1, "a ring step mixes causal and full blocks"
-        q_rows = torch.cat([torch.arange(q0, q0 + ql) for q0, ql, _, _, _ in segments])
-        kv_rows = torch.cat([torch.arange(k0, k0 + kl) for _, _, k0, kl, _ in segments])
+        lengths_q, lengths_k = [seg[1] for seg in segments], [seg[3] for seg in segments]
+        q_rows = [r for q0, ql, _, _, _ in segments for r in range(q0, q0 + ql)]
+        kv_rows = [r for _, _, k0, kl, _ in segments for r in range(k0, k0 + kl)]
+        parts = [
+            q_rows,
+            kv_rows,
+            [0, *itertools.accumulate(lengths_q)],
+            [0, *itertools.accumulate(lengths_k)],
+        ]
+        plans.append((source, lengths_q, lengths_k, causal.pop(), parts))
+    host, lengths = pack_int64([part for *_, parts in plans for part in parts])
+    views = iter(unpack(to_device(host, device), lengths))
+    steps = {}
+    for source, lengths_q, lengths_k, causal, _ in plans:
+        q_rows, kv_rows, cu_q, cu_k = (next(views) for _ in range(4))
         steps[source] = _StepBlocks(
-            q_rows=q_rows.to(device),
-            kv_rows=kv_rows.to(device),
-            blocks=VarlenBlocks.build(
-                [seg[1] for seg in segments],
-                [seg[3] for seg in segments],
-                causal=causal.pop(),
-                device=device,
+            q_rows=q_rows,
+            kv_rows=kv_rows,
+            blocks=VarlenBlocks(
+                lengths_q=tuple(lengths_q),
+                lengths_k=tuple(lengths_k),
+                causal=causal,
+                cu_seqlens_q=cu_q.to(torch.int32),
+                cu_seqlens_k=cu_k.to(torch.int32),
             ),
         )
     return steps
@@ -263,6 +284,37 @@ class _HDPAttention(torch.autograd.Function):
         return dq_THD.to(q_THD.dtype), dk_TGD, dv_TGD, None, None
 
 
+class _PackAttention(torch.autograd.Function):
+    """A micro-batch whose tokens all sit on this rank: one kernel call each way.
+
+    The documents are whole and in packing order, so the kernel runs on q, k, v as they are,
+    with the documents' offsets; output and gradients stay in the model's dtype (no ring
+    buffers, no log-sum-exp merge).
+    """
+
+    @staticmethod
+    def forward(ctx, q_THD, k_TGD, v_TGD, blocks: VarlenBlocks, kernel: VarlenKernel, scale):
+        out_THD, lse_HT = kernel.forward(q_THD, k_TGD, v_TGD, blocks, scale=scale)
+        ctx.save_for_backward(q_THD, k_TGD, v_TGD, out_THD, lse_HT)
+        ctx.blocks, ctx.kernel, ctx.scale = blocks, kernel, scale
+        return out_THD
+
+    @staticmethod
+    def backward(ctx, dout_THD):
+        q_THD, k_TGD, v_TGD, out_THD, lse_HT = ctx.saved_tensors
+        dq, dk, dv = ctx.kernel.backward(
+            dout_THD.contiguous().to(q_THD.dtype),
+            q_THD,
+            k_TGD,
+            v_TGD,
+            out_THD,
+            lse_HT,
+            ctx.blocks,
+            scale=ctx.scale,
+        )
+        return dq, dk, dv, None, None, None
+
+
 def hdp_attention(
     q_THD: torch.Tensor,
     k_TGD: torch.Tensor,
@@ -295,4 +347,7 @@ def hdp_attention(
             f"{q_THD.shape[1]} query heads are not a multiple of {k_TGD.shape[1]} key/value heads"
         )
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_THD.shape[-1])
+    if len(spec.active) == 1:
+        blocks = spec.step_blocks(q_THD.device)[spec.position].blocks
+        return _PackAttention.apply(q_THD, k_TGD, v_TGD, blocks, spec.backend, scale)
     return _HDPAttention.apply(q_THD, k_TGD, v_TGD, spec, scale)

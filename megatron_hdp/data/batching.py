@@ -7,6 +7,7 @@ zigzag chunks of every document (`sharding.py`); for a local one, whole document
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -14,6 +15,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from megatron_hdp.host_copy import pack_int64, to_device, unpack
 from megatron_hdp.scheduler.plan import MicroBatch, StepPlan
 from megatron_hdp.sharding import RankShard, shard
 
@@ -138,30 +140,51 @@ class LocalBatch:
     ring: tuple[int, ...]
     rank: int
     offload_ratio: float = 0.0
+    device_offsets: torch.Tensor | None = None
+    """`cu_seqlens()` on the device, set by `to()`."""
+    host_loss_tokens: float = 0.0
+    """The loss mask's sum, counted when the batch was read (no device read later)."""
 
     @property
     def num_tokens(self) -> int:
         """Local tokens."""
         return self.tokens.shape[1]
 
-    def to(self, device: torch.device) -> LocalBatch:
-        """The same batch with its tensors on `device`."""
+    def to(self, device: torch.device, *, copy=to_device) -> LocalBatch:
+        """The same batch with its tensors on `device`, in one non-blocking copy.
+
+        The token ids, labels, positions, loss mask (its float64 bits) and document offsets
+        travel as one int64 buffer through `copy` (`host_copy.to_device`), so the host never
+        waits for the device.
+        """
         if self.tokens.device == device:
             return self
+        n = self.num_tokens
+        mask_bits = self.loss_mask.reshape(-1).to(torch.float64).view(torch.int64)
+        offsets = [0, *itertools.accumulate(self.shard.local_doc_lengths())]
+        host, lengths = pack_int64(
+            [self.tokens, self.labels, self.position_ids, mask_bits, offsets]
+        )
+        tokens, labels, positions, mask, cu = unpack(copy(host, device), lengths)
         return dataclasses.replace(
             self,
-            tokens=self.tokens.to(device),
-            labels=self.labels.to(device),
-            loss_mask=self.loss_mask.to(device),
-            position_ids=self.position_ids.to(device),
+            tokens=tokens.view(1, n),
+            labels=labels.view(1, n),
+            loss_mask=mask.view(torch.float64).to(self.loss_mask.dtype).view(1, n),
+            position_ids=positions.view(1, n),
+            device_offsets=cu.to(torch.int32),
         )
 
     def cu_seqlens(self) -> torch.Tensor:
         """int32 offsets of the local documents, as flash-attn's varlen API expects."""
-        lengths = torch.tensor(
-            [0, *self.shard.local_doc_lengths()], dtype=torch.int64, device=self.tokens.device
-        )
-        return torch.cumsum(lengths, 0).to(torch.int32)
+        if self.device_offsets is not None:
+            return self.device_offsets
+        offsets = [0, *itertools.accumulate(self.shard.local_doc_lengths())]
+        return torch.tensor(offsets, dtype=torch.int32)
+
+    def loss_tokens(self) -> float:
+        """The sum of the loss mask, counted on the host when the batch was read."""
+        return self.host_loss_tokens
 
 
 def gather_local_batch(
@@ -191,10 +214,12 @@ def gather_local_batch(
             return torch.zeros(1, 0, dtype=dtype)
         return torch.cat([torch.as_tensor(p[i]).to(dtype) for p in parts]).unsqueeze(0)
 
+    loss_mask = cat(2, torch.float32)
     return LocalBatch(
         tokens=cat(0, torch.int64),
         labels=cat(1, torch.int64),
-        loss_mask=cat(2, torch.float32),
+        loss_mask=loss_mask,
+        host_loss_tokens=float(loss_mask.sum()),
         position_ids=torch.tensor(my_shard.positions(), dtype=torch.int64).unsqueeze(0),
         full_doc_lengths=full_lengths,
         shard=my_shard,

@@ -177,25 +177,27 @@ def read_and_count(
     all-reduce, so every rank raises it together instead of the others waiting forever in
     a ring.
     """
-    batches, error = [], None
+    host, error = [], None
     if prepared is not None:
         read, error = prepared
-        batches = [] if error is not None else [b.to(runtime.device) for b in read]
+        host = [] if error is not None else read
     else:
         try:
-            batches = local_batches(plan, source, runtime)
+            host = read_local(plan, source, dist.get_rank(runtime.group))
         except ValueError as err:
             error = err
-    local = sum(float(b.loss_mask.sum()) for b in batches)
-    counts = torch.tensor(
-        [local, 1.0 if error else 0.0], dtype=torch.float64, device=runtime.device
-    )
+    # Counted on the host, before the copies: no device read per micro-batch.
+    local = sum(b.loss_tokens() for b in host)
+    batches = [b.to(runtime.device) for b in host]
+    counts = torch.tensor([local, 1.0 if error else 0.0], dtype=torch.float64)
+    counts = counts.to(runtime.device)
     dist.all_reduce(counts, group=runtime.group)
     if error is not None:
         raise error
-    if counts[1].item() > 0:
+    total, failed = counts.tolist()
+    if failed > 0:
         raise ValueError("another rank could not read its share of the global batch (see its log)")
-    return batches, int(counts[0].item())
+    return batches, int(total)
 
 
 def sequence_parallel_pad(batch: LocalBatch, cfg: GPTConfig) -> int:
@@ -340,7 +342,8 @@ def forward_backward(
             loss_scale=loss_scale,
             global_batch_tokens=global_batch_tokens,
         )
-    loss_sum = aux_sum = 0.0
+    aux_sum = 0.0
+    loss_sums = []  # on the device: read once, after the last micro-batch
     for i, batch in enumerate(batches):
         runtime.mark(f"micro-batch {i + 1} of {len(batches)} (ring {batch.ring})")
         started = time.perf_counter()
@@ -353,10 +356,11 @@ def forward_backward(
             losses, aux = _token_losses(engine, batch, runtime, global_batch_tokens)
             masked = (losses.float() * batch.loss_mask).sum()
             (masked * loss_scale).backward()
-        loss_sum += float(masked.detach())
+        loss_sums.append(masked.detach())
         aux_sum += aux
         if times is not None:
             times.append((started, time.perf_counter()))
+    loss_sum = float(torch.stack(loss_sums).sum()) if loss_sums else 0.0
     return loss_sum, aux_sum
 
 

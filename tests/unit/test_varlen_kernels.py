@@ -100,3 +100,28 @@ def test_blocks_refuse_empty_and_unequal_causal_documents():
         VarlenBlocks.build((3, 0), (3, 2), causal=False, device=cpu)
     with pytest.raises(ValueError, match="causal blocks need equal lengths"):
         VarlenBlocks.build((3,), (4,), causal=True, device=cpu)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_pack_is_one_direct_kernel_call_equal_to_the_ring_bookkeeping(dtype):
+    """The pack path skips the ring's gathers, fp32 buffers and merges, and changes nothing:
+    outputs and gradients equal the ring function run on a ring of one, in the model dtype."""
+    from megatron_hdp.attention.ring import _HDPAttention
+
+    lengths = (7, 1, 12, 3)
+    spec = build_ring_spec(lengths, (0,), rank=0, group=None, backend="torch")
+    gen = torch.Generator().manual_seed(4)
+    leaves = [
+        torch.randn(sum(lengths), heads, 8, generator=gen).to(dtype).requires_grad_()
+        for heads in (4, 2, 2)
+    ]
+    twins = [t.detach().clone().requires_grad_() for t in leaves]
+    dout = torch.randn(sum(lengths), 4, 8, generator=gen).to(dtype)
+    out = hdp_attention(*leaves, spec)
+    out.backward(dout)
+    want = _HDPAttention.apply(*twins, spec, 1 / math.sqrt(8))
+    want.backward(dout)
+    assert out.dtype == dtype and all(t.grad.dtype == dtype for t in leaves)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    for a, b in zip(leaves, twins, strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
