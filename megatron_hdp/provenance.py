@@ -29,6 +29,13 @@ def git_revision(repo: Path | None = None) -> str:
     return rev + ("+dirty" if dirty else "")
 
 
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def environment() -> dict:
     """Library versions and the machine, for a benchmark's JSON."""
     import torch
@@ -36,7 +43,7 @@ def environment() -> dict:
     return {
         "python": sys.version.split()[0],
         "torch": torch.__version__,
-        "megatron_core": metadata.version("megatron-core"),
+        "megatron_core": _version("megatron-core"),
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "cuda": torch.cuda.is_available(),

@@ -1,0 +1,132 @@
+"""Shared pieces of `verify.py`: the float64 reference, error measures, timing, the run mode.
+
+Needs torch and `megatron_hdp`'s attention modules only (no Megatron-Core, no hypothesis).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Mode:
+    """Where and how big: the GPU run, or the small CPU run CI keeps alive."""
+
+    device: torch.device
+    dtypes: tuple[torch.dtype, ...]
+    heads: int
+    groups: int
+    head_dim: int
+    scale_tokens: int
+    """Token counts are multiplied by this (1 on CPU, large on GPU)."""
+    speed_tokens: tuple[int, ...]
+    repeats: int
+
+    @property
+    def cpu(self) -> bool:
+        """True in the CPU mode."""
+        return self.device.type == "cpu"
+
+
+def gpu_mode(quick: bool) -> Mode:
+    """Real sizes: 32 heads, GQA 8, head dim 128, 8K-128K tokens (8K-32K with --quick)."""
+    return Mode(
+        device=torch.device("cuda"),
+        dtypes=(torch.bfloat16, torch.float16),
+        heads=32,
+        groups=8,
+        head_dim=128,
+        scale_tokens=8,
+        speed_tokens=(8192, 16384, 32768) if quick else (8192, 16384, 32768, 65536, 131072),
+        repeats=5 if quick else 10,
+    )
+
+
+def cpu_mode() -> Mode:
+    """Small sizes on the CPU kernels, so that every code path runs in CI in seconds."""
+    return Mode(
+        device=torch.device("cpu"),
+        dtypes=(torch.float32, torch.bfloat16),
+        heads=4,
+        groups=2,
+        head_dim=16,
+        scale_tokens=1,
+        speed_tokens=(256, 512),
+        repeats=3,
+    )
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Largest accepted error relative to the reference's largest magnitude."""
+    return {torch.float32: 1e-4, torch.float64: 1e-9, torch.float16: 5e-3}.get(dtype, 2e-2)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want| (want float64), finite-safe."""
+    want = want.double()
+    scale = want.abs().max().item() or 1.0
+    diff = (got.double() - want).abs().max().item()
+    return diff / scale if math.isfinite(diff) else math.inf
+
+
+def reference_attention(q, k, v, lengths_q, lengths_k, causal, scale):
+    """float64 out `[Tq,H,D]` and lse `[H,Tq]` of each document's block (GQA by repetition).
+
+    Causal blocks are aligned at the top left (equal lengths: the diagonal included).
+    """
+    heads, groups = q.shape[1], k.shape[1]
+    outs, lses = [], []
+    q0 = k0 = 0
+    for lq, lk in zip(lengths_q, lengths_k, strict=True):
+        qd = q[q0 : q0 + lq].double().transpose(0, 1)
+        kd = k[k0 : k0 + lk].double().repeat_interleave(heads // groups, 1).transpose(0, 1)
+        vd = v[k0 : k0 + lk].double().repeat_interleave(heads // groups, 1).transpose(0, 1)
+        scores = qd @ kd.transpose(-1, -2) * scale
+        if causal:
+            mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
+            scores = scores.masked_fill(~mask, -math.inf)
+        lses.append(torch.logsumexp(scores, -1))
+        outs.append((torch.softmax(scores, -1) @ vd).transpose(0, 1))
+        q0, k0 = q0 + lq, k0 + lk
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(fn, device: torch.device, repeats: int, warmup: int = 2) -> float:
+    """Median wall time of `fn()` over `repeats` runs, after `warmup` (CUDA events on GPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def attention_flops(lengths_q, lengths_k, causal, heads, head_dim, backward=True) -> float:
+    """Matmul FLOPs of the blocks (causal counts the lower triangle), forward (+2.5x backward)."""
+    pairs = sum(
+        (lq * (lq + 1) / 2 if causal else lq * lk)
+        for lq, lk in zip(lengths_q, lengths_k, strict=True)
+    )
+    forward = 4 * pairs * heads * head_dim
+    return forward * (3.5 if backward else 1.0)

@@ -1,0 +1,135 @@
+"""scripts/gpu/verify.py: its CPU mode runs every check with torch alone, and catches defects."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.unit.scripts_loader import REPO
+
+VERIFY = REPO / "scripts" / "gpu" / "verify.py"
+
+
+def _run(*args, env=None, timeout=300):
+    return subprocess.run(
+        [sys.executable, str(VERIFY), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=REPO,
+    )
+
+
+def test_help_lists_the_sections():
+    done = _run("--help")
+    assert done.returncode == 0
+    for section in ("env", "kernels", "ring", "speed", "--cpu", "--quick"):
+        assert section in done.stdout
+
+
+def test_bad_arguments_are_named_and_no_cuda_is_refused_without_cpu_mode():
+    done = _run("--cpu", "--sections", "kernels,warp")
+    assert done.returncode == 2 and "unknown ['warp']" in done.stderr
+    if not torch.cuda.is_available():
+        done = _run()
+        assert (
+            done.returncode == 2
+            and "no CUDA device here" in done.stderr
+            and "--cpu" in (done.stderr)
+        )
+
+
+@pytest.fixture(scope="module")
+def cpu_report(tmp_path_factory):
+    """The CPU run in a Python where megatron and hypothesis cannot be imported."""
+    folder = tmp_path_factory.mktemp("verify")
+    blockers = folder / "blockers"
+    for package in ("megatron", "hypothesis", "ray"):
+        (blockers / package).mkdir(parents=True)
+        (blockers / package / "__init__.py").write_text(
+            f"raise ImportError('{package} is not installed on the GPU machine')\n"
+        )
+    env = dict(os.environ, PYTHONPATH=str(blockers))
+    out = folder / "verify.json"
+    done = _run("--cpu", "--out", str(out), env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(out.read_text()), done.stdout
+
+
+def test_the_cpu_mode_runs_every_section_with_torch_alone(cpu_report):
+    report, stdout = cpu_report
+    assert report["ok"] and report["mode"] == "cpu"
+    assert report["environment"]["megatron_core"] is None or "megatron" not in stdout
+    kernels = report["sections"]["kernels"]["results"]
+    assert {r["kernel"] for r in kernels} == {"torch", "math"}
+    assert {r["case"] for r in kernels} >= {
+        "packed_documents_gqa",
+        "zigzag_half_blocks",
+        "one_query_row_per_document",
+        "many_tiny_documents",
+    }
+    assert {r["dtype"] for r in kernels} == {"float32", "bfloat16"}
+    assert all(r["ok"] and r["lse_shape_ok"] for r in kernels)
+    rings = report["sections"]["ring"]["results"]
+    assert sorted({r["ring_size"] for r in rings}) == list(range(2, 9))
+    assert all(max(r["error_vs_float64"].values()) <= r["tolerance"] for r in rings)
+    speed = report["sections"]["speed"]
+    assert speed["ring_steps"][0]["step_calls"] == 4
+    assert all(p["pack_path_s"] > 0 and p["direct_call_s"] > 0 for p in speed["pack_path"])
+    assert "kernels_bf16" in report["environment"] and report["environment"]["git_revision"]
+
+
+def _checks():
+    sys.path.insert(0, str(REPO / "scripts" / "gpu"))
+    import common
+    import kernel_checks
+    import ring_checks
+
+    return common, kernel_checks, ring_checks
+
+
+def test_a_kernel_with_a_one_percent_error_fails_its_check(monkeypatch):
+    common, kernel_checks, _ = _checks()
+    from megatron_hdp.attention.kernels import registry
+
+    math_kernel = registry.get_kernel("math")
+
+    class Off:
+        name = "off_by_one_percent"
+
+        def forward(self, *args, **kwargs):
+            out, lse = math_kernel.forward(*args, **kwargs)
+            return out * 1.01, lse
+
+        def backward(self, *args, **kwargs):
+            return math_kernel.backward(*args, **kwargs)
+
+        def activate(self):
+            pass
+
+    monkeypatch.setitem(registry._KERNELS, Off.name, Off())
+    mode = common.cpu_mode()
+    case = kernel_checks.cases(mode)["packed_documents_gqa"]
+    result = kernel_checks.check_case(Off.name, mode, torch.float32, "packed", case)
+    assert not result["ok"] and result["errors"]["out"] > 5e-3
+    assert kernel_checks.check_case("math", mode, torch.float32, "packed", case)["ok"]
+
+
+def test_a_ring_that_drops_a_block_fails_its_check(monkeypatch):
+    common, _, ring_checks = _checks()
+    from megatron_hdp.attention import ring
+
+    real = ring._segments
+
+    def drop_lower_blocks(spec, source):
+        return [] if source < spec.position else real(spec, source)
+
+    monkeypatch.setattr(ring, "_segments", drop_lower_blocks)
+    result = ring_checks.run(common.cpu_mode(), lambda line: None, "torch")
+    assert not result["ok"]
