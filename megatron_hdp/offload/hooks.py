@@ -31,6 +31,11 @@ storage can be freed. In the backward pass `unpack` concatenates the fetched row
 kept rows (bitwise the original values) and rebuilds the saved view with `as_strided`.
 Several saved views of one storage share one copy.
 
+Host memory: the engine holds its host budget from construction on (one pool). When an
+offload does not fit the pool's free blocks (`HostPoolExhaustedError`), the storage stays on
+the device, counted as resident and in `num_refused`/`bytes_refused`, and a warning is
+logged once per micro-batch: the step stays exact, only its device memory is higher.
+
 Prefetch: when the backward pass first unpacks a tensor of layer `i`, the offloaded
 tensors of layer `i` (if not yet) and of layer `i - 1` are prefetched.
 
@@ -44,6 +49,7 @@ Without frees during the forward pass, `peak_resident_bytes == saved_bytes - byt
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import weakref
 from collections.abc import Iterator, Sequence
@@ -56,7 +62,9 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.hooks import RemovableHandle
 
-from megatron_hdp.offload.engines import CopyEngine
+from megatron_hdp.offload.engines import CopyEngine, HostPoolExhaustedError
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MIN_OFFLOAD_BYTES = 64 * 1024
 NUM_RESIDENT_LAYERS = 2
@@ -235,6 +243,8 @@ class MicroBatchOffload:
         peak_resident_bytes: Largest `resident_bytes` during the forward pass.
         num_offloaded: Storages offloaded.
         num_prefetched: Prefetches issued.
+        num_refused: Storages kept on the device because the host pool had no room.
+        bytes_refused: Bytes those storages would have sent to the engine.
     """
 
     def __init__(
@@ -263,6 +273,8 @@ class MicroBatchOffload:
         self.peak_resident_bytes = 0
         self.num_offloaded = 0
         self.num_prefetched = 0
+        self.num_refused = 0
+        self.bytes_refused = 0
 
     def stats(self) -> dict[str, float | int]:
         """The counters as a plain dict."""
@@ -276,6 +288,8 @@ class MicroBatchOffload:
             "peak_resident_bytes": self.peak_resident_bytes,
             "num_offloaded": self.num_offloaded,
             "num_prefetched": self.num_prefetched,
+            "num_refused": self.num_refused,
+            "bytes_refused": self.bytes_refused,
         }
 
     def _add_resident(self, nbytes: int) -> None:
@@ -328,6 +342,18 @@ class MicroBatchOffload:
         geometry = (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
         return None if geometry == record.full_geometry else geometry
 
+    def _refuse(self, layer: int, nbytes: int, exc: HostPoolExhaustedError) -> None:
+        """Count a storage kept on the device for lack of host room; warn once."""
+        if self.num_refused == 0:
+            logger.warning(
+                "layer %d: a saved activation stays on the device (%s); device memory will "
+                "exceed the plan's resident estimate. Raise --hdp-host-memory-gb.",
+                layer,
+                exc,
+            )
+        self.num_refused += 1
+        self.bytes_refused += nbytes
+
     def _try_offload(
         self, layer: int, tensor: torch.Tensor, key: StorageWeakRef, nbytes: int
     ) -> _OffloadRecord | None:
@@ -349,7 +375,11 @@ class MicroBatchOffload:
             return None
         with torch.no_grad():
             base = base.detach()
-            handle = self.engine.offload(base[:rows])
+            try:
+                handle = self.engine.offload(base[:rows])
+            except HostPoolExhaustedError as exc:
+                self._refuse(layer, rows * (nbytes // base.shape[0]), exc)
+                return None
             keep = base[rows:].clone() if rows < base.shape[0] else None
         record = _OffloadRecord(self, key, base, handle, keep)
         self._offloaded[key] = record
