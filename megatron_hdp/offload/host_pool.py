@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import weakref
 from collections import deque
 from typing import Protocol
@@ -66,6 +67,33 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
 
+def physical_memory_bytes() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def local_processes() -> int:
+    """Processes of this job on this machine (torchrun's LOCAL_WORLD_SIZE; 1 without it)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def pinned_pool_problem(nbytes: int, local: int, physical: int | None) -> str | None:
+    """Why `local` pinned pools of `nbytes` cannot fit `physical` bytes of memory, or None."""
+    if physical is None or nbytes * local <= physical:
+        return None
+    return (
+        f"{local} processes on this machine would each pin a host pool of {nbytes} bytes, "
+        f"{nbytes * local} in all, more than its {physical} bytes of physical memory; lower "
+        "--hdp-host-memory-gb"
+    )
+
+
 def _register(ptr: int, nbytes: int) -> None:
     """Page-lock `nbytes` host bytes at `ptr` for CUDA (portable to every context)."""
     if not torch.cuda.is_available():
@@ -77,7 +105,7 @@ def _register(ptr: int, nbytes: int) -> None:
     if err != 0:
         raise RuntimeError(
             f"cudaHostRegister of {nbytes} bytes for the offload pool failed with CUDA error "
-            f"{err}; lower --hdp-host-memory-gb or raise the locked-memory limit (ulimit -l)"
+            f"{err}; lower --hdp-host-memory-gb"
         )
 
 
@@ -139,6 +167,10 @@ class HostBufferPool:
 
     def _allocate_slab(self, nbytes: int) -> torch.Tensor:
         """The pool's one host allocation (pinned when `self.pinned`)."""
+        if self.pinned:  # pinned pages are resident; unpinned ones only once written
+            problem = pinned_pool_problem(nbytes, local_processes(), physical_memory_bytes())
+            if problem is not None:
+                raise RuntimeError(problem)
         try:
             slab = torch.empty(nbytes, dtype=torch.uint8)
         except RuntimeError as exc:

@@ -239,3 +239,25 @@ def test_a_slab_the_host_cannot_hold_is_refused_clearly(monkeypatch):
     monkeypatch.setattr(torch, "empty", refuse)
     with pytest.raises(RuntimeError, match=r"host pool of 4096 bytes .*--hdp-host-memory-gb"):
         HostBufferPool(4096, pin=False)
+
+
+def test_pinned_pools_of_one_machine_must_fit_its_memory():
+    from megatron_hdp.offload.host_pool import pinned_pool_problem
+
+    assert pinned_pool_problem(128 * 10**9, 8, 2 * 10**12) is None
+    assert pinned_pool_problem(128 * 10**9, 8, None) is None  # the OS does not say
+    problem = pinned_pool_problem(128 * 10**9, 8, 10**12)
+    assert problem == (
+        "8 processes on this machine would each pin a host pool of 128000000000 bytes, "
+        "1024000000000 in all, more than its 1000000000000 bytes of physical memory; lower "
+        "--hdp-host-memory-gb"
+    )
+
+
+def test_only_a_pinned_pool_is_held_to_physical_memory(monkeypatch):
+    """Unpinned pages cost memory only once an offload writes them (CPU runs); pinned ones now."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "10000000")
+    pool = HostBufferPool(1 << 20, pin=False)
+    assert pool.nbytes == 1 << 20
+    with pytest.raises(RuntimeError, match="10000000 processes on this machine would each pin"):
+        HostBufferPool(1 << 20, pin=True)  # refused before anything is allocated or pinned
