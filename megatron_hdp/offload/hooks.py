@@ -33,8 +33,9 @@ Several saved views of one storage share one copy.
 
 Host memory: the engine holds its host budget from construction on (one pool). When an
 offload does not fit the pool's free blocks (`HostPoolExhaustedError`), the storage stays on
-the device, counted as resident and in `num_refused`/`bytes_refused`, and a warning is
-logged once per micro-batch: the step stays exact, only its device memory is higher.
+the device, counted as resident and in `num_refused`/`bytes_refused`; the manager logs a
+warning for the first micro-batch that keeps one (and the total so far every 100 such
+micro-batches). The step stays exact; only its device memory is higher.
 
 Prefetch: when the backward pass first unpacks a tensor of layer `i`, the offloaded
 tensors of layer `i` (if not yet) and of layer `i - 1` are prefetched.
@@ -275,6 +276,7 @@ class MicroBatchOffload:
         self.num_prefetched = 0
         self.num_refused = 0
         self.bytes_refused = 0
+        self.first_refusal: str | None = None
 
     def stats(self) -> dict[str, float | int]:
         """The counters as a plain dict."""
@@ -343,14 +345,9 @@ class MicroBatchOffload:
         return None if geometry == record.full_geometry else geometry
 
     def _refuse(self, layer: int, nbytes: int, exc: HostPoolExhaustedError) -> None:
-        """Count a storage kept on the device for lack of host room; warn once."""
+        """Count a storage kept on the device for lack of host room."""
         if self.num_refused == 0:
-            logger.warning(
-                "layer %d: a saved activation stays on the device (%s); device memory will "
-                "exceed the plan's resident estimate. Raise --hdp-host-memory-gb.",
-                layer,
-                exc,
-            )
+            self.first_refusal = f"layer {layer}: {exc}"
         self.num_refused += 1
         self.bytes_refused += nbytes
 
@@ -424,6 +421,7 @@ class OffloadManager:
         self._open: list[tuple[int, torch.autograd.graph.saved_tensors_hooks]] = []
         self._active: MicroBatchOffload | None = None
         self._last: MicroBatchOffload | None = None
+        self.num_refusing_batches = 0  # micro-batches that kept a storage for lack of room
 
     @property
     def num_offloadable_layers(self) -> int:
@@ -506,8 +504,24 @@ class OffloadManager:
             yield batch
         finally:
             self._active = None
+            if batch.num_refused:
+                self._report_refusal(batch)
             while self._open:  # only if a layer's forward hook did not run
                 self._open.pop()[1].__exit__(None, None, None)
+
+    def _report_refusal(self, batch: MicroBatchOffload) -> None:
+        self.num_refusing_batches += 1
+        if self.num_refusing_batches % 100 != 1:
+            return
+        logger.warning(
+            "%d saved activations (%d bytes) of a micro-batch stayed on the device because "
+            "the host pool was full (%s); %d micro-batches so far. Device memory exceeds the "
+            "plan's resident estimate; raise --hdp-host-memory-gb.",
+            batch.num_refused,
+            batch.bytes_refused,
+            batch.first_refusal,
+            self.num_refusing_batches,
+        )
 
     def stats(self) -> dict[str, float | int]:
         """Counters of the latest micro-batch (zeros before the first)."""

@@ -252,8 +252,13 @@ def test_full_host_pool_keeps_tensors_on_the_device_and_stays_exact(caplog):
     assert got["saved_bytes"] == want["saved_bytes"]
     assert got["peak_resident_bytes"] == got["saved_bytes"] - got["bytes_to_host"]
     assert engine.peak_host_bytes <= engine.pool.capacity <= engine.pinned_bytes
-    warnings = [r for r in caplog.records if "stays on the device" in r.message]
-    assert len(warnings) == 1 and "host pool of" in warnings[0].message
+    for _ in range(2):  # warned for the first refusing micro-batch only
+        with caplog.at_level("WARNING", logger="megatron_hdp.offload.hooks"):
+            assert_bitwise(step(model, x0, w_out, manager.micro_batch(0.5)), reference)
+    warnings = [r.getMessage() for r in caplog.records if "stayed on the device" in r.message]
+    assert len(warnings) == 1 and manager.num_refusing_batches == 3
+    assert f"{got['num_refused']} saved activations ({got['bytes_refused']} bytes)" in warnings[0]
+    assert "host pool of" in warnings[0] and "1 micro-batches so far" in warnings[0]
 
     # A pool too small for any block: nothing moves, the result is still exact.
     engine = HostCopyEngine(budget_bytes=host_pool.ALIGNMENT - 1)
