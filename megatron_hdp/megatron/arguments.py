@@ -386,8 +386,10 @@ def add_hdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--hdp-host-memory-gb",
         type=float,
         default=None,
-        help="host memory one process (one device) may fill with offloaded activations "
-        "(default: the device profile's; a TP replica has TP times this)",
+        help="host memory for offloaded activations per process (one device): with "
+        "--hdp-offload each process allocates exactly this once at start-up, pinned on GPU, "
+        "and the planner offloads at most this (default: the device profile's; a TP replica "
+        "has TP times this)",
     )
     g.add_argument(
         "--hdp-device-profile",

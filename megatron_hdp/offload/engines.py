@@ -2,8 +2,12 @@
 
 `OffloadManager` (in `hooks.py`) decides *what* to move; an engine only moves it and
 counts bytes. The engine is injected, so the same manager runs on CPU with
-`HostCopyEngine` (synchronous, a separate store of cloned tensors) and on GPU with
-`CudaCopyEngine` (two copy streams, a pinned host buffer pool).
+`HostCopyEngine` (synchronous copies) and on GPU with `CudaCopyEngine` (two copy streams).
+Both keep their host copies in one `HostBufferPool` (`host_pool.py`): a slab of exactly
+the host budget, allocated once when the engine is constructed (pinned for CUDA), carved
+into aligned blocks and reused across micro-batches. The host memory an engine holds is
+therefore `budget_bytes` from construction on, never more, and no offload allocates
+host memory.
 
 Handles are plain ints, valid from `offload` until `release`. A handle is fetched at
 most once in the normal flow, but `fetch` may be called again until `release`.
@@ -15,6 +19,10 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
+
+from megatron_hdp.offload.host_pool import Block, HostBufferPool, HostPoolExhaustedError
+
+__all__ = ["CopyEngine", "CudaCopyEngine", "HostCopyEngine", "HostPoolExhaustedError"]
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -28,20 +36,24 @@ class CopyEngine(Protocol):
     Attributes:
         bytes_to_host: Bytes copied device -> host since construction.
         bytes_to_device: Bytes copied host -> device since construction.
-        host_bytes_in_use: Host bytes held for handles not yet released.
+        host_bytes_in_use: Host bytes (aligned blocks of the pool) held for handles not
+            yet released.
         peak_host_bytes: Largest `host_bytes_in_use` seen.
+        pinned_bytes: Host bytes the engine allocated (its pool's slab, pinned on CUDA).
     """
 
     bytes_to_host: int
     bytes_to_device: int
     host_bytes_in_use: int
     peak_host_bytes: int
+    pinned_bytes: int
 
     def offload(self, tensor: torch.Tensor) -> int:
         """Start copying `tensor` to host memory (may be asynchronous); return a handle.
 
         The caller may drop `tensor` right after: the engine keeps what the copy needs.
-        Raises MemoryError when the copy would exceed the engine's host budget.
+        Raises `HostPoolExhaustedError` (a MemoryError) when the host pool has no free block
+        large enough; nothing was copied then, and the caller keeps the tensor.
         """
         ...
 
@@ -58,67 +70,77 @@ class CopyEngine(Protocol):
         ...
 
 
-class _Counters:
-    """The byte counters and host budget every copy engine keeps."""
+class _PooledEngine:
+    """The byte counters and the host pool every copy engine keeps.
 
-    def __init__(self, budget_bytes: int) -> None:
-        if budget_bytes < 0:
-            raise ValueError(f"host budget must be >= 0 bytes, got {budget_bytes}")
-        self.budget_bytes = int(budget_bytes)
+    Args:
+        budget_bytes: Bytes of host memory the pool allocates now, once.
+        pin: Page-lock the pool for CUDA.
+    """
+
+    def __init__(self, budget_bytes: float, *, pin: bool) -> None:
+        self.pool = HostBufferPool(budget_bytes, pin=pin)
+        self.budget_bytes = self.pool.nbytes
         self.bytes_to_host = 0
         self.bytes_to_device = 0
         self.host_bytes_in_use = 0
         self.peak_host_bytes = 0
         self._next_handle = 0
 
-    def _new_handle(self, copied: int, held: int) -> int:
-        """Count one offload of `copied` bytes that holds `held` host bytes; a fresh handle."""
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes allocated by the pool (pinned when `pool.pinned`): its slab."""
+        return self.pool.nbytes
+
+    def _new_handle(self, copied: int, block: Block) -> int:
+        """Count one offload of `copied` bytes held in `block`; a fresh handle."""
         self.bytes_to_host += copied
-        self.host_bytes_in_use += held
+        self.host_bytes_in_use += block.size
         self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes_in_use)
         handle = self._next_handle
         self._next_handle += 1
         return handle
 
+    def _count_release(self, block: Block) -> None:
+        self.host_bytes_in_use -= block.size
 
-class HostCopyEngine(_Counters):
-    """Synchronous engine for CPU runs and tests: a store of cloned tensors.
 
-    `offload` clones the tensor into a separate store (dict handle -> tensor), so the
-    caller's storage can be freed; `fetch` returns a fresh copy on the original device.
-    `prefetch` has nothing to overlap and only counts (`num_prefetches`).
+class HostCopyEngine(_PooledEngine):
+    """Synchronous engine for CPU runs and tests: copies into blocks of an unpinned pool.
+
+    `offload` copies the tensor into a block of the pool, so the caller's storage can be
+    freed; `fetch` returns a fresh copy on the original device. `prefetch` has nothing to
+    overlap and only counts (`num_prefetches`).
 
     Args:
-        budget_bytes: Most bytes the store may hold at once.
+        budget_bytes: Bytes of host memory allocated now for the pool (untouched pages
+            cost nothing until an offload writes them).
+        pin: Page-lock the pool (only useful when a CUDA tensor is offloaded).
 
     Raises:
         ValueError: If `budget_bytes` is negative.
     """
 
-    def __init__(self, budget_bytes: int) -> None:
-        super().__init__(budget_bytes)
+    def __init__(self, budget_bytes: float, *, pin: bool = False) -> None:
+        super().__init__(budget_bytes, pin=pin)
         self.num_prefetches = 0
-        self._store: dict[int, tuple[torch.Tensor, torch.device]] = {}
+        self._store: dict[int, tuple[Block, torch.Tensor, torch.device]] = {}
 
     def offload(self, tensor: torch.Tensor) -> int:
-        """Clone `tensor` into the store; return its handle.
+        """Copy `tensor` into a block of the pool; return its handle.
 
         Raises:
-            MemoryError: If the store would exceed `budget_bytes`; names the sizes.
+            HostPoolExhaustedError: If no free block of the pool fits; names the sizes.
         """
         nbytes = _nbytes(tensor)
-        if self.host_bytes_in_use + nbytes > self.budget_bytes:
-            raise MemoryError(
-                f"offloading {nbytes} bytes needs {self.host_bytes_in_use + nbytes} bytes of "
-                f"host memory, more than the host budget of {self.budget_bytes} bytes "
-                f"({self.host_bytes_in_use} in use)"
-            )
-        host = tensor.detach().to("cpu", copy=True)
-        handle = self._new_handle(nbytes, nbytes)
-        self._store[handle] = (host, tensor.device)
+        block = self.pool.allocate(nbytes)
+        host = self.pool.view(block, tensor.dtype, tensor.shape)
+        host.copy_(tensor.detach())
+        handle = self._new_handle(nbytes, block)
+        self._store[handle] = (block, host, tensor.device)
         return handle
 
-    def _entry(self, handle: int) -> tuple[torch.Tensor, torch.device]:
+    def _entry(self, handle: int) -> tuple[Block, torch.Tensor, torch.device]:
         try:
             return self._store[handle]
         except KeyError:
@@ -131,71 +153,67 @@ class HostCopyEngine(_Counters):
 
     def fetch(self, handle: int) -> torch.Tensor:
         """A new copy of the stored tensor on its original device."""
-        host, device = self._entry(handle)
+        _, host, device = self._entry(handle)
         self.bytes_to_device += _nbytes(host)
         return host.to(device, copy=True)
 
     def release(self, handle: int) -> None:
-        """Drop the stored copy."""
-        host, _ = self._entry(handle)
+        """Return the handle's block to the pool."""
+        block, _, _ = self._entry(handle)
         del self._store[handle]
-        self.host_bytes_in_use -= _nbytes(host)
-
-
-def _size_class(nbytes: int) -> int:
-    """Pinned buffers come in powers of two up to 1 MiB, then multiples of 1 MiB."""
-    mib = 1 << 20
-    if nbytes <= mib:
-        return max(512, 1 << max(0, nbytes - 1).bit_length())
-    return -(-nbytes // mib) * mib
+        self.pool.free(block)
+        self._count_release(block)
 
 
 @dataclass
 class _CudaEntry:
-    buffer: torch.Tensor  # pinned uint8 block of the pool
-    host: torch.Tensor  # view of `buffer` with the tensor's dtype and shape
+    block: Block  # of the pinned pool
+    host: torch.Tensor  # view of `block` with the tensor's dtype and shape
     d2h_done: torch.cuda.Event
     h2d_done: torch.cuda.Event | None = None
     device_tensor: torch.Tensor | None = None  # set by prefetch, handed out by fetch
 
 
-class CudaCopyEngine(_Counters):
-    """GPU engine: D2H and H2D copy streams and a reusable pinned host buffer pool.
+class CudaCopyEngine(_PooledEngine):
+    """GPU engine: D2H and H2D copy streams over a pinned host pool allocated once.
+
+    The pool (one slab of `budget_bytes`, page-locked with `cudaHostRegister`) is allocated
+    in the constructor, so no offload calls `cudaHostAlloc` inside the forward pass.
 
     Stream ordering:
     - `offload`: the D2H stream waits for the compute stream (the values are written),
-      copies, and `record_stream` keeps the caching allocator from reusing the device
-      memory before the copy has read it.
-    - `prefetch`: the H2D stream waits for the D2H copy's event and copies into a new
-      device tensor.
+      copies into a pool block, and `record_stream` keeps the caching allocator from
+      reusing the device memory before the copy has read it.
+    - `prefetch`: the destination is allocated on the compute stream (one caching
+      allocator pool for all activations); the H2D stream waits for the compute stream
+      (that memory's earlier users) and for the D2H copy's event, copies, and
+      `record_stream` keeps the destination alive until the copy lands even if the handle
+      is released unfetched.
     - `fetch`: the compute stream waits for the H2D event (compute never reads a tensor
-      before its copy lands); `record_stream` ties the tensor's memory to the compute
-      stream.
-    - `release`: the pinned buffer returns to the pool with the event of its last copy;
-      the next D2H copy into it waits for that event.
+      before its copy lands).
+    - `release`: the block goes back to the pool with the event of its last copy; the pool
+      reuses it only once that event has completed.
 
-    Streams are created on first use, never in the constructor, so the engine constructs
-    (and imports) on a machine without CUDA. Not tested here (no GPU on the build boxes).
+    Streams are created on first use. Not tested here (no GPU on the build boxes).
 
     Args:
         device: The CUDA device whose tensors are offloaded.
-        budget_bytes: Most pinned host bytes the pool may allocate.
+        budget_bytes: Bytes of pinned host memory allocated now for the pool.
 
     Raises:
         ValueError: If `device` is not a CUDA device or `budget_bytes` is negative.
+        RuntimeError: If CUDA is unavailable or pinning the pool fails.
     """
 
-    def __init__(self, device: torch.device | str | int, budget_bytes: int) -> None:
+    def __init__(self, device: torch.device | str | int, budget_bytes: float) -> None:
         self.device = (
             torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         )
         if self.device.type != "cuda":
             raise ValueError(f"CudaCopyEngine needs a CUDA device, got {self.device}")
-        super().__init__(budget_bytes)
-        self.pinned_bytes = 0  # allocated by the pool: in use plus free
+        super().__init__(budget_bytes, pin=True)
         self._d2h: torch.cuda.Stream | None = None
         self._h2d: torch.cuda.Stream | None = None
-        self._free: dict[int, list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
         self._entries: dict[int, _CudaEntry] = {}
 
     def _streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
@@ -204,43 +222,24 @@ class CudaCopyEngine(_Counters):
             self._h2d = torch.cuda.Stream(self.device)
         return self._d2h, self._h2d
 
-    def _take_buffer(self, nbytes: int, d2h: torch.cuda.Stream) -> torch.Tensor:
-        size = _size_class(nbytes)
-        free = self._free.get(size)
-        if free:
-            buffer, last_copy = free.pop()
-            d2h.wait_event(last_copy)  # an earlier copy may still read or write it
-            return buffer
-        if self.pinned_bytes + size > self.budget_bytes:
-            # Give back free buffers of other sizes before refusing.
-            for buffers in self._free.values():
-                for buffer, last_copy in buffers:
-                    last_copy.synchronize()
-                    self.pinned_bytes -= buffer.numel()
-            self._free.clear()
-        if self.pinned_bytes + size > self.budget_bytes:
-            raise MemoryError(
-                f"offloading {nbytes} bytes needs a pinned buffer of {size} bytes; "
-                f"{self.pinned_bytes} of the host budget of {self.budget_bytes} bytes "
-                "are in use"
-            )
-        self.pinned_bytes += size
-        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
-
     def offload(self, tensor: torch.Tensor) -> int:
-        """Copy `tensor` into a pinned buffer on the D2H stream; return its handle."""
+        """Copy `tensor` into a pinned block on the D2H stream; return its handle.
+
+        Raises:
+            HostPoolExhaustedError: If no free block of the pool fits; names the sizes.
+        """
         d2h, _ = self._streams()
         nbytes = _nbytes(tensor)
-        buffer = self._take_buffer(nbytes, d2h)
-        host = buffer[:nbytes].view(tensor.dtype).view(tensor.shape)
+        block = self.pool.allocate(nbytes)  # reused only after its last copy completed
+        host = self.pool.view(block, tensor.dtype, tensor.shape)
         d2h.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(d2h):
             host.copy_(tensor, non_blocking=True)
         tensor.record_stream(d2h)
         done = torch.cuda.Event()
         done.record(d2h)
-        handle = self._new_handle(nbytes, buffer.numel())
-        self._entries[handle] = _CudaEntry(buffer=buffer, host=host, d2h_done=done)
+        handle = self._new_handle(nbytes, block)
+        self._entries[handle] = _CudaEntry(block=block, host=host, d2h_done=done)
         return handle
 
     def prefetch(self, handle: int) -> None:
@@ -249,10 +248,13 @@ class CudaCopyEngine(_Counters):
         if entry.device_tensor is not None:
             return
         _, h2d = self._streams()
+        compute = torch.cuda.current_stream(self.device)
+        device_tensor = torch.empty_like(entry.host, device=self.device)  # compute's pool
+        h2d.wait_stream(compute)
         h2d.wait_event(entry.d2h_done)
         with torch.cuda.stream(h2d):
-            device_tensor = torch.empty_like(entry.host, device=self.device)
             device_tensor.copy_(entry.host, non_blocking=True)
+        device_tensor.record_stream(h2d)
         entry.h2d_done = torch.cuda.Event()
         entry.h2d_done.record(h2d)
         entry.device_tensor = device_tensor
@@ -263,14 +265,12 @@ class CudaCopyEngine(_Counters):
         self.prefetch(handle)
         entry = self._entries[handle]
         device_tensor, entry.device_tensor = entry.device_tensor, None
-        compute = torch.cuda.current_stream(self.device)
-        compute.wait_event(entry.h2d_done)
-        device_tensor.record_stream(compute)  # allocated on the H2D stream, used here
+        torch.cuda.current_stream(self.device).wait_event(entry.h2d_done)
         return device_tensor
 
     def release(self, handle: int) -> None:
-        """Return the pinned buffer of `handle` to the pool."""
+        """Return the block of `handle` to the pool once its last copy has completed."""
         entry = self._entries.pop(handle)
         last_copy = entry.h2d_done if entry.h2d_done is not None else entry.d2h_done
-        self._free.setdefault(entry.buffer.numel(), []).append((entry.buffer, last_copy))
-        self.host_bytes_in_use -= entry.buffer.numel()
+        self.pool.free(entry.block, ready=last_copy)
+        self._count_release(entry.block)

@@ -31,6 +31,12 @@ storage can be freed. In the backward pass `unpack` concatenates the fetched row
 kept rows (bitwise the original values) and rebuilds the saved view with `as_strided`.
 Several saved views of one storage share one copy.
 
+Host memory: the engine holds its host budget from construction on (one pool). When an
+offload does not fit the pool's free blocks (`HostPoolExhaustedError`), the storage stays on
+the device, counted as resident and in `num_refused`/`bytes_refused`; the manager logs a
+warning for the first micro-batch that keeps one (and the total so far every 100 such
+micro-batches). The step stays exact; only its device memory is higher.
+
 Prefetch: when the backward pass first unpacks a tensor of layer `i`, the offloaded
 tensors of layer `i` (if not yet) and of layer `i - 1` are prefetched.
 
@@ -44,6 +50,7 @@ Without frees during the forward pass, `peak_resident_bytes == saved_bytes - byt
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import weakref
 from collections.abc import Iterator, Sequence
@@ -56,7 +63,9 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.hooks import RemovableHandle
 
-from megatron_hdp.offload.engines import CopyEngine
+from megatron_hdp.offload.engines import CopyEngine, HostPoolExhaustedError
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MIN_OFFLOAD_BYTES = 64 * 1024
 NUM_RESIDENT_LAYERS = 2
@@ -235,6 +244,8 @@ class MicroBatchOffload:
         peak_resident_bytes: Largest `resident_bytes` during the forward pass.
         num_offloaded: Storages offloaded.
         num_prefetched: Prefetches issued.
+        num_refused: Storages kept on the device because the host pool had no room.
+        bytes_refused: Bytes those storages would have sent to the engine.
     """
 
     def __init__(
@@ -263,6 +274,9 @@ class MicroBatchOffload:
         self.peak_resident_bytes = 0
         self.num_offloaded = 0
         self.num_prefetched = 0
+        self.num_refused = 0
+        self.bytes_refused = 0
+        self.first_refusal: str | None = None
 
     def stats(self) -> dict[str, float | int]:
         """The counters as a plain dict."""
@@ -276,6 +290,8 @@ class MicroBatchOffload:
             "peak_resident_bytes": self.peak_resident_bytes,
             "num_offloaded": self.num_offloaded,
             "num_prefetched": self.num_prefetched,
+            "num_refused": self.num_refused,
+            "bytes_refused": self.bytes_refused,
         }
 
     def _add_resident(self, nbytes: int) -> None:
@@ -328,6 +344,13 @@ class MicroBatchOffload:
         geometry = (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
         return None if geometry == record.full_geometry else geometry
 
+    def _refuse(self, layer: int, nbytes: int, exc: HostPoolExhaustedError) -> None:
+        """Count a storage kept on the device for lack of host room."""
+        if self.num_refused == 0:
+            self.first_refusal = f"layer {layer}: {exc}"
+        self.num_refused += 1
+        self.bytes_refused += nbytes
+
     def _try_offload(
         self, layer: int, tensor: torch.Tensor, key: StorageWeakRef, nbytes: int
     ) -> _OffloadRecord | None:
@@ -349,7 +372,11 @@ class MicroBatchOffload:
             return None
         with torch.no_grad():
             base = base.detach()
-            handle = self.engine.offload(base[:rows])
+            try:
+                handle = self.engine.offload(base[:rows])
+            except HostPoolExhaustedError as exc:
+                self._refuse(layer, rows * (nbytes // base.shape[0]), exc)
+                return None
             keep = base[rows:].clone() if rows < base.shape[0] else None
         record = _OffloadRecord(self, key, base, handle, keep)
         self._offloaded[key] = record
@@ -394,6 +421,7 @@ class OffloadManager:
         self._open: list[tuple[int, torch.autograd.graph.saved_tensors_hooks]] = []
         self._active: MicroBatchOffload | None = None
         self._last: MicroBatchOffload | None = None
+        self.num_refusing_batches = 0  # micro-batches that kept a storage for lack of room
 
     @property
     def num_offloadable_layers(self) -> int:
@@ -476,8 +504,24 @@ class OffloadManager:
             yield batch
         finally:
             self._active = None
+            if batch.num_refused:
+                self._report_refusal(batch)
             while self._open:  # only if a layer's forward hook did not run
                 self._open.pop()[1].__exit__(None, None, None)
+
+    def _report_refusal(self, batch: MicroBatchOffload) -> None:
+        self.num_refusing_batches += 1
+        if self.num_refusing_batches % 100 != 1:
+            return
+        logger.warning(
+            "%d saved activations (%d bytes) of a micro-batch stayed on the device because "
+            "the host pool was full (%s); %d micro-batches so far. Device memory exceeds the "
+            "plan's resident estimate; raise --hdp-host-memory-gb.",
+            batch.num_refused,
+            batch.bytes_refused,
+            batch.first_refusal,
+            self.num_refusing_batches,
+        )
 
     def stats(self) -> dict[str, float | int]:
         """Counters of the latest micro-batch (zeros before the first)."""

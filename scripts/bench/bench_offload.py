@@ -56,6 +56,12 @@ def parse_args(argv=None):
     p.add_argument("--num-layers", type=int, default=6, help="layers of the CPU model")
     p.add_argument("--hidden-size", type=int, default=128, help="hidden size of the CPU model")
     p.add_argument("--ratios", type=float, nargs="+", default=[0.0, 0.25, 0.5, 1.0])
+    p.add_argument(
+        "--host-memory-gb",
+        type=float,
+        default=4.0,
+        help="host pool of each rank's copy engine, allocated (pinned on GPU) per ratio",
+    )
     return p.parse_args(argv)
 
 
@@ -91,7 +97,7 @@ def measure(args, device) -> list[dict]:
     for ratio in args.ratios:
         engine = build_engine(cfg, OptimConfig(), seed=1)
         runtime = StepRuntime(group=dist.group.WORLD, device=device)
-        runtime.offload = offload_manager(engine, 64e9, device)
+        runtime.offload = offload_manager(engine, args.host_memory_gb * 1e9, device)
         plan = plan_from_rank_lists(
             [args.seq_length],
             2,

@@ -133,8 +133,9 @@ def _body_train(rank, world_size, case: Case):
                 # Copies that always hide and room to spare: the rule offloads all it can.
                 profile = dataclasses.replace(CPU, host_bandwidth=1e15, host_memory_bytes=1e12)
                 cost_model = CostModel(model_shape(case.cfg), profile)
+                # The engine's pool is allocated up front: 1 GiB is far more than it needs.
                 runtime.offload = offload_manager(
-                    engine, 1e12, torch.device("cpu"), min_offload_bytes=0
+                    engine, 1 << 30, torch.device("cpu"), min_offload_bytes=0
                 )
             if case.wide_rings:
                 profile = dataclasses.replace(CPU, p2p_latency=0.0, p2p_bandwidth=1e18)

@@ -1,4 +1,6 @@
-"""OffloadManager with the host copy engine: exactness, bytes, peak memory, prefetch, errors."""
+"""OffloadManager with the host copy engine: exactness, bytes, peak memory, prefetch, errors,
+and the host pool behind the engine (one slab at construction, reused, no allocation in the
+forward pass, a full pool keeps tensors on the device)."""
 
 import math
 from functools import partial
@@ -8,7 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_hdp.offload.engines import CopyEngine, CudaCopyEngine, HostCopyEngine
+from megatron_hdp.offload import host_pool
+from megatron_hdp.offload.engines import (
+    CopyEngine,
+    CudaCopyEngine,
+    HostCopyEngine,
+    HostPoolExhaustedError,
+)
 from megatron_hdp.offload.hooks import OffloadManager, offloaded_rows
 
 T, D, NUM_LAYERS = 32, 16, 5
@@ -218,18 +226,49 @@ def test_bad_ratio_is_refused(ratio):
             pass
 
 
-def test_host_budget_too_small_fails_clearly_and_leaves_no_hooks():
+def test_full_host_pool_keeps_tensors_on_the_device_and_stays_exact(caplog):
     model = make_model("attention")
     x0, w_out = make_input()
     reference = step(model, x0, w_out)
-    engine = HostCopyEngine(budget_bytes=1000)
+    unlimited = OffloadManager(
+        HostCopyEngine(BIG_BUDGET), num_layers=NUM_LAYERS, min_offload_bytes=MIN_BYTES
+    )
+    unlimited.install(list(model))
+    step(model, x0, w_out, unlimited.micro_batch(0.5))
+    want = unlimited.stats()
+    unlimited.uninstall()
+    assert want["num_refused"] == want["bytes_refused"] == 0
+
+    # Room for about half of the offloaded blocks: the rest stay on the device.
+    engine = HostCopyEngine(budget_bytes=want["bytes_to_host"] // 2)
     manager = OffloadManager(engine, num_layers=NUM_LAYERS, min_offload_bytes=MIN_BYTES)
     manager.install(list(model))
-    with pytest.raises(MemoryError, match=r"offloading 2048 bytes .* host budget of 1000 bytes"):
-        step(model, x0, w_out, manager.micro_batch(0.5))
-    # Ratio 0 needs no host memory; outside a micro-batch the hooks do nothing.
-    assert_bitwise(step(model, x0, w_out, manager.micro_batch(0.0)), reference)
-    assert_bitwise(step(model, x0, w_out), reference)
+    with caplog.at_level("WARNING", logger="megatron_hdp.offload.hooks"):
+        assert_bitwise(step(model, x0, w_out, manager.micro_batch(0.5)), reference)
+    got = manager.stats()
+    assert got["num_refused"] > 0 and got["bytes_to_host"] > 0
+    assert got["num_offloaded"] + got["num_refused"] == want["num_offloaded"]
+    assert got["bytes_to_host"] + got["bytes_refused"] == want["bytes_to_host"]
+    assert got["saved_bytes"] == want["saved_bytes"]
+    assert got["peak_resident_bytes"] == got["saved_bytes"] - got["bytes_to_host"]
+    assert engine.peak_host_bytes <= engine.pool.capacity <= engine.pinned_bytes
+    for _ in range(2):  # warned for the first refusing micro-batch only
+        with caplog.at_level("WARNING", logger="megatron_hdp.offload.hooks"):
+            assert_bitwise(step(model, x0, w_out, manager.micro_batch(0.5)), reference)
+    warnings = [r.getMessage() for r in caplog.records if "stayed on the device" in r.message]
+    assert len(warnings) == 1 and manager.num_refusing_batches == 3
+    assert f"{got['num_refused']} saved activations ({got['bytes_refused']} bytes)" in warnings[0]
+    assert "host pool of" in warnings[0] and "1 micro-batches so far" in warnings[0]
+
+    # A pool too small for any block: nothing moves, the result is still exact.
+    engine = HostCopyEngine(budget_bytes=host_pool.ALIGNMENT - 1)
+    assert engine.pool.capacity == 0
+    manager.uninstall()
+    manager = OffloadManager(engine, num_layers=NUM_LAYERS, min_offload_bytes=MIN_BYTES)
+    manager.install(list(model))
+    assert_bitwise(step(model, x0, w_out, manager.micro_batch(0.5)), reference)
+    assert manager.stats()["bytes_to_host"] == 0 and manager.stats()["num_refused"] > 0
+    assert_bitwise(step(model, x0, w_out), reference)  # outside a micro-batch: no hooks
     assert engine.bytes_to_host == 0 and engine.host_bytes_in_use == 0
 
 
@@ -321,24 +360,98 @@ def test_host_engine_roundtrip_and_counters():
     back = engine.fetch(h)
     assert torch.equal(back, t_before) and back.device == t.device
     assert engine.bytes_to_host == engine.bytes_to_device == 256
-    assert engine.host_bytes_in_use == engine.peak_host_bytes == 256
+    # Held host bytes are the pool's aligned blocks; the pool's slab is the budget.
+    assert engine.host_bytes_in_use == engine.peak_host_bytes == host_pool.ALIGNMENT
+    assert engine.pinned_bytes == engine.budget_bytes == 1024 and not engine.pool.pinned
     engine.release(h)
     assert engine.host_bytes_in_use == 0 and engine.num_prefetches == 1
     with pytest.raises(KeyError, match="unknown or released offload handle"):
         engine.fetch(h)
-    with pytest.raises(MemoryError, match="offloading 2048 bytes"):
+    with pytest.raises(HostPoolExhaustedError, match="offloading 2048 bytes"):
         engine.offload(torch.zeros(256, dtype=torch.float64))
+    assert engine.bytes_to_host == 256 and engine.host_bytes_in_use == 0
     with pytest.raises(ValueError, match="-1"):
         HostCopyEngine(budget_bytes=-1)
 
 
-def test_cuda_engine_constructs_without_cuda():
-    engine = CudaCopyEngine("cuda:0", budget_bytes=1 << 20)
-    assert isinstance(engine, CopyEngine)
-    assert engine.bytes_to_host == engine.host_bytes_in_use == 0
-    assert engine._d2h is None and engine._h2d is None  # streams are created lazily
+def test_cuda_engine_pins_its_pool_at_construction():
     with pytest.raises(ValueError, match="CUDA device"):
         CudaCopyEngine("cpu", budget_bytes=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="needs CUDA"):
+            CudaCopyEngine("cuda:0", budget_bytes=1 << 20)
+        return
+    engine = CudaCopyEngine("cuda:0", budget_bytes=(1 << 20) + 7)
+    assert isinstance(engine, CopyEngine)
+    assert engine.pool.pinned and engine.pinned_bytes == (1 << 20) + 7
+    assert engine.pool._slab.is_pinned()
+    assert engine.bytes_to_host == engine.host_bytes_in_use == 0
+    assert engine._d2h is None and engine._h2d is None  # streams are created lazily
+
+
+class SlabCheckingEngine(HostCopyEngine):
+    """Checks that every host copy is a view of the pool's slab and comes back bitwise."""
+
+    def __init__(self, budget_bytes):
+        super().__init__(budget_bytes)
+        self.originals = {}
+        self.fetched = 0
+
+    def offload(self, tensor):
+        handle = super().offload(tensor)
+        host = self._store[handle][1]
+        lo = self.pool._slab.data_ptr()
+        hi = lo + self.pool._slab.untyped_storage().nbytes()
+        assert host.untyped_storage().data_ptr() == lo, "host copy outside the pool's slab"
+        assert lo <= host.data_ptr() and host.data_ptr() + _nbytes(host) <= hi
+        assert host.data_ptr() % host_pool.ALIGNMENT == 0
+        self.originals[handle] = tensor.clone()
+        return handle
+
+    def fetch(self, handle):
+        back = super().fetch(handle)
+        want = self.originals.pop(handle)
+        assert back.dtype == want.dtype and back.shape == want.shape
+        assert torch.equal(back.view(torch.uint8), want.view(torch.uint8))  # bitwise
+        self.fetched += 1
+        return back
+
+
+def _nbytes(t):
+    return t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize("kind", ["attention", "mlp"])
+def test_one_slab_at_construction_reused_by_every_micro_batch(kind, monkeypatch):
+    made = []
+    allocate_slab = host_pool.HostBufferPool._allocate_slab
+
+    def counting(pool, nbytes):
+        made.append(nbytes)
+        return allocate_slab(pool, nbytes)
+
+    monkeypatch.setattr(host_pool.HostBufferPool, "_allocate_slab", counting)
+    model = make_model(kind)
+    x0, w_out = make_input()
+    reference = step(model, x0, w_out)
+    engine = SlabCheckingEngine(BIG_BUDGET)
+    assert made == [BIG_BUDGET] and engine.pinned_bytes == BIG_BUDGET
+    manager = OffloadManager(engine, num_layers=NUM_LAYERS, min_offload_bytes=MIN_BYTES)
+    manager.install(list(model))
+    water = {}
+    for _ in range(3):
+        for ratio in (1.0, 0.5, 0.25):
+            assert_bitwise(step(model, x0, w_out, manager.micro_batch(ratio)), reference)
+            water.setdefault(ratio, engine.pool.high_water)
+            assert engine.host_bytes_in_use == engine.pool.bytes_in_use == 0
+    assert made == [BIG_BUDGET], "host memory was allocated after construction"
+    assert engine.pool.num_slabs == 1 and engine.pinned_bytes == BIG_BUDGET
+    # Blocks are reused: the part of the slab ever touched is the first ratio-1 micro-batch's.
+    assert 0 < engine.pool.high_water == water[1.0]
+    assert engine.bytes_to_host > 3 * engine.pool.high_water
+    assert engine.pool.peak_bytes_in_use == engine.peak_host_bytes
+    assert engine.fetched > 0 and not engine.originals and not engine._store
+    assert engine.pool.free_ranges() == [(0, engine.pool.capacity)]
 
 
 def test_offloaded_rows_rounding():
