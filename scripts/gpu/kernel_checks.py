@@ -85,8 +85,8 @@ def check_case(kernel_name, mode: Mode, dtype, name, case, seed=0) -> dict:
     }
 
 
-def run(mode: Mode, say) -> dict:
-    """Every runnable kernel x dtype x case; returns the section's JSON."""
+def run(mode: Mode, say, kernel_name: str | None = None) -> dict:
+    """Every runnable kernel x dtype x case (all kernels, whatever `kernel_name`); JSON."""
     results, skipped = [], {}
     for dtype in mode.dtypes:
         names, why_not = kernels_to_check(mode, dtype)

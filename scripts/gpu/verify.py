@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import re
 import sys
@@ -27,7 +28,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SECTIONS = ("env", "kernels", "ring", "speed")
+#: Each section but "env" is a module here with `run(mode, say, kernel) -> dict` ("ok": False
+#: marks a failed correctness check); `kernel` is the one "auto" picks on this device.
+SECTION_MODULES = {
+    "kernels": "kernel_checks",
+    "ring": "ring_checks",
+    "speed": "speed_checks",
+}
+SECTIONS = ("env", *SECTION_MODULES)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -158,18 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             report["sections"][name] = {"ok": False, "error": "no attention kernel runs here"}
             say(f"{name:8s} no attention kernel runs here (see env)")
             continue
-        if name == "kernels":
-            import kernel_checks
-
-            result = kernel_checks.run(mode, say)
-        elif name == "ring":
-            import ring_checks
-
-            result = ring_checks.run(mode, say, first_kernel)
-        else:
-            import speed_checks
-
-            result = speed_checks.run(mode, say, first_kernel)
+        module = importlib.import_module(SECTION_MODULES[name])
+        result = module.run(mode, say, first_kernel)
         result["seconds"] = time.perf_counter() - started
         report["sections"][name] = result
     failed = [n for n, r in report["sections"].items() if r.get("ok") is False]
