@@ -30,6 +30,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_hdp.attention.kernels.device import DeviceFacts
+from megatron_hdp.attention.kernels.registry import resolve_kernel
 from megatron_hdp.data.batching import InMemoryTokens, gather_local_batch
 from megatron_hdp.distributed.layout import ParallelDims
 from megatron_hdp.megatron.cpu_shim import maybe_cpu_shims
@@ -68,26 +70,47 @@ def fit_profile(
     )
 
 
-def time_lengths(cfg: GPTConfig, lengths: list[int], repeats: int) -> list[float]:
-    """Median forward+backward seconds of one sequence per length (collective-free, 1 rank)."""
+CPU_DEVICE = torch.device("cpu")
+
+
+def time_lengths(
+    cfg: GPTConfig,
+    lengths: list[int],
+    repeats: int,
+    *,
+    device: torch.device = CPU_DEVICE,
+    backend: str = "torch",
+) -> list[float]:
+    """Median forward+backward seconds of one sequence per length (collective-free, 1 rank).
+
+    The batches go to `device` (where `build_engine` puts the model) and attend with the
+    kernel `backend`, so a GPU calibration times the flash kernel the job would run.
+    """
     engine = build_engine(cfg, OptimConfig())
-    runtime = StepRuntime(group=dist.group.WORLD)
+    runtime = StepRuntime(group=dist.group.WORLD, device=device, backend=backend)
     gen = torch.Generator().manual_seed(0)
     medians = []
     for n in lengths:
         ids = torch.randint(0, cfg.vocab_size, (n + 1,), generator=gen)
         source = InMemoryTokens([ids[:-1]], [ids[1:]])
         plan = plan_step([n], pool_size=1, capacity=n)
-        batch = gather_local_batch(plan, plan.micro_batches[0], 0, source)
+        batch = gather_local_batch(plan, plan.micro_batches[0], 0, source).to(device)
         samples = []
         for _ in range(repeats + 1):  # the first run warms up
+            _synchronize(device)
             start = time.perf_counter()
             forward_backward(engine, [batch], runtime, loss_scale=1.0 / n)
+            _synchronize(device)
             samples.append(time.perf_counter() - start)
             engine.model.zero_grad_buffer()
         medians.append(statistics.median(samples[1:]))
         logger.info("length %d: %.4f s forward+backward", n, medians[-1])
     return medians
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -112,6 +135,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-attention-heads", type=int, default=4, help="query heads")
     p.add_argument("--num-query-groups", type=int, default=2, help="KV heads")
     p.add_argument("--vocab-size", type=int, default=384, help="vocabulary (padded)")
+    p.add_argument(
+        "--bf16", action="store_true", help="compute in bfloat16 (needed on GPU: flash kernels)"
+    )
     args = p.parse_args(argv)
     if len(args.lengths) < 3 or min(args.lengths) < 1:
         p.error(f"--lengths needs at least 3 positive lengths, got {args.lengths}")
@@ -133,20 +159,33 @@ def main(argv=None) -> int:
         num_query_groups=args.num_query_groups,
         vocab_size=args.vocab_size,
         max_position_embeddings=max(args.lengths),
+        params_dtype="bfloat16" if args.bf16 else "float32",
     )
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        backend = resolve_kernel(
+            "auto", DeviceFacts.of(device), dtype=cfg.dtype, head_dim=cfg.head_dim
+        )
+    except ValueError as err:
+        logger.error("calibrate: error: %s", err)
+        return 2
     with tempfile.TemporaryDirectory() as folder:
+        cuda = device.type == "cuda"
         dist.init_process_group(
-            "gloo",
+            "nccl" if cuda else "gloo",
             init_method=f"file://{folder}/store",
             rank=0,
             world_size=1,
             timeout=timedelta(seconds=60),
+            **({"device_id": torch.device("cuda", 0)} if cuda else {}),
         )
         try:
             with maybe_cpu_shims():
                 layout = ParallelDims.of_world().initialize()
                 try:
-                    seconds = time_lengths(cfg, args.lengths, args.repeats)
+                    seconds = time_lengths(
+                        cfg, args.lengths, args.repeats, device=device, backend=backend
+                    )
                 finally:
                     layout.destroy()
         finally:
