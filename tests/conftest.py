@@ -1,5 +1,7 @@
 """Test set-up: one thread per process, torch and Megatron imported once in the parent.
 
+`tests/gpu` needs torch alone: `python -m pytest -m gpu tests/gpu` on a GPU machine.
+
 Also the hypothesis profiles (`tests/property.py`): derandomized unless
 `HDP_PROPERTY_PROFILE=long`, and every hypothesis test carries the `property` marker.
 """
@@ -14,16 +16,24 @@ import torch.distributed  # noqa: E402,F401
 
 torch.set_num_threads(1)
 
+# On a GPU machine with torch alone (tests/gpu), Megatron-Core and hypothesis may be absent;
+# everywhere else they are installed, and the tests that need them import them.
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    import megatron.core  # noqa: E402,F401  (imported here so forked ranks inherit it)
-    import megatron.core.models.gpt  # noqa: E402,F401
+    try:
+        import megatron.core  # noqa: F401  (imported here so forked ranks inherit it)
+        import megatron.core.models.gpt  # noqa: F401
+    except ImportError:
+        pass
 
 import pytest  # noqa: E402
 
-from tests.property import load_profile  # noqa: E402
-
-load_profile()
+try:
+    from tests.property import load_profile
+except ImportError:  # no hypothesis: only tests that do not use it can run
+    pass
+else:
+    load_profile()
 
 
 @pytest.hookimpl(tryfirst=True)
