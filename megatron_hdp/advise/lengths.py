@@ -50,12 +50,15 @@ def read_lengths_file(path: str | Path) -> np.ndarray:
     return np.asarray(out, dtype=np.int64)
 
 
-def cut(lengths: np.ndarray, seq_length: int) -> np.ndarray:
-    """Lengths above `seq_length` cut into `seq_length`-token pieces plus the rest."""
+def cut(lengths, seq_length: int) -> np.ndarray:
+    """Each length above `seq_length` cut into `seq_length`-token pieces, the rest last."""
     lengths = np.asarray(lengths, dtype=np.int64)
     full, rest = lengths // seq_length, lengths % seq_length
-    pieces = np.repeat(np.full(len(lengths), seq_length, dtype=np.int64), full)
-    return np.concatenate([pieces, rest[rest > 0]]) if full.any() else lengths
+    count = full + (rest > 0)
+    out = np.full(int(count.sum()), seq_length, dtype=np.int64)
+    last = np.cumsum(count) - 1
+    out[last[rest > 0]] = rest[rest > 0]
+    return out
 
 
 def _sample(units: DatasetUnits, args: argparse.Namespace, tokens, count, steps):
