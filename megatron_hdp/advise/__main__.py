@@ -8,8 +8,8 @@ and validation for a world of `--gpus` ranks. Bad input (an unknown profile, a b
 profile field, a bad lengths file, zero GPUs, a layout that does not divide the GPUs, an
 output folder in use) stops with one line naming the value and exit status 2, before any
 data is read or step simulated. Writes `advise.json`, `advise.md` and Gantt PNGs of one
-step into `--out`, which must be new or empty unless `--overwrite` (then only those files
-are replaced).
+step into `--out`, which must be new or empty unless `--overwrite` (then the advisor's
+own earlier outputs there, advise.* and gantt_*.png, are replaced; other files are kept).
 """
 
 from __future__ import annotations
@@ -208,8 +208,10 @@ def pictures(outcomes, job: Job, out: Path, n_ranks: int) -> tuple[list[str], st
 
     hdp = [s for s in outcomes if s.startswith("hdp") and runnable(s, 1)]
     best = max(hdp, key=lambda s: outcomes[s].results[0].tokens_per_s, default=None)
-    show = [s for s in ("static", "megatron_dcp") if s in outcomes]
-    show += [s for s in (best, job.your_system) if s in outcomes and s not in show]
+    show = []
+    for s in ("static", "megatron_dcp", best, job.your_system):
+        if s in outcomes and s not in show:
+            show.append(s)
     return [gantt(outcomes[s].results[0], out, n_ranks, plt) for s in show], ""
 
 
@@ -254,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     out = Path(adv.out)
     out.mkdir(parents=True, exist_ok=True)
+    for old in [*(out / f for f in OUTPUTS), *out.glob("gantt_*.png")]:  # --overwrite
+        old.unlink(missing_ok=True)
     files, note = ([], "No Gantt picture (--no-charts).")
     if not adv.no_charts:
         files, note = pictures(outcomes, job, out, adv.gantt_ranks)

@@ -192,6 +192,13 @@ def markdown(report: Mapping) -> str:
         "composition `pretrain_hdp.py` has no flags for"
         + (" with pipeline parallelism." if job["pp"] > 1 else "."),
     ]
+    if job.get("num_experts"):
+        lines += [
+            "",
+            "MoE: compute is priced on the active parameters (the router and the top-k "
+            "experts each token runs); the token dispatch between expert-parallel ranks is "
+            "not priced, the gradient sync moves every expert's weights.",
+        ]
     if job.get("ignored_flags"):
         lines += [
             "",

@@ -325,3 +325,30 @@ def test_data_path_reads_the_jobs_batches(tmp_path):
     # The default batch: one context per replica (4 x 2048 tokens), whole sequences.
     assert report["data"]["tokens_mean"] <= 4 * 2048
     assert not (tmp_path / "never").exists()
+
+
+def test_pictures_and_markdown(tmp_path):
+    """With charts: one Gantt PNG per shown system, each named once in the markdown."""
+    pytest.importorskip("matplotlib")
+    lengths = tmp_path / "l.txt"
+    lengths.write_text("".join(f"{n}\n" for n in (100, 3000, 9000, 20000, 500, 700)))
+    out = tmp_path / "out"
+    rc = main(
+        ["--out", str(out), "--no-progress-bar", "--gpus", "4", "--lengths-file", str(lengths),
+         "--megatron", "reimpl", "--gantt-ranks", "4", *MODEL_FLAGS, "--seq-length", "32768",
+         "--hdp-capacity", "8192"]
+    )  # fmt: skip
+    assert rc == 0
+    report = json.loads((out / "advise.json").read_text())
+    md = (out / "advise.md").read_text()
+    assert len(report["pictures"]) == len(set(report["pictures"])) >= 3
+    for name in report["pictures"]:
+        assert (out / name).stat().st_size > 0 and md.count(f"]({name})") == 1
+    assert report["verdict"] in md
+    # A second run into the same folder is refused unless told to overwrite.
+    assert main(["--out", str(out), "--gpus", "4", "--lengths-file", str(lengths),
+                 *MODEL_FLAGS, "--seq-length", "32768"]) == 2  # fmt: skip
+    assert main(["--out", str(out), "--overwrite", "--no-charts", "--no-progress-bar",
+                 "--gpus", "4", "--lengths-file", str(lengths), "--megatron", "reimpl",
+                 *MODEL_FLAGS, "--seq-length", "32768", "--hdp-capacity", "8192"]) == 0  # fmt: skip
+    assert not list(out.glob("gantt_*.png"))  # the earlier run's pictures are gone
