@@ -32,8 +32,9 @@ for them: GEMM and attention speeds are FLOP/s times an efficiency, TP all-reduc
 `tp_efficiency` factor (`cost.DeviceProfile.replica`). A calibrated profile should measure
 the efficiencies (achieved FLOP/s over `peak_bf16_flops`), the network and the host link.
 
-Without `base` every field but `name` and `notes` is required. Unknown fields, values that
-are not finite positive numbers and efficiencies outside (0, 1] are refused by name.
+Without `base` every field but `name`, `notes` and the three efficiencies (default: the
+named profiles') is required. Unknown fields, values that are not finite positive numbers,
+efficiencies above 1 and a fractional `gpus_per_node` are refused by name.
 """
 
 from __future__ import annotations

@@ -352,3 +352,21 @@ def test_pictures_and_markdown(tmp_path):
                  "--gpus", "4", "--lengths-file", str(lengths), "--megatron", "reimpl",
                  *MODEL_FLAGS, "--seq-length", "32768", "--hdp-capacity", "8192"]) == 0  # fmt: skip
     assert not list(out.glob("gantt_*.png"))  # the earlier run's pictures are gone
+
+
+def test_the_docs_profile_fields_and_example_match_the_code():
+    """docs/advise.md lists exactly the JSON fields the loader takes; its example loads."""
+    import re
+
+    from megatron_hdp.advise.profiles import FIELDS
+    from tests.unit.scripts_loader import REPO
+
+    doc = (REPO / "docs" / "advise.md").read_text()
+    section = doc[doc.index("### A JSON profile") :]
+    listed = re.findall(r"^\| `(\w+)` \|", section, flags=re.M)
+    assert sorted(listed) == sorted(("base", *FIELDS))
+    block = section[section.index("```json\n") + 8 : section.index("```\n", 10)]
+    example = profile_from_dict(json.loads(block))
+    assert example.linear_efficiency == 0.52 and example.hbm_bytes == H100.hbm_bytes
+    readme = (REPO / "README.md").read_text()
+    assert "python -m megatron_hdp.advise" in readme[: readme.index("## Quick start")]
