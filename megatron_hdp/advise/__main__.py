@@ -30,9 +30,10 @@ from megatron_hdp.advise.lengths import (
     batches_from_mix,
     read_lengths_file,
 )
+from megatron_hdp.advise.pictures import draw
 from megatron_hdp.advise.profiles import PROFILES, resolve_profile
-from megatron_hdp.advise.report import build_report, markdown, runnable
-from megatron_hdp.advise.run import simulate_job
+from megatron_hdp.advise.report import build_report, markdown
+from megatron_hdp.advise.run import cost_model, simulate_job
 from megatron_hdp.sim.distributions import GENERATORS
 from megatron_hdp.sim.simulate import MEGATRON_MAX_RANKS, SYSTEMS
 
@@ -190,31 +191,6 @@ def data_summary(batches, source: str, capacity: int) -> dict:
     }
 
 
-def pictures(outcomes, job: Job, out: Path, n_ranks: int) -> tuple[list[str], str]:
-    """Gantt charts of the first batch (the simulator's), or why there are none."""
-    if job.model.pp > 1:
-        return [], (
-            "No Gantt picture: the per-rank chart covers jobs without pipeline parallelism "
-            "(a pipeline's stages run the 1F1B schedule; see the table)."
-        )
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return [], "No Gantt picture: matplotlib is not installed (pip install matplotlib)."
-    from megatron_hdp.sim.__main__ import gantt
-
-    hdp = [s for s in outcomes if s.startswith("hdp") and runnable(s, 1)]
-    best = max(hdp, key=lambda s: outcomes[s].results[0].tokens_per_s, default=None)
-    show = []
-    for s in ("static", "megatron_dcp", best, job.your_system):
-        if s in outcomes and s not in show:
-            show.append(s)
-    return [gantt(outcomes[s].results[0], out, n_ranks, plt) for s in show], ""
-
-
 def _fail(err: ValueError) -> int:
     sys.stderr.write(f"{PROG}: error: {err}\n")
     return 2
@@ -260,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         old.unlink(missing_ok=True)
     files, note = ([], "No Gantt picture (--no-charts).")
     if not adv.no_charts:
-        files, note = pictures(outcomes, job, out, adv.gantt_ranks)
+        files, note = draw(outcomes, job, cost_model(job, cluster), out, adv.gantt_ranks)
     report = build_report(
         job=job.summary(),
         profile=profile.as_dict(),

@@ -208,7 +208,7 @@ def markdown(report: Mapping) -> str:
         ]
     pictures = report.get("pictures") or []
     if pictures:
-        lines += ["", "## One step, rank by rank", ""]
+        lines += ["", "## One step (the first global batch)", ""]
         lines += [f"![{p}]({p})" for p in pictures]
     elif report.get("pictures_note"):
         lines += ["", report["pictures_note"]]

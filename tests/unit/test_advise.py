@@ -327,15 +327,17 @@ def test_data_path_reads_the_jobs_batches(tmp_path):
     assert not (tmp_path / "never").exists()
 
 
-def test_pictures_and_markdown(tmp_path):
+@pytest.mark.parametrize("pp", [1, 2])
+def test_pictures_and_markdown(tmp_path, pp):
     """With charts: one Gantt PNG per shown system, each named once in the markdown."""
     pytest.importorskip("matplotlib")
     lengths = tmp_path / "l.txt"
     lengths.write_text("".join(f"{n}\n" for n in (100, 3000, 9000, 20000, 500, 700)))
     out = tmp_path / "out"
     rc = main(
-        ["--out", str(out), "--no-progress-bar", "--gpus", "4", "--lengths-file", str(lengths),
-         "--megatron", "reimpl", "--gantt-ranks", "4", *MODEL_FLAGS, "--seq-length", "32768",
+        ["--out", str(out), "--no-progress-bar", "--gpus", str(4 * pp), "--lengths-file",
+         str(lengths), "--megatron", "reimpl", "--gantt-ranks", "4", *MODEL_FLAGS,
+         "--pipeline-model-parallel-size", str(pp), "--seq-length", "32768",
          "--hdp-capacity", "8192"]
     )  # fmt: skip
     assert rc == 0
@@ -346,6 +348,7 @@ def test_pictures_and_markdown(tmp_path):
         assert (out / name).stat().st_size > 0 and md.count(f"]({name})") == 1
     assert report["verdict"] in md
     # A second run into the same folder is refused unless told to overwrite.
+    assert report["job"]["pp"] == pp
     assert main(["--out", str(out), "--gpus", "4", "--lengths-file", str(lengths),
                  *MODEL_FLAGS, "--seq-length", "32768"]) == 2  # fmt: skip
     assert main(["--out", str(out), "--overwrite", "--no-charts", "--no-progress-bar",
@@ -370,3 +373,18 @@ def test_the_docs_profile_fields_and_example_match_the_code():
     assert example.linear_efficiency == 0.52 and example.hbm_bytes == H100.hbm_bytes
     readme = (REPO / "README.md").read_text()
     assert "python -m megatron_hdp.advise" in readme[: readme.index("## Quick start")]
+
+
+def test_the_pure_layers_import_no_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import megatron_hdp.advise.__main__, megatron_hdp.advise.profiles\n"
+        "import megatron_hdp.advise.report, megatron_hdp.advise.run, megatron_hdp.advise.job\n"
+        "import megatron_hdp.advise.lengths\n"
+        "print(sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
