@@ -137,7 +137,11 @@ def prepare(argv: list[str]):
         own_data=not (adv.lengths_file or adv.mix),
     )
     cluster = profile.cluster()
-    cluster.rank_profile(job.model.tp)  # TP must fit an NVLink node
+    if job.model.tp > cluster.gpus_per_node:
+        raise UsageError(
+            f"--tensor-model-parallel-size {job.model.tp} exceeds the {cluster.gpus_per_node} "
+            f"GPUs of one NVLink node of profile {profile.name} (gpus_per_node)"
+        )
     a = job.args
     own_data = a.data_path is not None or a.hdp_data_spec is not None
     if (adv.lengths_file or adv.mix) and own_data:

@@ -270,6 +270,10 @@ def test_verdict_and_recommendation():
             "--pipeline-model-parallel-size 3",
         ),
         (["--systems", "static,fast"], "'fast'"),
+        (
+            ["--gpus", "16", "--tensor-model-parallel-size", "16", "--num-attention-heads", "16"],
+            "16 exceeds the 8 GPUs of one NVLink node",
+        ),
         (["--mix", "byted_like", "--global-batch-size", "8"], "--global-batch-size 8"),
         (["--out", "FULL"], "not empty"),
         (["--hdp-capacity", "100"], "--seq-length 8192"),
@@ -286,7 +290,7 @@ def test_bad_input_one_line_exit_2(tmp_path, capsys, flags, named):
     (tmp_path / "ok.txt").write_text("100\n")
     if "--mix" in flags:
         base = base[:2]
-    argv = [*base, *flags, *MODEL_FLAGS, "--seq-length", "8192", "--no-progress-bar"]
+    argv = [*base, *MODEL_FLAGS, *flags, "--seq-length", "8192", "--no-progress-bar"]
     if "--out" not in flags:
         argv += ["--out", str(tmp_path / "out")]
     assert main(argv) == 2
@@ -325,6 +329,28 @@ def test_data_path_reads_the_jobs_batches(tmp_path):
     # The default batch: one context per replica (4 x 2048 tokens), whole sequences.
     assert report["data"]["tokens_mean"] <= 4 * 2048
     assert not (tmp_path / "never").exists()
+    # The same dataset through a data spec: only long sequences (a bucket) are drawn.
+    spec = tmp_path / "spec.json"
+    spec.write_text(
+        json.dumps(
+            {
+                "sources": [{"name": "a", "path": str(tmp_path / "ds"), "weight": 1.0}],
+                "length_buckets": [{"name": "short", "max_tokens": 1000}, {"name": "long"}],
+                "schedule": [{"until_step": 2, "weights": {"a/long": 1.0}}],
+            }
+        )
+    )
+    out = tmp_path / "spec-out"
+    rc = main(
+        ["--out", str(out), "--no-charts", "--no-progress-bar", "--gpus", "4", "--steps", "2",
+         "--megatron", "reimpl", "--num-layers", "2", "--hidden-size", "64",
+         "--num-attention-heads", "4", "--seq-length", "2048", "--hdp-capacity", "512",
+         "--hdp-data-spec", str(spec), "--hdp-global-batch-tokens", "16384"]
+    )  # fmt: skip
+    assert rc == 0
+    data = json.loads((out / "advise.json").read_text())["data"]
+    assert data["source"] == f"--hdp-data-spec {spec}"
+    assert data["length_p50"] > 1000 and data["tokens_mean"] <= 16384
 
 
 @pytest.mark.parametrize("pp", [1, 2])
