@@ -61,6 +61,11 @@ def with_speedups(rows: Sequence[dict]) -> list[dict]:
     return [{**r, "speedup": r["tokens_per_s"] / base if base else None} for r in rows]
 
 
+def _s(seconds: float) -> str:
+    """Seconds to three significant figures."""
+    return f"{seconds:.3g} s"
+
+
 def _pct(x: float) -> str:
     return f"{100 * (x - 1):+.0f}%"
 
@@ -102,9 +107,9 @@ def verdict(rows: Sequence[dict], job: Mapping) -> str:
     out.append(
         f"Sequences get {best['ranks_per_seq_token_weighted']:.1f} ranks on average by tokens "
         f"(static mesh: {static['ranks_per_seq_token_weighted']:.1f}); exposed communication "
-        f"per step is {best['exposed_comm']:.2f} s (static mesh: {static['exposed_comm']:.2f} "
-        f"s) and a rank waits {best['wait_mean']:.2f} s for the others (static mesh: "
-        f"{static['wait_mean']:.2f} s)."
+        f"per step is {_s(best['exposed_comm'])} (static mesh: {_s(static['exposed_comm'])}) and "
+        f"a rank waits {_s(best['wait_mean'])} for the others (static mesh: "
+        f"{_s(static['wait_mean'])})."
     )
     if gain >= LITTLE and best["system"] in FLAGS:
         out.append(f"Run it with {FLAGS[best['system']]}.")
@@ -179,10 +184,10 @@ def markdown(report: Mapping) -> str:
         mark += "" if r["runnable_by_job"] or r["system"] == "megatron_dcp" else " [sim only]"
         sp = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
         lines.append(
-            f"| {r['label']}{mark} | {r['step_time']:.2f} | {_fmt_tokens(r['tokens_per_s'])} | "
+            f"| {r['label']}{mark} | {r['step_time']:.3g} | {_fmt_tokens(r['tokens_per_s'])} | "
             f"{sp} | {r['ranks_per_seq_mean']:.2f}, {r['ranks_per_seq_token_weighted']:.2f}, "
-            f"{r['ranks_per_seq_max']:.0f} | {r['exposed_ring_mean']:.2f} + "
-            f"{r['grad_sync']:.2f} | {r['memory_headroom_bytes'] / GB:.1f} |"
+            f"{r['ranks_per_seq_max']:.0f} | {r['exposed_ring_mean']:.3g} + "
+            f"{r['grad_sync']:.3g} | {r['memory_headroom_bytes'] / GB:.1f} |"
         )
     lines += [
         "",
