@@ -13,6 +13,7 @@ from megatron_hdp.advise.lengths import cut, read_lengths_file
 from megatron_hdp.advise.profiles import H100, PROFILES, profile_from_dict
 from megatron_hdp.advise.report import recommended, verdict
 from megatron_hdp.sim.clusters import H100_CLUSTER
+from megatron_hdp.sim.distributions import GENERATORS
 from megatron_hdp.sim.models import MODELS
 from megatron_hdp.sim.models import memory_capacity as sim_memory_capacity
 from megatron_hdp.sim.simulate import SYSTEMS
@@ -145,19 +146,34 @@ def test_uniform_lengths_step_by_hand(tmp_path, round_profile, tp):
     assert "does not pay" in report["verdict"]
 
 
-def test_builtin_mix_equals_the_simulator(tmp_path):
-    """The advisor on llama-7b's flags and byted_like gives the simulator's own numbers."""
-    from megatron_hdp.sim.__main__ import run_cell
-    from megatron_hdp.sim.distributions import GENERATORS
+def sim_model_flags(name: str) -> list[str]:
+    """`pretrain_hdp.py` flags of one of the simulator's dense models (`sim.models`)."""
+    m = MODELS[name]
+    sh = m.shape
+    return [
+        "--num-layers", str(sh.num_layers), "--hidden-size", str(sh.hidden_size),
+        "--num-attention-heads", str(sh.num_attention_heads), "--group-query-attention",
+        "--num-query-groups", str(sh.num_query_groups), "--ffn-hidden-size",
+        str(sh.ffn_hidden_size), "--swiglu", "--untie-embeddings-and-output-weights",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "31999",
+        "--make-vocab-size-divisible-by", "4",  # 32000 stays 32000 up to TP 8
+        "--tensor-model-parallel-size", str(m.tp), "--pipeline-model-parallel-size", str(m.pp),
+    ]  # fmt: skip
 
-    model, gpus, context, tokens, steps = MODELS["llama-7b"], 64, 256 * K, 2 * K * K, 2
+
+@pytest.mark.parametrize(
+    "name, ds, gpus",
+    [*(("llama-7b", ds, 64) for ds in GENERATORS), ("llama-70b", "byted_like", 512)],
+)
+def test_builtin_mix_equals_the_simulator(tmp_path, name, ds, gpus):
+    """The advisor on a simulator model's flags and a built-in mix gives the simulator's
+    own numbers (llama-70b: PP 2, every plan through the 1F1B timeline)."""
+    from megatron_hdp.sim.__main__ import run_cell
+
+    model, context, tokens, steps = MODELS[name], 256 * K, 2 * K * K, 2
     rc, report = advise(
-        tmp_path, "--gpus", str(gpus), "--profile", "H100", "--mix", "byted_like",
-        "--steps", str(steps), "--megatron", "reimpl", "--seed", "0",
-        "--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32",
-        "--group-query-attention", "--num-query-groups", "8", "--ffn-hidden-size", "11008",
-        "--swiglu", "--untie-embeddings-and-output-weights", "--tokenizer-type",
-        "NullTokenizer", "--vocab-size", "31999", "--tensor-model-parallel-size", "2",
+        tmp_path, "--gpus", str(gpus), "--profile", "H100", "--mix", ds,
+        "--steps", str(steps), "--megatron", "reimpl", "--seed", "0", *sim_model_flags(name),
         "--seq-length", str(context), "--max-position-embeddings", str(context),
         "--hdp-capacity", str(8 * K), "--hdp-global-batch-tokens", str(tokens),
     )  # fmt: skip
@@ -168,7 +184,6 @@ def test_builtin_mix_equals_the_simulator(tmp_path):
         steps=steps, seed=0, tokens=tokens, systems=list(SYSTEMS), megatron="reimpl",
         megatron_max_ranks=1024,
     )  # fmt: skip
-    ds = "byted_like"
     sim_rows, _ = run_cell(
         model, H100_CLUSTER, ds, list(GENERATORS).index(ds), context, sim_args, 8 * K, gpus
     )
