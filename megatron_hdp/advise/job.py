@@ -144,10 +144,10 @@ def activation_bytes_per_token(job: Job) -> float:
     return job.model.layers_per_stage * per_layer
 
 
-def memory_capacity(job_like: Job, hbm_bytes: float) -> int:
+def memory_capacity(job: Job, hbm_bytes: float) -> int:
     """Tokens per HDP rank whose activations fit beside the state (0 if none fit)."""
-    free = hbm_bytes - state_bytes_per_gpu(job_like)
-    return max(0, int(free / activation_bytes_per_token(job_like)))
+    free = hbm_bytes - state_bytes_per_gpu(job)
+    return max(0, int(free / activation_bytes_per_token(job)))
 
 
 def model_shape(args: argparse.Namespace, vocab_size: int) -> ModelShape:

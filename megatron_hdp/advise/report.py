@@ -197,6 +197,9 @@ def markdown(report: Mapping) -> str:
         "composition `pretrain_hdp.py` has no flags for"
         + (" with pipeline parallelism." if job["pp"] > 1 else "."),
     ]
+    dcp = next((r for r in report["systems"] if r["system"] == "megatron_dcp"), None)
+    if dcp is not None:
+        lines += ["", f"Megatron dynamic CP was planned by: {dcp['implementation']}."]
     if job.get("num_experts"):
         lines += [
             "",
