@@ -61,9 +61,13 @@ def with_speedups(rows: Sequence[dict]) -> list[dict]:
     return [{**r, "speedup": r["tokens_per_s"] / base if base else None} for r in rows]
 
 
+def _num(seconds: float) -> str:
+    """Seconds: two decimals, three significant figures below 0.1."""
+    return f"{seconds:.2f}" if abs(seconds) >= 0.1 else f"{seconds:.3g}"
+
+
 def _s(seconds: float) -> str:
-    """Seconds to three significant figures."""
-    return f"{seconds:.3g} s"
+    return f"{_num(seconds)} s"
 
 
 def _pct(x: float) -> str:
@@ -184,10 +188,10 @@ def markdown(report: Mapping) -> str:
         mark += "" if r["runnable_by_job"] or r["system"] == "megatron_dcp" else " [sim only]"
         sp = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
         lines.append(
-            f"| {r['label']}{mark} | {r['step_time']:.3g} | {_fmt_tokens(r['tokens_per_s'])} | "
+            f"| {r['label']}{mark} | {_num(r['step_time'])} | {_fmt_tokens(r['tokens_per_s'])} | "
             f"{sp} | {r['ranks_per_seq_mean']:.2f}, {r['ranks_per_seq_token_weighted']:.2f}, "
-            f"{r['ranks_per_seq_max']:.0f} | {r['exposed_ring_mean']:.3g} + "
-            f"{r['grad_sync']:.3g} | {r['memory_headroom_bytes'] / GB:.1f} |"
+            f"{r['ranks_per_seq_max']:.0f} | {_num(r['exposed_ring_mean'])} + "
+            f"{_num(r['grad_sync'])} | {r['memory_headroom_bytes'] / GB:.1f} |"
         )
     lines += [
         "",
