@@ -11,5 +11,6 @@ cluster. Layers, lightest first:
 - `run`: every system simulated on the same batches, with the extra per-system figures
   the report needs (pure).
 - `report`: JSON, markdown table and the plain-language verdict (pure).
+- `pictures`: Gantt PNGs of one step (matplotlib, imported when drawing).
 - `__main__`: the command line (validation, progress bar, output folder, PNGs).
 """
