@@ -553,3 +553,18 @@ def capacity_of(args: argparse.Namespace) -> int:
 def uses_static_mesh(args: argparse.Namespace) -> bool:
     """True when the job runs the static DP x CP baseline instead of HDP."""
     return (not args.hdp) or args.hdp_static_baseline
+
+
+def padded_vocab_size(vocab_size: int, multiple: int, tensor_parallel: int = 1) -> int:
+    """Megatron's vocabulary padding: a multiple of `--make-vocab-size-divisible-by` x TP."""
+    multiple *= tensor_parallel
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def megatron_ffn_hidden_size(args: argparse.Namespace) -> int:
+    """Megatron-LM's default MLP size: 4 h, or int(8 h / 3 / 64) * 64 with SwiGLU."""
+    if args.ffn_hidden_size is not None:
+        return args.ffn_hidden_size
+    if args.swiglu:
+        return int((4 * args.hidden_size * 2 / 3) / 64) * 64 or 4 * args.hidden_size
+    return 4 * args.hidden_size

@@ -9,14 +9,17 @@ talks to other ranks.
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 
 from megatron_hdp.data.sampler import parse_split
 from megatron_hdp.data.spec import load_spec
 from megatron_hdp.data.training_data import DataConfig
-from megatron_hdp.megatron.arguments import parse_data_path
+from megatron_hdp.megatron.arguments import (
+    megatron_ffn_hidden_size,
+    padded_vocab_size,
+    parse_data_path,
+)
 from megatron_hdp.megatron.engine import OptimConfig
 from megatron_hdp.megatron.model import GPTConfig
 from megatron_hdp.scheduler.cost import PROFILES, DeviceProfile
@@ -29,21 +32,6 @@ def device_profile(spec: str | None) -> DeviceProfile:
     if spec in PROFILES:
         return PROFILES[spec]
     return DeviceProfile.from_json(spec)
-
-
-def padded_vocab_size(vocab_size: int, multiple: int, tensor_parallel: int = 1) -> int:
-    """Megatron's vocabulary padding: a multiple of `--make-vocab-size-divisible-by` x TP."""
-    multiple *= tensor_parallel
-    return int(math.ceil(vocab_size / multiple) * multiple)
-
-
-def megatron_ffn_hidden_size(args: argparse.Namespace) -> int:
-    """Megatron-LM's default MLP size: 4 h, or int(8 h / 3 / 64) * 64 with SwiGLU."""
-    if args.ffn_hidden_size is not None:
-        return args.ffn_hidden_size
-    if args.swiglu:
-        return int((4 * args.hidden_size * 2 / 3) / 64) * 64 or 4 * args.hidden_size
-    return 4 * args.hidden_size
 
 
 def model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:

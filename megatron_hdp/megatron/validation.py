@@ -48,7 +48,7 @@ from megatron_hdp.megatron.resume_checks import (
 )
 from megatron_hdp.scheduler.cost import PROFILES, DeviceProfile
 
-__all__ = ["NothingToTrain", "check_resume_matches", "validate_args"]
+__all__ = ["NothingToTrain", "check_resume_matches", "validate_args", "validate_layout"]
 
 #: Flags whose value must be > 0 (counts, sizes, divisors, intervals).
 POSITIVE = (
@@ -467,6 +467,16 @@ def _check_resume(args: argparse.Namespace, world_size: int) -> dict | None:
         check_schedule(args, meta, flag)
     check_save_folder(args, meta)
     return meta
+
+
+def validate_layout(args: argparse.Namespace, world_size: int) -> None:
+    """The number and layout checks of `validate_args` alone (no data, paths or resume).
+
+    For tools that take the job's model and layout flags but not its data (the advisor
+    with a lengths file). Raises ValueError naming the flag and the value.
+    """
+    _check_numbers(args)
+    _check_layout(args, world_size)
 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> dict | None:
