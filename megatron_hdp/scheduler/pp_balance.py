@@ -62,7 +62,7 @@ here (bytescale-paper.md, section 7, items 7 and 8):
    splitting packs of several sequences in two; else they go into ring micro-batches with
    room (a ring of `w` holds up to `w C` tokens; offloading rings take nothing); else they
    become ring micro-batches over a whole group. If none of this fits (tiny capacities),
-   the plan is the static mesh's layout (`placement.plan_static`, lock-step by
+   the plan is the static mesh's layout (`static_mesh.plan_static`, lock-step by
    construction); if that fails too, no lock-step plan gives every member a token (e.g.
    81 tokens filling all 9 x 9 slots of a 9-pipeline pool next to a 1-token sequence) and a
    ValueError says so.
@@ -86,6 +86,7 @@ from megatron_hdp.scheduler.pipeline_timeline import (
     simulate_plan,
 )
 from megatron_hdp.scheduler.plan import MicroBatch, StepPlan, plan_from_rank_lists, validate_inputs
+from megatron_hdp.scheduler.static_mesh import plan_static, simple_cost, static_cp_size
 
 #: Ring widths tried, as multiples of the minimal width (the ladder of decision 4).
 WIDTH_LADDER = (1.0, 1.125, 1.25, 1.375, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0)
@@ -97,7 +98,7 @@ _MAX_BISECTIONS = 40
 
 
 class _Costs:
-    """Per-member costs from a `cost.CostModel`, or `placement.simple_cost`'s formula."""
+    """Per-member costs from a `cost.CostModel`, or `static_mesh.simple_cost`'s formula."""
 
     def __init__(self, cost_model, capacity: int) -> None:
         self.cm = cost_model
@@ -730,7 +731,7 @@ def plan_pp_balanced(
         capacity: Tokens per pipeline per micro-batch `C`.
         pipeline_stages: Stages `d` of every pipeline (1 is allowed: plain HDP ranks).
         cost_model: A `cost.CostModel` (per-member time of the whole model on one stage's
-            devices); None: `placement.simple_cost`'s formula.
+            devices); None: `static_mesh.simple_cost`'s formula.
         ring_sizes: Minimal ranks per sequence (default `ceil(s / C)`; 1 = packed).
         offload_ratios: Offload ratio per sequence (rings keep their sequence's ratio).
         num_layers: Layers per rank for the plan's offload memory check.
@@ -765,8 +766,6 @@ def plan_pp_balanced(
 
 def _static_fallback(seqlens, pool_size, capacity, d, cost_model, policy) -> StepPlan:
     """Decision 8's last resort: the static mesh's lock-step layout (ValueError if none)."""
-    from megatron_hdp.scheduler.placement import plan_static, simple_cost, static_cp_size
-
     cost = cost_model.planner_cost if cost_model is not None else simple_cost
     try:
         plan = plan_static(
@@ -888,7 +887,7 @@ def forward_shares(plan: StepPlan, cost_model=None) -> np.ndarray:
 def micro_batch_costs(plan: StepPlan, cost_model=None) -> np.ndarray:
     """Per micro-batch per-member cost by the cost model (`micro_batch_time`), vectorised.
 
-    Without a cost model: `placement.simple_cost`'s formula.
+    Without a cost model: `static_mesh.simple_cost`'s formula.
     """
     n = plan.num_micro_batches
     ids, owner, counts = micro_batch_sequences(plan)
