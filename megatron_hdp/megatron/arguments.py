@@ -61,6 +61,7 @@ ATTENTION_BACKENDS = (
     "torch_flash_fa3",
     "torch_flash_fa4",
     "flash_attn",
+    "flash_attn_4",
 )
 
 TOKENIZERS = ("ByteLevel", "HuggingFaceTokenizer", "NullTokenizer")
@@ -418,7 +419,8 @@ def add_hdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "else flash_attn; on CPU torch), torch / math (CPU kernels: aten's CPU flash kernels, "
         "a matmul reference; refused on CUDA), torch_flash (PyTorch's CUDA flash varlen ops), "
         "torch_flash_fa3 / torch_flash_fa4 (the same ops running FA3 or FA4, where this torch "
-        "can switch to them), flash_attn (flash-attn 2.6-2.8). Checked before start-up "
+        "can switch to them), flash_attn (flash-attn 2.6-2.8), flash_attn_4 (the flash-attn-4 "
+        "package, sm90/sm100). Checked before start-up "
         "against the device, dtype (GPU kernels need --bf16) and head dim; a kernel that "
         "cannot run stops the job with the reason",
     )

@@ -372,3 +372,85 @@ def test_flash_attn_signature_check_names_what_is_missing():
     )
     fake.__dict__.pop("_flash_attn_varlen_backward")
     assert "has no _flash_attn_varlen_backward" in flash_attn_adapter.signature_problem(fake)
+
+
+# --- flash-attn-4 ------------------------------------------------------------------------------
+
+
+def _flash_attn_4_module():
+    """`flash_attn.cute.interface` of flash-attention at 0251105 (2026-08-15): the two entry
+    points with their exact parameter lists (annotations left out), computing with the
+    math kernel on CPU."""
+
+    def _flash_attn_fwd(
+        q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+        seqused_k=None, max_seqlen_q=None, max_seqlen_k=None, min_seqlen_k=None,
+        page_table=None, softmax_scale=None, causal=False, softcap=None,
+        window_size_left=None, window_size_right=None, learnable_sink=None, tile_mn=None,
+        mma_pv_is_rs=None, intra_wg_overlap=None, num_threads=384, num_splits=1,
+        pack_gqa=None, _arch=None, score_mod=None, mask_mod=None, block_sparse_tensors=None,
+        return_lse=False, out=None, lse=None, aux_tensors=None, aux_scalars=None,
+        q_descale=None, k_descale=None, v_descale=None, gather_kv_indices=None,
+        scheduler_metadata=None, seqlen_k_per_split=None, disable_scheduler_metadata=False,
+    ):  # fmt: skip
+        assert return_lse
+        out, lse, *_ = _fake_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
+        return out, lse, None, None
+
+    def _flash_attn_bwd(
+        q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0,
+        window_size_left=None, window_size_right=None, m_block_size=64, n_block_size=128,
+        num_threads=256, pack_gqa=False, num_stages_Q=2, num_stages_dO=2, SdP_swapAB=False,
+        dKV_swapAB=False, dQ_swapAB=False, AtomLayoutMSdP=2, AtomLayoutNdKV=2,
+        AtomLayoutMdQ=2, V_in_regs=False, cu_seqlens_q=None, cu_seqlens_k=None,
+        seqused_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None,
+        deterministic=False, dq=None, dk=None, dv=None, score_mod=None, score_mod_bwd=None,
+        mask_mod=None, aux_tensors=None, aux_scalars=None, block_sparse_tensors=None,
+        dlse=None, learnable_sink=None,
+    ):  # fmt: skip
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        _fake_backward(dout, q, k, v, out, lse, *grads, cu_seqlens_q, cu_seqlens_k,
+                       softmax_scale, causal)  # fmt: skip
+        return tuple(grads)
+
+    module = types.ModuleType("flash_attn.cute.interface")
+    module._flash_attn_fwd, module._flash_attn_bwd = _flash_attn_fwd, _flash_attn_bwd
+    return module
+
+
+def test_flash_attn_4_is_refused_without_its_package_and_on_ampere():
+    with pytest.raises(ValueError, match="flash_attn.cute.interface does not import"):
+        resolve("flash_attn_4", H100)
+    with pytest.raises(ValueError, match="sm9x or sm10x"):
+        resolve("flash_attn_4", A100)
+
+
+def test_flash_attn_4_adapter_takes_the_real_signature_and_equals_the_math_kernel(monkeypatch):
+    from megatron_hdp.attention.kernels import flash_attn_4
+
+    fake = _flash_attn_4_module()
+    assert flash_attn_4.signature_problem(fake) is None
+    monkeypatch.setattr(flash_attn_4, "_interface", lambda: fake)
+    assert resolve("flash_attn_4", B200) == "flash_attn_4"
+    gen = torch.Generator().manual_seed(5)
+    lengths = (4, 9, 2)
+    q = torch.randn(sum(lengths), 4, 8, generator=gen)
+    k = torch.randn(sum(lengths), 2, 8, generator=gen)
+    v = torch.randn(sum(lengths), 2, 8, generator=gen)
+    dout = torch.randn_like(q)
+    blocks = VarlenBlocks.build(lengths, lengths, causal=True, device=torch.device("cpu"))
+    kernel, reference = registry.get_kernel("flash_attn_4"), registry.get_kernel("math")
+    out, lse = kernel.forward(q, k, v, blocks, scale=0.3)
+    want_out, want_lse = reference.forward(q, k, v, blocks, scale=0.3)
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(lse, want_lse)
+    got = kernel.backward(dout, q, k, v, out, lse, blocks, scale=0.3)
+    want = reference.backward(dout, q, k, v, want_out, want_lse, blocks, scale=0.3)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+    renamed = types.SimpleNamespace(
+        _flash_attn_fwd=fake._flash_attn_fwd, _flash_attn_bwd=lambda q, k, v, dout, out, lse: 0
+    )
+    assert "starts with ('q', 'k', 'v', 'dout', 'out', 'lse')" in flash_attn_4.signature_problem(
+        renamed
+    )

@@ -8,7 +8,8 @@ rank can then fail inside a ring step while its peers wait.
 "auto" picks on CUDA PyTorch's own flash kernels (`torch_flash`), else flash-attn
 (`flash_attn`), and never the CPU kernels (a dense `[heads, s, s]` score matrix per
 document); on CPU the aten CPU flash kernels (`torch`). `torch_flash_fa3` and
-`torch_flash_fa4` are chosen by name only.
+`torch_flash_fa4` (FA3/FA4 behind torch's ops) and `flash_attn_4` (the flash-attn-4 package
+called directly) are chosen by name only.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from megatron_hdp.attention.kernels.base import VarlenKernel
 from megatron_hdp.attention.kernels.cpu import MATH, TORCH
 from megatron_hdp.attention.kernels.device import PRECISION_HINT, DeviceFacts
 from megatron_hdp.attention.kernels.flash_attn import FlashAttnKernel
+from megatron_hdp.attention.kernels.flash_attn_4 import FlashAttn4Kernel
 from megatron_hdp.attention.kernels.torch_flash import TorchFlashKernel
 
 logger = logging.getLogger(__name__)
@@ -34,6 +36,7 @@ _KERNELS: dict[str, VarlenKernel] = {
         TorchFlashKernel("FA3"),
         TorchFlashKernel("FA4"),
         FlashAttnKernel(),
+        FlashAttn4Kernel(),
     )
 }
 #: Names `--hdp-attention-backend` accepts.
