@@ -11,6 +11,9 @@ hypothesis or Ray; the C++ planner is not used. Sections (`--sections`):
            zigzag half blocks, one query row per document, many tiny documents
   ring     ring attention with 2..8 virtual ranks in one process against one call
   speed    a ring member's step calls and the pack path against one direct call
+  offload  activation offloading on a torch layer stack: loss and gradients bitwise at ratios
+           0/0.5/1, D2H/H2D GB/s, copy time hidden under compute, peak memory vs Eq. 3,
+           pinned bytes
 Writes `results/gpu/verify-<device>.json` (or `--out`): config, versions, GPU name, git
 revision, figures. Exit status 1 if a correctness check failed (the JSON is written first),
 2 for bad arguments.
@@ -34,6 +37,7 @@ SECTION_MODULES = {
     "kernels": "kernel_checks",
     "ring": "ring_checks",
     "speed": "speed_checks",
+    "offload": "offload_checks",
 }
 SECTIONS = ("env", *SECTION_MODULES)
 

@@ -29,7 +29,7 @@ def _run(*args, env=None, timeout=300):
 def test_help_lists_the_sections():
     done = _run("--help")
     assert done.returncode == 0
-    for section in ("env", "kernels", "ring", "speed", "--cpu", "--quick"):
+    for section in ("env", "kernels", "ring", "speed", "offload", "--cpu", "--quick"):
         assert section in done.stdout
 
 
@@ -133,3 +133,55 @@ def test_a_ring_that_drops_a_block_fails_its_check(monkeypatch):
     monkeypatch.setattr(ring, "_segments", drop_lower_blocks)
     result = ring_checks.run(common.cpu_mode(), lambda line: None, "torch")
     assert not result["ok"]
+
+
+def test_the_cpu_run_offloads_and_its_loss_and_gradients_are_bitwise_equal(cpu_report):
+    report, stdout = cpu_report
+    offload = report["sections"]["offload"]
+    assert offload["ok"] and offload["engine"] == "HostCopyEngine" and "offload  ratio" in stdout
+    exact = offload["bitwise"]
+    assert exact["reference_reproducible"] and [r["ratio"] for r in exact["ratios"]] == [0, 0.5, 1]
+    for result in exact["ratios"]:
+        assert result["loss_bitwise_equal"] and result["gradients_differing"] == 0
+        assert result["gradients_compared"] == 1 + 12 * offload["layers"]  # input + 12 per layer
+    half, full = (r["counters"] for r in exact["ratios"][1:])
+    assert exact["ratios"][0]["counters"]["bytes_to_host"] == 0
+    # Ratio 1 sends every row of every offloadable storage; 0.5 sends ceil(rows / 2) of each.
+    assert full["bytes_to_host"] == full["offloadable_bytes"] == full["bytes_to_device"]
+    assert full["bytes_to_host"] / 2 <= half["bytes_to_host"] < full["bytes_to_host"]
+    assert offload["bandwidth"]["d2h_gbps"] > 0 and "memcpy" in offload["bandwidth"]["what"]
+    assert offload["bandwidth"]["bytes"] == full["bytes_to_host"]
+    assert [o["ratio"] for o in offload["overlap"]] == [0.5, 1] and not any(
+        o["judged"] for o in offload["overlap"]
+    )
+    memory = offload["memory"]
+    assert memory["device_skipped"] == "no device memory on CPU"
+    at_zero = memory["ratios"][0]  # resident_fraction(0, l) == 1: all saved bytes stay
+    assert at_zero["accounted_peak_resident_bytes"] == at_zero["predicted_resident_bytes"]
+    layers = offload["layers"]
+    want_full = 2 / layers * at_zero["predicted_resident_bytes"]  # Eq. 3: two layers stay
+    assert memory["ratios"][2]["predicted_resident_bytes"] == pytest.approx(want_full)
+    assert offload["pinned"]["engine_pinned_bytes"] == offload["pinned"]["pool_bytes"] > 0
+
+
+def _flip_one_bit(fetched):
+    fetched.reshape(-1).view(torch.uint8)[fetched.element_size() - 2] ^= 1
+    return fetched
+
+
+@pytest.mark.parametrize(
+    "corrupt", [_flip_one_bit, lambda fetched: fetched.flip(0)], ids=["one_bit", "row_order"]
+)
+def test_an_engine_that_corrupts_what_it_fetches_fails_the_offload_check(monkeypatch, corrupt):
+    common = _checks()[0]
+    import offload_checks
+
+    from megatron_hdp.offload.engines import HostCopyEngine
+
+    real = HostCopyEngine.fetch
+    monkeypatch.setattr(HostCopyEngine, "fetch", lambda self, h: corrupt(real(self, h)))
+    result = offload_checks.run(common.cpu_mode(), lambda line: None, "torch")
+    assert not result["ok"] and not result["bitwise"]["ok"]
+    at_zero, *offloaded = result["bitwise"]["ratios"]
+    assert at_zero["ok"]  # nothing was fetched at ratio 0
+    assert all(not r["ok"] and r["gradients_differing"] > 0 for r in offloaded)
