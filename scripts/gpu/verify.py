@@ -11,6 +11,8 @@ hypothesis or Ray; the C++ planner is not used. Sections (`--sections`):
            zigzag half blocks, one query row per document, many tiny documents
   ring     ring attention with 2..8 virtual ranks in one process against one call
   speed    a ring member's step calls and the pack path against one direct call
+  train    with megatron-core (else skipped): a ~1B bf16 GPT trained by HDP at 16K-64K tokens
+           per micro-batch (tokens/s, MFU), and HDP core attention against Megatron's own
 Writes `results/gpu/verify-<device>.json` (or `--out`): config, versions, GPU name, git
 revision, figures. Exit status 1 if a correctness check failed (the JSON is written first),
 2 for bad arguments.
@@ -34,6 +36,7 @@ SECTION_MODULES = {
     "kernels": "kernel_checks",
     "ring": "ring_checks",
     "speed": "speed_checks",
+    "train": "train_checks",
 }
 SECTIONS = ("env", *SECTION_MODULES)
 
