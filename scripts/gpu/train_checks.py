@@ -481,6 +481,7 @@ def run(mode: Mode, say, kernel_name: str) -> dict:
     if device.type == "cuda":
         torch.cuda.set_device(device.index or 0)
         device = torch.device("cuda", torch.cuda.current_device())
+        _free(device)  # what the earlier sections left in the caching allocator
     sz = sizes(mode)
     peak, peak_note = peak_bf16_flops(device)
     with maybe_cpu_shims(), one_rank_job(device) as layout:
