@@ -4,8 +4,9 @@
     python scripts/gpu/verify.py --quick         # smaller sizes, fewer repeats
     python scripts/gpu/verify.py --cpu           # the small CPU run CI keeps alive
 
-Needs torch and this checkout only (it puts the checkout on `sys.path`): no megatron-core,
-hypothesis or Ray; the C++ planner is not used. Sections (`--sections`):
+Needs torch and this checkout only (it puts the checkout on `sys.path`): no megatron-core
+(the train section uses it where installed), hypothesis or Ray; the C++ planner is not
+used. Sections (`--sections`):
   env      the device, torch, CUDA, which kernels run and why the others do not
   kernels  every available kernel against float64 (bf16, fp16): GQA over packed documents,
            zigzag half blocks, one query row per document, many tiny documents
@@ -14,6 +15,9 @@ hypothesis or Ray; the C++ planner is not used. Sections (`--sections`):
   offload  activation offloading on a torch layer stack: loss and gradients bitwise at ratios
            0/0.5/1, D2H/H2D GB/s, copy time hidden under compute, peak memory vs Eq. 3,
            pinned bytes
+  train    with megatron-core (else skipped): a ~1B bf16 GPT trained by HDP at 16K-64K tokens
+           per micro-batch (tokens/s, MFU), and HDP core attention against Megatron's own
+           attention module on the same weights and sequences
 Writes `results/gpu/verify-<device>.json` (or `--out`): config, versions, GPU name, git
 revision, figures. Exit status 1 if a correctness check failed (the JSON is written first),
 2 for bad arguments.
@@ -38,6 +42,7 @@ SECTION_MODULES = {
     "ring": "ring_checks",
     "speed": "speed_checks",
     "offload": "offload_checks",
+    "train": "train_checks",
 }
 SECTIONS = ("env", *SECTION_MODULES)
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -29,7 +31,7 @@ def _run(*args, env=None, timeout=300):
 def test_help_lists_the_sections():
     done = _run("--help")
     assert done.returncode == 0
-    for section in ("env", "kernels", "ring", "speed", "offload", "--cpu", "--quick"):
+    for section in ("env", "kernels", "ring", "speed", "offload", "train", "--cpu", "--quick"):
         assert section in done.stdout
 
 
@@ -65,7 +67,12 @@ def cpu_report(tmp_path_factory):
 def test_the_cpu_mode_runs_every_section_with_torch_alone(cpu_report):
     report, stdout = cpu_report
     assert report["ok"] and report["mode"] == "cpu"
-    assert report["environment"]["megatron_core"] is None or "megatron" not in stdout
+    # Megatron is named only by the train section's line saying that it was skipped.
+    others = "\n".join(line for line in stdout.splitlines() if not line.startswith("train"))
+    assert report["environment"]["megatron_core"] is None or "megatron" not in others
+    train = report["sections"]["train"]
+    assert train["ok"] is None and "megatron-core is not installed" in train["skipped"]
+    assert "carry its wheel" in train["skipped"] and "megatron" in train["import_error"]
     kernels = report["sections"]["kernels"]["results"]
     assert {r["kernel"] for r in kernels} == {"torch", "math"}
     assert {r["case"] for r in kernels} >= {
@@ -185,3 +192,93 @@ def test_an_engine_that_corrupts_what_it_fetches_fails_the_offload_check(monkeyp
     at_zero, *offloaded = result["bitwise"]["ratios"]
     assert at_zero["ok"]  # nothing was fetched at ratio 0
     assert all(not r["ok"] and r["gradients_differing"] > 0 for r in offloaded)
+
+
+@pytest.fixture(scope="module")
+def train_report(tmp_path_factory):
+    """The CPU run of the train section, with megatron-core importable."""
+    out = tmp_path_factory.mktemp("train") / "verify.json"
+    done = _run("--cpu", "--sections", "train", "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(out.read_text())["sections"]["train"]
+
+
+def test_the_train_section_times_both_attentions_from_the_same_start(train_report):
+    train = train_report
+    assert train["ok"] is True and train["dtype"] == "float32"
+    start = train["same_start"]
+    assert start["ok"] and start["weights_equal"] and start["tolerance"] == 1e-5
+    assert start["first_loss_hdp"] == pytest.approx(start["first_loss_megatron"], rel=1e-5)
+    # Random ids over 256 tokens: the untrained model's loss is near ln(256).
+    assert abs(start["first_loss_hdp"] - math.log(256)) < 0.5
+    lengths = [row["sequence_length"] for row in train["attention_comparison"]]
+    assert lengths == [128, 256]
+    for row in train["attention_comparison"]:
+        for side in ("hdp", "megatron"):
+            assert row[side]["tokens_per_s"] > 0 and row[side]["mfu"] is None, row
+        # One sequence per micro-batch, 256 tokens a step.
+        assert row["hdp"]["micro_batches"] == row["sequences_per_step"]
+        assert row["sequences_per_step"] * row["sequence_length"] == 256
+    packed = train["hdp_packed"]
+    assert [p["tokens"] for p in packed] == [256, 512]
+    for p in packed:
+        assert sum(p["documents"]) == p["tokens"] and len(p["documents"]) > 1
+        assert p["micro_batches"] == 1 and p["tokens_per_s"] > 0 and p["mfu"] is None
+    assert train["peak_bf16_flops"] is None and "CPU" in train["peak_note"]
+
+
+def test_the_train_section_counts_the_parameters_of_the_model_it_trains(train_report):
+    model = train_report["model"]
+    h, layers, vocab, ffn = 64, 2, 256, 256
+    kv = model["num_query_groups"] * h // model["num_attention_heads"]
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * ffn  # QKV, projection, SwiGLU MLP
+    norms = 2 * layers * h + h  # two RMSNorms per layer and the final one
+    assert (model["hidden_size"], model["num_layers"], model["vocab_size"]) == (h, layers, vocab)
+    assert model["parameters"] == layers * per_layer + 2 * vocab * h + norms
+    # The FLOPs count every weight a token multiplies: all but the embedding and the norms.
+    assert model["matmul_parameters_per_token"] == model["parameters"] - vocab * h - norms
+
+
+def test_an_hdp_attention_off_by_a_tenth_of_a_percent_fails_the_train_check(monkeypatch):
+    common, _, _ = _checks()
+    import train_checks
+
+    import megatron_hdp.megatron.core_attention as core_attention
+
+    small = dataclasses.replace(
+        train_checks.sizes(common.cpu_mode()),
+        packed_tokens=(),
+        compare_lengths=(128,),
+        warmup=0,
+        steps=1,
+    )
+    monkeypatch.setattr(train_checks, "sizes", lambda mode: small)
+    assert train_checks.run(common.cpu_mode(), lambda line: None, "torch")["ok"]
+    real = core_attention.hdp_attention
+    monkeypatch.setattr(
+        core_attention, "hdp_attention", lambda *args, **kw: real(*args, **kw) * 1.001
+    )
+    result = train_checks.run(common.cpu_mode(), lambda line: None, "torch")
+    start = result["same_start"]
+    assert not result["ok"] and start["weights_equal"]
+    assert start["grad_norm_relative_difference"] > start["tolerance"]
+
+
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [
+        ("NVIDIA H100 80GB HBM3", 989.4e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H200", 989.4e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA B200", 2.25e15),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
+def test_mfu_uses_the_datasheet_peak_of_the_gpu_or_says_why_not(name, peak):
+    _checks()
+    import train_checks
+
+    flops, note = train_checks.peak_of_gpu(name)
+    assert flops == peak
+    assert name in note and ("MFU is not computed" in note) == (peak is None)
