@@ -86,18 +86,32 @@ def megatron_batch(batch: LocalBatch, cfg: GPTConfig, runtime: StepRuntime) -> d
     }
 
 
+def warm_up_pool(runtime: StepRuntime) -> None:
+    """Collective over `runtime.group`: one tiny all-reduce over the whole pool.
+
+    The first ring exchange of a step involves only the ring's members, and torch leaves a
+    group's first `batch_isend_irecv` undefined unless every rank of the group takes part
+    (NCCL sets the group's communicator up on first use). One collective over the pool
+    first sets it up on every rank.
+    """
+    torch.distributed.all_reduce(torch.zeros(1, device=runtime.device), group=runtime.group)
+
+
 def hdp_forward_backward(
     runtime: StepRuntime, cfg: GPTConfig, *, empty_report: Callable[[], dict] | None = None
 ) -> Callable:
-    """A forward/backward function for Megatron-LM's `train_step`, running HDP plans.
+    """Collective: a forward/backward function for Megatron-LM's `train_step` (HDP plans).
 
-    Use it where Megatron-LM calls `get_forward_backward_func()`; the returned function is
-    collective over `runtime.group` (rings within it, one gradient sync over all of it), and
-    with pipeline parallelism over `runtime.pipeline_group` too.
+    Use it where Megatron-LM calls `get_forward_backward_func()`; call it once at set-up,
+    on every rank of `runtime.group`: it warms the pool up (`warm_up_pool`) before any
+    ring exchange. The returned function is collective over `runtime.group` (rings within
+    it, one gradient sync over all of it), and with pipeline parallelism over
+    `runtime.pipeline_group` too.
     A rank that runs no micro-batch in a step (HDP allows it) returns `[empty_report()]`
     (default `{"lm loss": zeros(2)}`), since Megatron-LM's `train_step` reads the keys of
     the first report and all-reduces each.
     """
+    warm_up_pool(runtime)
 
     def zero_report() -> dict:
         if empty_report is not None:
