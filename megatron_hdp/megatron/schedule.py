@@ -34,6 +34,7 @@ from megatron.core.utils import get_model_config
 
 from megatron_hdp.data.batching import LocalBatch
 from megatron_hdp.data.iterator import HDPDataIterator, HDPGlobalBatch
+from megatron_hdp.megatron.grad_sync import OrderedGradSync, sync_in_backward
 from megatron_hdp.megatron.model import GPTConfig
 from megatron_hdp.megatron.moe import moe_micro_batch
 from megatron_hdp.megatron.step import (
@@ -97,6 +98,48 @@ def warm_up_pool(runtime: StepRuntime) -> None:
     torch.distributed.all_reduce(torch.zeros(1, device=runtime.device), group=runtime.group)
 
 
+def _overlapped(model_chunk) -> bool:
+    """Whether `model_chunk` (Megatron-LM's DDP) overlaps its gradient reduce.
+
+    If so, its reduces are put in one order on every rank (`grad_sync.OrderedGradSync`,
+    installed on the first call).
+    """
+    ddp_config = getattr(model_chunk, "ddp_config", None)
+    if ddp_config is None or not ddp_config.overlap_grad_reduce:
+        return False
+    OrderedGradSync.install(model_chunk)
+    return True
+
+
+@contextlib.contextmanager
+def _pipeline_grad_sync(model_chunk, batches: list[LocalBatch]):
+    """The overlapped reduce in Megatron's 1F1B: in the last backward only if it is local.
+
+    Megatron's 1F1B enables the reduce for the last backward; for a ring micro-batch it is
+    kept off here, and the reduce starts after the backward (`grad_sync.py` says why).
+    Megatron-LM sets `config.no_sync_func` for `--overlap-grad-reduce` (and, with
+    `--align-grad-reduce`, its default, `config.grad_sync_func`); the schedule enters it
+    first and leaves it before the last backward.
+    """
+    if not _overlapped(model_chunk):
+        yield
+        return
+    config = get_model_config(model_chunk)
+    held = config.no_sync_func, config.grad_sync_func
+    if sync_in_backward([len(b.ring) for b in batches], True)[-1:] == [True]:
+        config.no_sync_func = model_chunk.no_sync
+        manager = contextlib.nullcontext()
+    else:
+        # The schedule's own enabling does nothing; finalize_model_grads starts the reduce.
+        config.no_sync_func = config.grad_sync_func = None
+        manager = model_chunk.no_sync()
+    try:
+        with manager:
+            yield
+    finally:
+        config.no_sync_func, config.grad_sync_func = held
+
+
 def hdp_forward_backward(
     runtime: StepRuntime, cfg: GPTConfig, *, empty_report: Callable[[], dict] | None = None
 ) -> Callable:
@@ -137,6 +180,8 @@ def hdp_forward_backward(
         with contextlib.ExitStack() as stack:
             if forward_only:
                 stack.enter_context(torch.no_grad())
+            else:
+                stack.enter_context(_pipeline_grad_sync(model_chunk, batches))
             reports = schedule(
                 forward_step_func=forward_step_func,
                 data_iterator=iter([megatron_batch(b, cfg, runtime) for b in batches]),
@@ -194,10 +239,12 @@ def hdp_forward_backward(
         else:
             batches = _local(step, runtime)
         no_sync = config.no_sync_func or contextlib.nullcontext
-        with no_sync(), contextlib.ExitStack() as stack:
-            if forward_only:
-                stack.enter_context(torch.no_grad())
-            for batch in batches:
+        overlap = _overlapped(model_chunk) and not forward_only
+        if overlap:
+            no_sync = model_chunk.no_sync
+        starts_sync = sync_in_backward([len(b.ring) for b in batches], overlap)
+        with torch.no_grad() if forward_only else contextlib.nullcontext():
+            for batch, sync_here in zip(batches, starts_sync, strict=True):
                 megatron_dict = megatron_batch(batch, cfg, runtime)
                 routers = contextlib.nullcontext()
                 if cfg.num_experts is not None:
@@ -210,11 +257,12 @@ def hdp_forward_backward(
                             aux_grad_scale=aux_grad_scale,
                         )
                     )
-                with routers:
-                    output, loss_func = forward_step_func(iter([megatron_dict]), model_chunk)
-                loss_sum, tokens, report = loss_func(output)
-                if not forward_only:
-                    loss_sum.backward()
+                with contextlib.nullcontext() if sync_here else no_sync():
+                    with routers:
+                        output, loss_func = forward_step_func(iter([megatron_dict]), model_chunk)
+                    loss_sum, tokens, report = loss_func(output)
+                    if not forward_only:
+                        loss_sum.backward()
                 reports.append(report)
                 num_tokens += int(tokens)
         if not reports:
