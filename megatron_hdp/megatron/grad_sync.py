@@ -57,8 +57,9 @@ class OrderedGradSync:
     start in order (asynchronously: `overlap_grad_reduce`).
 
     Attributes:
-        started_in_backward: How many bucket groups this step started before
-            `finish_grad_sync` (from the backward hooks).
+        started_before_finish: How many bucket groups this step started before
+            `finish_grad_sync`: from the backward hooks or, in Megatron's pipeline
+            schedule with a `grad_sync_func`, right after the backward.
     """
 
     def __init__(self, ddp) -> None:
@@ -72,7 +73,7 @@ class OrderedGradSync:
         self._force = [False] * len(self._groups)
         self._next = 0
         self._finishing = False
-        self.started_in_backward = 0
+        self.started_before_finish = 0
         for index, group in enumerate(self._groups):
             group.start_grad_sync = functools.partial(self._group_ready, index)
         ddp.finish_grad_sync = self.finish_grad_sync
@@ -106,7 +107,7 @@ class OrderedGradSync:
 
     def _issue(self, index: int) -> None:
         if not self._finishing:
-            self.started_in_backward += 1
+            self.started_before_finish += 1
         self._start[index](force_all_reduce=self._force[index])
 
     def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
@@ -126,4 +127,4 @@ class OrderedGradSync:
         self._force = [False] * len(self._groups)
         self._next = 0
         self._finishing = False
-        self.started_in_backward = 0
+        self.started_before_finish = 0

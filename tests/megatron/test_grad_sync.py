@@ -63,8 +63,8 @@ PLAN_B = [
 # Step 0 is Megatron's first batch (the hooks only count); a rank's reduce starts in its
 # backward from its second step with a local last micro-batch on.
 PLANS = [PLAN_A, PLAN_B, PLAN_A, PLAN_B]
-# Bucket groups started in the backward, per step and rank ("all" or none).
-STARTED_IN_BACKWARD = [
+# Bucket groups started in the backward (before the finish), per step and rank: all or none.
+STARTED_BEFORE_FINISH = [
     [False, False, False, False],
     [False, False, False, False],
     [True, True, False, False],
@@ -89,14 +89,17 @@ def batches():
 
 
 class Events:
-    """This rank's ring exchanges and gradient-bucket reduces, in the order it posts them."""
+    """This rank's ring exchanges (P2P over `pool`, default the world) and gradient-bucket
+    reduces, in the order it posts them."""
 
-    def __init__(self, gate: grad_sync.OrderedGradSync):
+    def __init__(self, gate: grad_sync.OrderedGradSync, pool=None):
         self.log: list[str] = []
         real_batch, real_issue = dist.batch_isend_irecv, gate._issue
+        pool_ranks = dist.get_process_group_ranks(pool or dist.group.WORLD)
 
         def batch_isend_irecv(p2p_op_list):
-            self.log.append("p2p")
+            if dist.get_process_group_ranks(p2p_op_list[0].group) == pool_ranks:
+                self.log.append("p2p")
             return real_batch(p2p_op_list)
 
         def issue(index):
@@ -141,7 +144,7 @@ def _body_train(rank, world_size, optim, mutation=None):
                         "norm": result.grad_norm,
                         "micro_batches": result.num_micro_batches,
                         "grads": grads or None,
-                        "started_in_backward": gate.started_in_backward,
+                        "started_before_finish": gate.started_before_finish,
                         "log": log,
                     }
                 )
@@ -228,8 +231,8 @@ def check_overlap(per_rank) -> None:
     """The reduce starts in the backward exactly where the design says."""
     for rank, (per_step, _, num_groups) in enumerate(per_rank):
         for step, got in enumerate(per_step):
-            want = num_groups if STARTED_IN_BACKWARD[step][rank] else 0
-            assert got["started_in_backward"] == want, (rank, step, got["started_in_backward"])
+            want = num_groups if STARTED_BEFORE_FINISH[step][rank] else 0
+            assert got["started_before_finish"] == want, (rank, step, got["started_before_finish"])
 
 
 def optim_case(distributed_optimizer: bool, fp32: bool):
@@ -315,3 +318,178 @@ def test_bf16_parameters_reduce_in_the_chosen_dtype_near_the_reference(fp32):
         assert losses == pytest.approx([s[0] for s in ref_steps], rel=2e-2)
         for name, want in ref_steps[0][2].items():
             assert_close_rel(grads[name], want, name, rel=5e-2)
+
+
+def _body_dropin(rank, world_size):
+    """Megatron-LM's set-up for --overlap-grad-reduce around a bare Megatron-Core DDP."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+
+    from megatron_hdp.megatron.model import transformer_config
+    from megatron_hdp.megatron.schedule import HDPGlobalBatch, hdp_forward_backward
+    from tests.megatron.test_dropin import pretrain_gpt_forward_step
+
+    with cpu_shims():
+        layout = ParallelDims.of_world().initialize()
+        try:
+            torch.manual_seed(SEED)
+            ddp_config = DistributedDataParallelConfig(
+                overlap_grad_reduce=True, bucket_size=BUCKET, grad_reduce_in_fp32=True
+            )
+            model = DistributedDataParallel(transformer_config(CFG), ddp_config, build_gpt(CFG))
+            config = model.config
+            config.finalize_model_grads_func = finalize_model_grads
+            config.no_sync_func = model.no_sync
+            config.grad_sync_func = model.start_grad_sync  # --align-grad-reduce
+            schedule = hdp_forward_backward(StepRuntime(group=dist.group.WORLD), CFG)
+            per_step, events = [], None
+            for plan, seqs in zip(plans(), batches(), strict=True):
+                model.zero_grad_buffer()
+                schedule(
+                    forward_step_func=pretrain_gpt_forward_step,
+                    data_iterator=iter([HDPGlobalBatch(plan=plan, source=source_of(seqs))]),
+                    model=[model],
+                    num_microbatches=1,
+                )
+                gate = getattr(model, grad_sync.ATTRIBUTE)  # installed by the drop-in
+                log = events.take() if events is not None else None
+                events = events or Events(gate)
+                per_step.append(
+                    {
+                        "grads": {
+                            n: p.main_grad.clone() for n, p in model.module.named_parameters()
+                        },
+                        "started_before_finish": gate.started_before_finish,
+                        "log": log,
+                    }
+                )
+            return per_step, gate.num_groups
+        finally:
+            layout.destroy()
+
+
+def _body_reference_grads(rank, world_size):
+    """The gradients of each global batch at the initial weights (no update)."""
+    with cpu_shims():
+        layout = ParallelDims.of_world().initialize()
+        try:
+            torch.manual_seed(SEED)
+            model = build_reference(CFG, build_gpt(CFG).state_dict())
+            out = []
+            for seqs in batches():
+                model.zero_grad()
+                reference_loss_and_grads(model, seqs)
+                out.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+            return out
+        finally:
+            layout.destroy()
+
+
+def test_dropin_overlapped_reduce_matches_single_process():
+    """The Megatron-LM drop-in with Megatron-LM's overlap set-up (no_sync_func, and
+    grad_sync_func for --align-grad-reduce) on the uneven plans: exact gradients, the
+    reduce in a local last backward only, never before a ring exchange."""
+    per_rank = run_ranks(_body_dropin, POOL, timeout_s=240)
+    want = run_ranks(_body_reference_grads, 1)[0]
+    for rank, (per_step, num_groups) in enumerate(per_rank):
+        assert num_groups > 2
+        for step, got in enumerate(per_step):
+            for name, ref in want[step].items():
+                assert_close_rel(got["grads"][name], ref, f"rank {rank} step {step} {name}")
+            expected = num_groups if STARTED_BEFORE_FINISH[step][rank] else 0
+            assert got["started_before_finish"] == expected, (rank, step)
+    check_order([([s for s in steps[1:]], None, n) for steps, n in per_rank])
+
+
+def _body_dropin_pipeline(rank, world_size, pool):
+    """The drop-in with PP 2 and Megatron-LM's overlap set-up, three steps, no update."""
+    from megatron.core.distributed import finalize_model_grads
+
+    from megatron_hdp.megatron.model import model_parallel_dims
+    from megatron_hdp.megatron.schedule import HDPGlobalBatch, hdp_forward_backward
+    from tests.megatron import test_pipeline_parallel as pp_test
+    from tests.megatron.test_dropin import pretrain_gpt_forward_step
+
+    dims = model_parallel_dims(pp_test.CFG, world_size)
+    with cpu_shims():
+        layout = dims.initialize()
+        try:
+            optim = dataclasses.replace(OPTIM, overlap_grad_reduce=True, ddp_bucket_size=BUCKET)
+            engine = build_engine(pp_test.CFG, optim, seed=pp_test.SEED)
+            model = engine.model
+            config = model.config
+            config.finalize_model_grads_func = finalize_model_grads
+            config.no_sync_func = model.no_sync
+            config.grad_sync_func = model.start_grad_sync  # --align-grad-reduce
+            runtime = StepRuntime(
+                group=layout.pool_group,
+                job_group=layout.world_group,
+                pipeline_group=layout.pp_group,
+            )
+            schedule = hdp_forward_backward(runtime, pp_test.CFG)
+            events = Events(engine.grad_sync, layout.pool_group)
+            per_step = []
+            for step, plan in enumerate(pp_test.make_plans(pool)):
+                model.zero_grad_buffer()
+                schedule(
+                    forward_step_func=pretrain_gpt_forward_step,
+                    data_iterator=iter(
+                        [HDPGlobalBatch(plan=plan, source=source_of(pp_test.batch_of(plan, step)))]
+                    ),
+                    model=[model],
+                    num_microbatches=1,
+                )
+                per_step.append(
+                    {
+                        "grads": {
+                            n: p.main_grad.clone() for n, p in model.module.named_parameters()
+                        },
+                        "started_before_finish": engine.grad_sync.started_before_finish,
+                        "log": events.take(),
+                    }
+                )
+            return layout.stage, per_step, engine.grad_sync.num_groups
+        finally:
+            layout.destroy()
+
+
+def _body_grads_at_init(rank, world_size, cfg, batch_list):
+    with cpu_shims():
+        layout = ParallelDims.of_world().initialize()
+        try:
+            torch.manual_seed(SEED)
+            model = build_reference(cfg, build_gpt(cfg).state_dict())
+            out = []
+            for seqs in batch_list:
+                model.zero_grad()
+                reference_loss_and_grads(model, seqs)
+                out.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+            return out
+        finally:
+            layout.destroy()
+
+
+def test_dropin_overlapped_reduce_with_pipelines_matches_single_process():
+    """PP 2 x pool 3 through Megatron-Core's 1F1B with Megatron-LM's overlap settings:
+    pipelines that end a step on a ring, and one without micro-batches; each stage's
+    gradients equal one process's, and no reduce goes before a ring exchange."""
+    from tests.megatron import test_pipeline_parallel as pp_test
+
+    pool = 3
+    per_rank = run_ranks(_body_dropin_pipeline, 2 * pool, pool, timeout_s=240)
+    single = dataclasses.replace(pp_test.CFG, pipeline_model_parallel_size=1)
+    plans_ = pp_test.make_plans(pool)
+    batch_list = [pp_test.batch_of(plan, step) for step, plan in enumerate(plans_)]
+    want = run_ranks(_body_grads_at_init, 1, single, batch_list)[0]
+    layers = pp_test.CFG.num_layers // 2
+    for stage, per_step, _ in per_rank:
+        for step, got in enumerate(per_step):
+            for name, grad in got["grads"].items():
+                ref = want[step][pp_test.global_name(name, stage, layers)]
+                assert_close_rel(grad, ref, f"stage {stage} step {step} {name}")
+    check_order([(steps, None, n) for _, steps, n in per_rank])
+    # Stage 0 starts its reduce in its last backward (Megatron-LM's --align-grad-reduce).
+    assert any(s["started_before_finish"] for st, steps, _ in per_rank if st == 0 for s in steps)
