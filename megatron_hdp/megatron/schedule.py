@@ -26,6 +26,7 @@ cannot be run here; these pieces follow its contracts and are tested against a
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -87,15 +88,23 @@ def megatron_batch(batch: LocalBatch, cfg: GPTConfig, runtime: StepRuntime) -> d
     }
 
 
+#: Pool groups warmed up in this process (`warm_up_pool` runs once per group).
+_WARMED_UP: weakref.WeakSet = weakref.WeakSet()
+
+
 def warm_up_pool(runtime: StepRuntime) -> None:
-    """Collective over `runtime.group`: one tiny all-reduce over the whole pool.
+    """Collective over `runtime.group`: one tiny all-reduce over the whole pool, once.
 
     The first ring exchange of a step involves only the ring's members, and torch leaves a
     group's first `batch_isend_irecv` undefined unless every rank of the group takes part
     (NCCL sets the group's communicator up on first use). One collective over the pool
-    first sets it up on every rank.
+    first sets it up on every rank. Later calls for the same group do nothing (on every
+    rank alike, so the collectives still line up).
     """
+    if runtime.group in _WARMED_UP:
+        return
     torch.distributed.all_reduce(torch.zeros(1, device=runtime.device), group=runtime.group)
+    _WARMED_UP.add(runtime.group)
 
 
 def _overlapped(model_chunk) -> bool:

@@ -147,6 +147,7 @@ def _body_warm_up(rank, world_size):
             runtime = StepRuntime(group=dist.group.WORLD)
             with CallRecorder() as setup:
                 schedule = hdp_forward_backward(runtime, CFG)
+                hdp_forward_backward(runtime, CFG)  # built again (a per-step lambda): no-op
             per_step = []
             for step_index in range(2):
                 # One sequence of 2 C tokens: a ring over both ranks, first on each rank.
@@ -171,7 +172,8 @@ def _body_warm_up(rank, world_size):
 
 def test_dropin_warms_the_pool_up_once_before_any_ring_exchange():
     """The drop-in's step has no pool collective before its first ring P2P (the audit's
-    row 10), so the set-up issues one, on every rank, and no step repeats it."""
+    row 10), so the set-up issues one, on every rank; neither a second build nor a step
+    repeats it."""
     for pool, setup, per_step in run_ranks(_body_warm_up, 2):
         assert setup == [("all_reduce", pool, 1)], setup
         for calls in per_step:
