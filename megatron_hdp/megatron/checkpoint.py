@@ -77,11 +77,8 @@ def tracker_states() -> dict | None:
     CUDA generator. The tracker is seeded only on CUDA (`engine.build_engine`); on a CPU run
     it is empty and nothing is saved.
     """
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-    states = tracker.get_states()
-    if not states:
-        return None
-    return {name: state.clone() for name, state in states.items()}
+    states = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return {name: _copy(state) for name, state in states.items()} or None
 
 
 def set_tracker_states(states: dict | None) -> None:
@@ -92,8 +89,13 @@ def set_tracker_states(states: dict | None) -> None:
     """
     if states:
         tensor_parallel.get_cuda_rng_tracker().set_states(
-            {name: state.clone() for name, state in states.items()}
+            {name: _copy(state) for name, state in states.items()}
         )
+
+
+def _copy(state):
+    """A copy of one tracker state (generators of a CUDA-graph-safe tracker stay as they are)."""
+    return state.clone() if torch.is_tensor(state) else state
 
 
 def _rng_state() -> dict:
