@@ -269,7 +269,8 @@ def _pipelined(
 
     runtime.mark(f"1F1B over {len(batches)} micro-batches (stage {engine.stage})")
     starts_sync = sync_in_backward(
-        [len(b.ring) for b in batches], engine.model.ddp_config.overlap_grad_reduce
+        [len(b.ring) for b in batches],
+        engine.model.ddp_config.overlap_grad_reduce and not forward_only,
     )
     loss = run_pipeline(
         engine,
