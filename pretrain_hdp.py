@@ -25,7 +25,12 @@ import time
 
 from megatron_hdp.launch import setup_logging
 from megatron_hdp.megatron.arguments import build_parser
-from megatron_hdp.megatron.validation import NothingToTrain, check_resume_matches, validate_args
+from megatron_hdp.megatron.validation import (
+    NothingToTrain,
+    check_resume_matches,
+    flag_notes,
+    validate_args,
+)
 
 logger = logging.getLogger("pretrain_hdp")
 
@@ -57,6 +62,8 @@ def _prepare(parser, args, world_size: int):
         _say(parser, done.exit_code, str(done))
     except ValueError as err:
         _say(parser, 2, f"error: {err}")
+    for note in flag_notes(args):
+        logger.info("%s", note)
     import dataclasses
 
     import torch

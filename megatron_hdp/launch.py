@@ -71,8 +71,25 @@ def init_distributed(*, timeout_s: float = 600.0):
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, **process_group_options(device, timeout_s=timeout_s))
     return device
+
+
+def process_group_options(device, *, timeout_s: float) -> dict:
+    """`init_process_group` keywords for a rank on `device`.
+
+    On CUDA, `device_id` binds the rank to its GPU: NCCL forms the world communicator at
+    once (not lazily at the first collective, so a failing NCCL set-up shows at start-up)
+    and Megatron's sub-groups (the pool, TP, PP) are split from it with `ncclCommSplit`.
+    Eager init does not cover the lazily formed P2P state of a group: a first
+    `batch_isend_irecv` that involves only some of a group's ranks is undefined in torch,
+    so each entry point issues a collective over the pool before the first ring exchange
+    (`step.read_and_count` in `pretrain_hdp.py`, `schedule.warm_up_pool` in the drop-in).
+    """
+    options: dict = {"timeout": timedelta(seconds=timeout_s)}
+    if device.type == "cuda":
+        options["device_id"] = device
+    return options
 
 
 def megatron_device_context() -> contextlib.AbstractContextManager:

@@ -190,6 +190,32 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         help="shard optimizer state over the pool (ZeRO-1), reduce-scatter gradients",
     )
     g.add_argument(
+        "--overlap-grad-reduce",
+        action="store_true",
+        help="start the bucketed gradient reduce in the backward of each rank's last "
+        "micro-batch if it runs on this rank alone (else right after the backward), as "
+        "Megatron overlaps it with the last backward",
+    )
+    g.add_argument(
+        "--ddp-bucket-size",
+        type=int,
+        default=None,
+        help="elements per gradient bucket with --overlap-grad-reduce (default: Megatron's, "
+        "max(4e7, 1e6 x pool size))",
+    )
+    g.add_argument(
+        "--accumulate-allreduce-grads-in-fp32",
+        action="store_true",
+        help="accumulate and reduce gradients in float32: Megatron-LM's default with --bf16, "
+        "and what float32 parameters do anyway",
+    )
+    g.add_argument(
+        "--grad-reduce-in-bf16",
+        action="store_true",
+        help="with --bf16: accumulate and reduce gradients in bfloat16 (half the gradient "
+        "memory and reduce traffic, less exact)",
+    )
+    g.add_argument(
         "--tensor-model-parallel-size",
         type=int,
         default=1,

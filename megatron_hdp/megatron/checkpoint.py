@@ -10,7 +10,8 @@ Layout, compatible in spirit with Megatron-LM's:
     <dir>/iter_0000100/model_pp<s>_tp<t>.pt     with pipeline parallelism: stage s's shards
                                                 (all but stage 0 / TP rank 0, in common.pt)
     <dir>/iter_0000100/meta.json                world size and optimizer kind (for checks)
-    <dir>/iter_0000100/rng_rank<r>.pt           every rank's RNG states
+    <dir>/iter_0000100/rng_rank<r>.pt           every rank's RNG states (Python, NumPy, torch,
+                                                CUDA and Megatron's CUDA RNG tracker)
     <dir>/iter_0000100/optim_rank<r>.pt         this rank's optimizer shard: Adam state and fp32
                                                 main parameters (--use-distributed-optimizer)
 
@@ -43,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import tensor_parallel
 
 from megatron_hdp.checkpoint_files import (
     META,
@@ -67,12 +69,42 @@ class TrainingState:
     consumed_tokens: int = 0
 
 
+def tracker_states() -> dict | None:
+    """Megatron's model-parallel CUDA RNG tracker states (copies), or None if it has none.
+
+    As Megatron-LM's `get_rng_state` saves them (`rng_tracker_states`): sequence-parallel
+    dropout and expert initialisation draw from these named states, not from the default
+    CUDA generator. The tracker is seeded only on CUDA (`engine.build_engine`); on a CPU run
+    it is empty and nothing is saved.
+    """
+    states = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return {name: _copy(state) for name, state in states.items()} or None
+
+
+def set_tracker_states(states: dict | None) -> None:
+    """Give Megatron's CUDA RNG tracker `states` (from `tracker_states`); None: leave it.
+
+    A checkpoint written before the tracker states were saved has none, and resumes as
+    before (the tracker keeps the states `build_engine` seeded).
+    """
+    if states:
+        tensor_parallel.get_cuda_rng_tracker().set_states(
+            {name: _copy(state) for name, state in states.items()}
+        )
+
+
+def _copy(state):
+    """A copy of one tracker state (generators of a CUDA-graph-safe tracker stay as they are)."""
+    return state.clone() if torch.is_tensor(state) else state
+
+
 def _rng_state() -> dict:
     return {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "cuda_tracker": tracker_states(),
     }
 
 
@@ -82,6 +114,7 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+    set_tracker_states(state.get("cuda_tracker"))
 
 
 def _write(path: Path, obj) -> None:

@@ -17,6 +17,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_hdp.megatron.grad_sync import OrderedGradSync
 from megatron_hdp.megatron.model import (
     GPTConfig,
     build_gpt,
@@ -57,6 +58,16 @@ class OptimConfig:
     use_checkpoint_scheduler: bool = False
     """On load, keep the checkpoint's schedule (--use-checkpoint-opt_param-scheduler); with
     neither flag, loading a checkpoint of another schedule fails."""
+    overlap_grad_reduce: bool = False
+    """Start the bucketed gradient reduce in the backward of each rank's last micro-batch
+    when it is local (`grad_sync.py`), else right after the backward (--overlap-grad-reduce)."""
+    grad_reduce_in_fp32: bool = True
+    """Accumulate and reduce gradients in float32 (Megatron-LM's setting for bf16 parameters,
+    --accumulate-allreduce-grads-in-fp32); False: in the parameters' dtype
+    (--grad-reduce-in-bf16)."""
+    ddp_bucket_size: int | None = None
+    """Elements per gradient bucket of the overlapped reduce (--ddp-bucket-size); None:
+    Megatron's default, max(4e7, 1e6 x pool size). Without overlap one bucket per dtype."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -71,6 +82,13 @@ class OptimConfig:
             raise ValueError(
                 f"lr_decay_iters {self.lr_decay_iters} must exceed lr_warmup_iters "
                 f"{self.lr_warmup_iters}"
+            )
+        if self.ddp_bucket_size is not None and self.ddp_bucket_size <= 0:
+            raise ValueError(f"ddp_bucket_size must be > 0, got {self.ddp_bucket_size}")
+        if self.ddp_bucket_size is not None and not self.overlap_grad_reduce:
+            raise ValueError(
+                f"ddp_bucket_size {self.ddp_bucket_size} needs overlap_grad_reduce (without it "
+                "Megatron reduces one bucket per dtype)"
             )
 
 
@@ -89,6 +107,8 @@ class Engine:
     """This rank's pipeline stage."""
     replica: int = 0
     """This rank's replica: its HDP pool rank."""
+    grad_sync: OrderedGradSync | None = None
+    """The overlapped reduce's ordering (`grad_sync.py`); None without overlap."""
 
     @property
     def tp_size(self) -> int:
@@ -142,11 +162,13 @@ def build_engine(cfg: GPTConfig, optim: OptimConfig, *, seed: int = 1234) -> Eng
     if torch.cuda.is_available():
         model = model.cuda(torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        grad_reduce_in_fp32=optim.grad_reduce_in_fp32,
+        overlap_grad_reduce=optim.overlap_grad_reduce,
+        bucket_size=optim.ddp_bucket_size,
         use_distributed_optimizer=optim.use_distributed_optimizer,
     )
     ddp_model = DistributedDataParallel(transformer_config(cfg), ddp_config, model)
+    grad_sync = OrderedGradSync.install(ddp_model)
     optimizer_config = OptimizerConfig(
         optimizer="adam",
         lr=optim.lr,
@@ -185,6 +207,7 @@ def build_engine(cfg: GPTConfig, optim: OptimConfig, *, seed: int = 1234) -> Eng
         tp_rank=tp_rank,
         stage=stage,
         replica=dims.replica_of(rank),
+        grad_sync=grad_sync,
     )
 
 

@@ -16,6 +16,7 @@ of forward and backward passes.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -33,6 +34,7 @@ def run_pipeline(
     stage_inputs: Callable[[LocalBatch], tuple[tuple, dict, int, AbstractContextManager]],
     loss_scale: float,
     forward_only: bool = False,
+    sync_in_last_backward: bool = False,
 ) -> float:
     """Collective over the pipeline (and the rings): run `batches` through 1F1B.
 
@@ -42,6 +44,11 @@ def run_pipeline(
     Gradients of `sum(token loss * loss mask) * loss_scale` accumulate in the model
     (unless `forward_only`). Returns the unscaled masked loss sum of this rank's
     micro-batches on the last stage, 0.0 on the other stages.
+
+    Every backward runs under the DDP's `no_sync()`; with `sync_in_last_backward` (an
+    overlapped reduce, `grad_sync.sync_in_backward`) Megatron's 1F1B leaves it for the last
+    backward (the last micro-batch: 1F1B runs the backwards in forward order), whose hooks
+    start the gradient reduce over the pool.
     """
     if not batches:
         return 0.0
@@ -66,13 +73,20 @@ def run_pipeline(
         return output, loss_func
 
     schedule = get_forward_backward_func(pp_size=engine.pp_size)
-    schedule(
-        forward_step_func=forward_step,
-        data_iterator=iter(batches),
-        model=[engine.model],
-        num_microbatches=len(batches),
-        seq_length=1,  # shapes travel with every tensor (variable_seq_lengths)
-        micro_batch_size=1,
-        forward_only=forward_only,
-    )
+    config = engine.model.config
+    held = config.no_sync_func
+    config.no_sync_func = engine.model.no_sync if sync_in_last_backward else None
+    try:
+        with contextlib.nullcontext() if sync_in_last_backward else engine.model.no_sync():
+            schedule(
+                forward_step_func=forward_step,
+                data_iterator=iter(batches),
+                model=[engine.model],
+                num_microbatches=len(batches),
+                seq_length=1,  # shapes travel with every tensor (variable_seq_lengths)
+                micro_batch_size=1,
+                forward_only=forward_only,
+            )
+    finally:
+        config.no_sync_func = held
     return loss_sum if is_last else 0.0

@@ -26,6 +26,7 @@ cannot be run here; these pieces follow its contracts and are tested against a
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -34,6 +35,7 @@ from megatron.core.utils import get_model_config
 
 from megatron_hdp.data.batching import LocalBatch
 from megatron_hdp.data.iterator import HDPDataIterator, HDPGlobalBatch
+from megatron_hdp.megatron.grad_sync import OrderedGradSync, sync_in_backward
 from megatron_hdp.megatron.model import GPTConfig
 from megatron_hdp.megatron.moe import moe_micro_batch
 from megatron_hdp.megatron.step import (
@@ -86,18 +88,82 @@ def megatron_batch(batch: LocalBatch, cfg: GPTConfig, runtime: StepRuntime) -> d
     }
 
 
+#: Pool groups warmed up in this process (`warm_up_pool` runs once per group).
+_WARMED_UP: weakref.WeakSet = weakref.WeakSet()
+
+
+def warm_up_pool(runtime: StepRuntime) -> None:
+    """Collective over `runtime.group`: one tiny all-reduce over the whole pool, once.
+
+    The first ring exchange of a step involves only the ring's members, and torch leaves a
+    group's first `batch_isend_irecv` undefined unless every rank of the group takes part
+    (NCCL sets the group's communicator up on first use). One collective over the pool
+    first sets it up on every rank. Later calls for the same group do nothing (on every
+    rank alike, so the collectives still line up).
+    """
+    if runtime.group in _WARMED_UP:
+        return
+    torch.distributed.all_reduce(torch.zeros(1, device=runtime.device), group=runtime.group)
+    _WARMED_UP.add(runtime.group)
+
+
+def _overlapped(model_chunk) -> bool:
+    """Whether `model_chunk` (Megatron-LM's DDP) overlaps its gradient reduce.
+
+    If so, its reduces are put in one order on every rank (`grad_sync.OrderedGradSync`,
+    installed on the first call).
+    """
+    ddp_config = getattr(model_chunk, "ddp_config", None)
+    if ddp_config is None or not ddp_config.overlap_grad_reduce:
+        return False
+    OrderedGradSync.install(model_chunk)
+    return True
+
+
+@contextlib.contextmanager
+def _pipeline_grad_sync(model_chunk, batches: list[LocalBatch]):
+    """The overlapped reduce in Megatron's 1F1B: in the last backward only if it is local.
+
+    Megatron's 1F1B enables the reduce for the last backward; for a ring micro-batch it is
+    kept off here, and the reduce starts after the backward (`grad_sync.py` says why).
+    Megatron-LM sets `config.no_sync_func` for `--overlap-grad-reduce` (and, with
+    `--align-grad-reduce`, its default, `config.grad_sync_func`); the schedule enters it
+    first and leaves it before the last backward.
+    """
+    if not _overlapped(model_chunk):
+        yield
+        return
+    config = get_model_config(model_chunk)
+    held = config.no_sync_func, config.grad_sync_func
+    if sync_in_backward([len(b.ring) for b in batches], True)[-1:] == [True]:
+        config.no_sync_func = model_chunk.no_sync
+        manager = contextlib.nullcontext()
+    else:
+        # The schedule's own enabling does nothing; finalize_model_grads starts the reduce.
+        config.no_sync_func = config.grad_sync_func = None
+        manager = model_chunk.no_sync()
+    try:
+        with manager:
+            yield
+    finally:
+        config.no_sync_func, config.grad_sync_func = held
+
+
 def hdp_forward_backward(
     runtime: StepRuntime, cfg: GPTConfig, *, empty_report: Callable[[], dict] | None = None
 ) -> Callable:
-    """A forward/backward function for Megatron-LM's `train_step`, running HDP plans.
+    """Collective: a forward/backward function for Megatron-LM's `train_step` (HDP plans).
 
-    Use it where Megatron-LM calls `get_forward_backward_func()`; the returned function is
-    collective over `runtime.group` (rings within it, one gradient sync over all of it), and
-    with pipeline parallelism over `runtime.pipeline_group` too.
+    Use it where Megatron-LM calls `get_forward_backward_func()`; call it once at set-up,
+    on every rank of `runtime.group`: it warms the pool up (`warm_up_pool`) before any
+    ring exchange. The returned function is collective over `runtime.group` (rings within
+    it, one gradient sync over all of it), and with pipeline parallelism over
+    `runtime.pipeline_group` too.
     A rank that runs no micro-batch in a step (HDP allows it) returns `[empty_report()]`
     (default `{"lm loss": zeros(2)}`), since Megatron-LM's `train_step` reads the keys of
     the first report and all-reduces each.
     """
+    warm_up_pool(runtime)
 
     def zero_report() -> dict:
         if empty_report is not None:
@@ -123,6 +189,8 @@ def hdp_forward_backward(
         with contextlib.ExitStack() as stack:
             if forward_only:
                 stack.enter_context(torch.no_grad())
+            else:
+                stack.enter_context(_pipeline_grad_sync(model_chunk, batches))
             reports = schedule(
                 forward_step_func=forward_step_func,
                 data_iterator=iter([megatron_batch(b, cfg, runtime) for b in batches]),
@@ -180,10 +248,12 @@ def hdp_forward_backward(
         else:
             batches = _local(step, runtime)
         no_sync = config.no_sync_func or contextlib.nullcontext
-        with no_sync(), contextlib.ExitStack() as stack:
-            if forward_only:
-                stack.enter_context(torch.no_grad())
-            for batch in batches:
+        overlap = _overlapped(model_chunk) and not forward_only
+        if overlap:
+            no_sync = model_chunk.no_sync
+        starts_sync = sync_in_backward([len(b.ring) for b in batches], overlap)
+        with torch.no_grad() if forward_only else contextlib.nullcontext():
+            for batch, sync_here in zip(batches, starts_sync, strict=True):
                 megatron_dict = megatron_batch(batch, cfg, runtime)
                 routers = contextlib.nullcontext()
                 if cfg.num_experts is not None:
@@ -196,11 +266,12 @@ def hdp_forward_backward(
                             aux_grad_scale=aux_grad_scale,
                         )
                     )
-                with routers:
-                    output, loss_func = forward_step_func(iter([megatron_dict]), model_chunk)
-                loss_sum, tokens, report = loss_func(output)
-                if not forward_only:
-                    loss_sum.backward()
+                with contextlib.nullcontext() if sync_here else no_sync():
+                    with routers:
+                        output, loss_func = forward_step_func(iter([megatron_dict]), model_chunk)
+                    loss_sum, tokens, report = loss_func(output)
+                    if not forward_only:
+                        loss_sum.backward()
                 reports.append(report)
                 num_tokens += int(tokens)
         if not reports:

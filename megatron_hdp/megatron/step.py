@@ -25,6 +25,7 @@ from megatron_hdp.distributed.plan_check import check_plan_agreement
 from megatron_hdp.distributed.ring_comm import CommStats, RingComm
 from megatron_hdp.megatron.core_attention import HDPPackedSeqParams
 from megatron_hdp.megatron.engine import Engine
+from megatron_hdp.megatron.grad_sync import sync_in_backward
 from megatron_hdp.megatron.model import GPTConfig
 from megatron_hdp.megatron.moe import MoEMicroBatch, moe_micro_batch
 from megatron_hdp.megatron.pipeline import run_pipeline
@@ -269,12 +270,17 @@ def _pipelined(
         return args, kwargs, n, moe_micro_batch(moe)
 
     runtime.mark(f"1F1B over {len(batches)} micro-batches (stage {engine.stage})")
+    starts_sync = sync_in_backward(
+        [len(b.ring) for b in batches],
+        engine.model.ddp_config.overlap_grad_reduce and not forward_only,
+    )
     loss = run_pipeline(
         engine,
         batches,
         stage_inputs=stage_inputs,
         loss_scale=loss_scale,
         forward_only=forward_only,
+        sync_in_last_backward=bool(starts_sync and starts_sync[-1]),
     )
     return loss, sum(moe.aux_loss for moe in routed)
 
@@ -324,8 +330,11 @@ def forward_backward(
     """Run this rank's local batches in plan order; accumulate grads of the objective.
 
     The objective is `sum(loss) * loss_scale` plus the MoE load-balancing loss.
-    Ring micro-batches are collective over their rings. `global_batch_tokens` (every token
-    of the global batch; default: these batches' tokens) normalises the load-balancing loss.
+    Ring micro-batches are collective over their rings. Every micro-batch runs under the
+    DDP's `no_sync()`, except, with `overlap_grad_reduce`, a local last one, whose backward
+    starts the gradient reduce (collective over the pool; `grad_sync.sync_in_backward`).
+    `global_batch_tokens` (every token of the global batch; default: these batches'
+    tokens) normalises the load-balancing loss.
     Returns the local token-loss sum and this rank's share of the load-balancing loss. With
     pipeline parallelism the batches run through Megatron's 1F1B schedule (collective over
     the pipeline) and only the last stage returns a loss sum (0.0 elsewhere).
@@ -344,6 +353,10 @@ def forward_backward(
         )
     aux_sum = 0.0
     loss_sums = []  # on the device: read once, after the last micro-batch
+    model = engine.model
+    starts_sync = sync_in_backward(
+        [len(b.ring) for b in batches], model.ddp_config.overlap_grad_reduce
+    )
     for i, batch in enumerate(batches):
         runtime.mark(f"micro-batch {i + 1} of {len(batches)} (ring {batch.ring})")
         started = time.perf_counter()
@@ -352,7 +365,7 @@ def forward_backward(
             if runtime.offload is not None
             else contextlib.nullcontext()
         )
-        with offload:
+        with offload, contextlib.nullcontext() if starts_sync[i] else model.no_sync():
             losses, aux = _token_losses(engine, batch, runtime, global_batch_tokens)
             masked = (losses.float() * batch.loss_mask).sum()
             (masked * loss_scale).backward()
@@ -415,18 +428,18 @@ def train_step(
     engine.optimizer.zero_grad()
     times: list[tuple[float, float]] = []
     start = time.perf_counter()
-    with model.no_sync():
-        loss_sum, aux_sum = forward_backward(
-            engine,
-            batches,
-            runtime,
-            loss_scale=1.0 / global_tokens,
-            global_batch_tokens=plan.total_tokens(),
-            times=times,
-        )
+    loss_sum, aux_sum = forward_backward(
+        engine,
+        batches,
+        runtime,
+        loss_scale=1.0 / global_tokens,
+        global_batch_tokens=plan.total_tokens(),
+        times=times,
+    )
     compute_seconds = time.perf_counter() - start
     runtime.mark("gradient sync")
-    # Megatron's own finish: the pool's gradient sync plus the TP all-reduce of the grads of
+    # Megatron's own finish: the pool's gradient sync (started already in the backward of a
+    # local last micro-batch with overlap_grad_reduce) plus the TP all-reduce of the grads of
     # parameters replicated over a sequence-parallel region (the norms).
     finalize_model_grads([model])
     checked_norm = None

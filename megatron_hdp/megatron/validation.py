@@ -48,7 +48,13 @@ from megatron_hdp.megatron.resume_checks import (
 )
 from megatron_hdp.scheduler.cost import PROFILES, DeviceProfile
 
-__all__ = ["NothingToTrain", "check_resume_matches", "validate_args", "validate_layout"]
+__all__ = [
+    "NothingToTrain",
+    "check_resume_matches",
+    "flag_notes",
+    "validate_args",
+    "validate_layout",
+]
 
 #: Flags whose value must be > 0 (counts, sizes, divisors, intervals).
 POSITIVE = (
@@ -76,6 +82,7 @@ POSITIVE = (
     "exit_interval",
     "distributed_timeout_minutes",
     "vocab_size",
+    "ddp_bucket_size",
 )
 
 #: Flags whose value must be >= 0.
@@ -367,6 +374,39 @@ def _check_training(args: argparse.Namespace) -> None:
         raise ValueError(
             "--hdp-skip-nonfinite-steps needs --check-for-nan-in-loss-and-grad (the default)"
         )
+    _check_grad_sync(args)
+
+
+def _check_grad_sync(args: argparse.Namespace) -> None:
+    """The gradient-sync flags, by Megatron-LM's rules (bf16 reduces in fp32 by default)."""
+    if args.grad_reduce_in_bf16 and not args.bf16:
+        raise ValueError(
+            "--grad-reduce-in-bf16 needs --bf16 (float32 parameters have float32 gradients)"
+        )
+    if args.grad_reduce_in_bf16 and args.accumulate_allreduce_grads_in_fp32:
+        raise ValueError(
+            "give --accumulate-allreduce-grads-in-fp32 or --grad-reduce-in-bf16, not both"
+        )
+    if args.ddp_bucket_size is not None and not args.overlap_grad_reduce:
+        raise ValueError(
+            f"--ddp-bucket-size {args.ddp_bucket_size} needs --overlap-grad-reduce (without "
+            "it the gradients are reduced in one bucket after the backward)"
+        )
+
+
+def flag_notes(args: argparse.Namespace) -> list[str]:
+    """Lines to log at start-up about accepted flags that change nothing in this run."""
+    notes = []
+    if args.accumulate_allreduce_grads_in_fp32:
+        notes.append(
+            "--accumulate-allreduce-grads-in-fp32: gradients accumulate and reduce in float32 "
+            + (
+                "already (Megatron-LM's rule for --bf16 without --grad-reduce-in-bf16)"
+                if args.bf16
+                else "already (float32 parameters)"
+            )
+        )
+    return notes
 
 
 def _nearest_existing(path: Path) -> Path:

@@ -164,6 +164,18 @@ def test_hdp_static_mesh_and_one_rank_give_the_same_losses(corpus_cache):
         assert a["loss"] == pytest.approx(c["loss"], rel=1e-5)
 
 
+def test_overlapped_gradient_reduce_gives_the_same_losses(corpus_cache):
+    """pretrain_hdp.py with --overlap-grad-reduce (several buckets) on the default corpus:
+    the losses of the run without it."""
+    args = default_corpus_args(corpus_cache, capacity=128, iters=4)
+    plain = run_pretrain(4, args)
+    overlapped = run_pretrain(4, args + ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"])
+    assert [s["loss"] for s in overlapped] == pytest.approx([s["loss"] for s in plain], rel=1e-5)
+    assert [s["grad_norm"] for s in overlapped] == pytest.approx(
+        [s["grad_norm"] for s in plain], rel=1e-5
+    )
+
+
 @pytest.mark.parametrize("distributed_optimizer", [False, True])
 def test_resume_equals_uninterrupted(corpus_cache, tmp_path, distributed_optimizer):
     """Stop at step 3 (--exit-interval), resume to 5: same losses and parameters as 1-5."""

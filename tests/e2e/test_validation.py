@@ -80,6 +80,16 @@ BAD = [
         ["--no-check-for-nan-in-loss-and-grad", "--hdp-skip-nonfinite-steps", "2"],
         "--hdp-skip-nonfinite-steps needs --check-for-nan-in-loss-and-grad",
     ),
+    (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --bf16"),
+    (
+        ["--bf16", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"],
+        "give --accumulate-allreduce-grads-in-fp32 or --grad-reduce-in-bf16, not both",
+    ),
+    (["--ddp-bucket-size", "1000"], "--ddp-bucket-size 1000 needs --overlap-grad-reduce"),
+    (
+        ["--overlap-grad-reduce", "--ddp-bucket-size", "0"],
+        "--ddp-bucket-size must be > 0, got 0",
+    ),
     (lambda t: ["--save", _file(t)], "is a file, not a folder"),
     (lambda t: ["--tensorboard-dir", _file(t)], "is a file, not a folder"),
     (
@@ -206,3 +216,26 @@ def test_other_ranks_leave_a_failure_to_local_rank_0(tmp_path, monkeypatch, caps
         pretrain_hdp._say(pretrain_hdp.build_parser(), 0, "already at --train-iters")
     assert done.value.code == 0 and slept == [pretrain_hdp.OTHER_RANKS_WAIT_S]
     assert capsys.readouterr().err == ""
+
+
+def test_a_gradient_flag_that_changes_nothing_is_reported(tmp_path):
+    """--accumulate-allreduce-grads-in-fp32 is Megatron-LM's spelling of what happens anyway
+    (fp32 parameters; bf16 without --grad-reduce-in-bf16): accepted, and said so."""
+    from megatron_hdp.megatron.arguments import build_parser
+    from megatron_hdp.megatron.config import optim_config
+    from megatron_hdp.megatron.validation import flag_notes
+
+    def parse(*extra):
+        return build_parser().parse_args(job_args(tmp_path / "cache", list(extra)))
+
+    assert flag_notes(parse()) == []
+    for extra, why in ((["--bf16"], "--bf16"), ([], "float32 parameters")):
+        args = parse("--accumulate-allreduce-grads-in-fp32", *extra)
+        (note,) = flag_notes(args)
+        assert note.startswith("--accumulate-allreduce-grads-in-fp32:") and why in note
+        assert optim_config(args).grad_reduce_in_fp32
+    assert optim_config(parse("--bf16")).grad_reduce_in_fp32  # Megatron-LM's bf16 default
+    assert not optim_config(parse("--bf16", "--grad-reduce-in-bf16")).grad_reduce_in_fp32
+    overlap = optim_config(parse("--overlap-grad-reduce", "--ddp-bucket-size", "5000"))
+    assert overlap.overlap_grad_reduce and overlap.ddp_bucket_size == 5000
+    assert not optim_config(parse()).overlap_grad_reduce

@@ -103,6 +103,84 @@ def test_pretrain_gpt_style_step_matches_single_process(read_ahead):
             assert_close_rel(grads[name], want, f"rank {rank} grad {name}")
 
 
+class CallRecorder:
+    """Records the pool-group calls of torch.distributed this process makes, in order.
+
+    Wraps the real `all_reduce` and `batch_isend_irecv` (the ring's P2P goes through the
+    latter) with their own signatures, and records `(name, group ranks, numel)`.
+    """
+
+    def __init__(self):
+        self.calls = []
+        self._real = {}
+
+    def __enter__(self):
+        real_all_reduce, real_batch = dist.all_reduce, dist.batch_isend_irecv
+        self._real = {"all_reduce": real_all_reduce, "batch_isend_irecv": real_batch}
+
+        def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            self.calls.append(("all_reduce", _ranks(group), tensor.numel()))
+            return real_all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+        def batch_isend_irecv(p2p_op_list):
+            self.calls.append(("p2p", _ranks(p2p_op_list[0].group), None))
+            return real_batch(p2p_op_list)
+
+        dist.all_reduce, dist.batch_isend_irecv = all_reduce, batch_isend_irecv
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_reduce = self._real["all_reduce"]
+        dist.batch_isend_irecv = self._real["batch_isend_irecv"]
+
+
+def _ranks(group) -> tuple:
+    return tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+
+
+def _body_warm_up(rank, world_size):
+    with cpu_shims():
+        layout = ParallelDims.of_world().initialize()
+        try:
+            engine = megatron_lm_engine(CFG, seed=SEED)
+            pool = _ranks(dist.group.WORLD)
+            runtime = StepRuntime(group=dist.group.WORLD)
+            with CallRecorder() as setup:
+                schedule = hdp_forward_backward(runtime, CFG)
+                hdp_forward_backward(runtime, CFG)  # built again (a per-step lambda): no-op
+            per_step = []
+            for step_index in range(2):
+                # One sequence of 2 C tokens: a ring over both ranks, first on each rank.
+                source = source_of(
+                    make_batch(world_size, step_index, "few")
+                    + [make_batch(world_size, step_index, "tiny_pack")[0]]
+                )
+                plan = plan_step(source.seqlens, pool_size=world_size, capacity=CAPACITY)
+                engine.model.zero_grad_buffer()
+                with CallRecorder() as steps:
+                    schedule(
+                        forward_step_func=pretrain_gpt_forward_step,
+                        data_iterator=iter([HDPGlobalBatch(plan=plan, source=source)]),
+                        model=[engine.model],
+                        num_microbatches=1,
+                    )
+                per_step.append([c for c in steps.calls if c[1] == pool])
+            return pool, setup.calls, per_step
+        finally:
+            layout.destroy()
+
+
+def test_dropin_warms_the_pool_up_once_before_any_ring_exchange():
+    """The drop-in's step has no pool collective before its first ring P2P (the audit's
+    row 10), so the set-up issues one, on every rank; neither a second build nor a step
+    repeats it."""
+    for pool, setup, per_step in run_ranks(_body_warm_up, 2):
+        assert setup == [("all_reduce", pool, 1)], setup
+        for calls in per_step:
+            # Without the warm-up the ring's exchange would be the pool's first operation.
+            assert calls and calls[0][0] == "p2p", calls
+
+
 def test_data_iterator_plans_sampler_batches_and_reads_the_index(tmp_path):
     import numpy as np
 

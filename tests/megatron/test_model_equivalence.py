@@ -59,6 +59,8 @@ class Case:
     offload: bool = False
     wide_rings: bool = False
     """Plan with free ring communication, so the planner gives rings more ranks than needed."""
+    overlap: bool = False
+    """--overlap-grad-reduce with small buckets (`tests/megatron/test_grad_sync.py`)."""
 
 
 def batch_lengths(pool_size: int, step: int, kind: str) -> list[int]:
@@ -123,6 +125,8 @@ def snapshot_grads_before_update(engine, into: dict) -> None:
 
 def _body_train(rank, world_size, case: Case):
     optim = dataclasses.replace(OPTIM, use_distributed_optimizer=case.distributed_optimizer)
+    if case.overlap:
+        optim = dataclasses.replace(optim, overlap_grad_reduce=True, ddp_bucket_size=2000)
     with cpu_shims():
         layout = ParallelDims.of_world().initialize()
         try:
@@ -275,10 +279,12 @@ def test_rings_wider_than_needed_match_single_process(pool_size):
     check_case(Case(pool_size=pool_size, policy="balanced", wide_rings=True))
 
 
-def test_offloading_plans_match_single_process():
-    """Eq. 3 plans (fewer ranks, offload ratio 1) and the offload hooks keep training exact."""
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap-grad-reduce"])
+def test_offloading_plans_match_single_process(overlap):
+    """Eq. 3 plans (fewer ranks, offload ratio 1) and the offload hooks keep training exact,
+    also with the gradient reduce started in the last backward."""
     cfg = dataclasses.replace(CFG, num_layers=4)
-    check_case(Case(pool_size=3, policy="balanced", cfg=cfg, offload=True))
+    check_case(Case(pool_size=3, policy="balanced", cfg=cfg, offload=True, overlap=overlap))
 
 
 def test_learned_absolute_positions_match_single_process():

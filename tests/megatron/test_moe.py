@@ -43,18 +43,18 @@ CFG = dataclasses.replace(
 _EXPERT = re.compile(r"(.*\.local_experts\.)(\d+)(\..*)")
 
 
-def _body_hdp(rank, world_size, cfg, pool, kind):
+def _body_hdp(rank, world_size, cfg, pool, kind, optim=OPTIM):
     dims = model_parallel_dims(cfg, world_size)
     with cpu_shims():
         layout = dims.initialize()
         try:
-            engine = build_engine(cfg, OPTIM, seed=SEED)
+            engine = build_engine(cfg, optim, seed=SEED)
             named = list(engine.model.module.named_parameters())
             init = {n: p.detach().clone() for n, p in named}
             runtime = StepRuntime(
                 group=layout.pool_group, check_plans=True, job_group=layout.world_group
             )
-            grads, losses, aux = {}, [], []
+            grads, losses, aux, started = {}, [], [], []
             snapshot_grads_before_update(engine, grads)
             for step in range(NUM_STEPS):
                 source = source_of(make_batch(pool, step, kind))
@@ -62,7 +62,10 @@ def _body_hdp(rank, world_size, cfg, pool, kind):
                 result = train_step(engine, plan, source, runtime)
                 losses.append(result.loss)
                 aux.append(result.moe_aux_loss)
+                if engine.grad_sync is not None:
+                    started.append(engine.grad_sync.started_before_finish)
             return {
+                "started_before_finish": started,
                 "losses": losses,
                 "aux": aux,
                 "grads": grads,
@@ -107,14 +110,28 @@ def _full(members: list[dict], key: str, layout: dict, ep: int) -> dict[str, tor
 
 
 @pytest.mark.parametrize(
-    "pool, tp, dispatcher",
-    [(2, 2, "alltoall"), (3, 2, "allgather"), (2, 1, "allgather")],
-    ids=["ep2-tp2-pool2-alltoall", "ep2-tp2-pool3-allgather", "ep1-tp1-pool2"],
+    "pool, tp, dispatcher, overlap",
+    [
+        (2, 2, "alltoall", False),
+        (3, 2, "allgather", False),
+        (2, 1, "allgather", False),
+        (3, 2, "alltoall", True),
+    ],
+    ids=[
+        "ep2-tp2-pool2-alltoall",
+        "ep2-tp2-pool3-allgather",
+        "ep1-tp1-pool2",
+        "ep2-tp2-pool3-alltoall-overlap",
+    ],
 )
-def test_moe_replicas_equal_one_process(pool, tp, dispatcher):
+def test_moe_replicas_equal_one_process(pool, tp, dispatcher, overlap):
     """Mixed lengths (C-1, C, C+1 and, with pool 3, sequences needing 2 and 3 replicas): every
     step's loss and load-balancing loss, the first step's gradients, the parameters after 3
-    AdamW steps, and the initial weights bit for bit, expert by global index."""
+    AdamW steps, and the initial weights bit for bit, expert by global index. With
+    `overlap`, --overlap-grad-reduce with small buckets (dense and expert bucket groups)."""
+    optim = OPTIM
+    if overlap:
+        optim = dataclasses.replace(OPTIM, overlap_grad_reduce=True, ddp_bucket_size=2000)
     cfg = dataclasses.replace(
         CFG,
         tensor_model_parallel_size=tp,
@@ -122,7 +139,9 @@ def test_moe_replicas_equal_one_process(pool, tp, dispatcher):
         expert_model_parallel_size=tp,
         moe_token_dispatcher_type=dispatcher,
     )
-    ranks = run_ranks(_body_hdp, tp * pool, cfg, pool, "mixed", timeout_s=240)
+    ranks = run_ranks(_body_hdp, tp * pool, cfg, pool, "mixed", optim, timeout_s=240)
+    if overlap:  # some rank's reduce really started in a backward
+        assert any(n > 0 for r in ranks for n in r["started_before_finish"])
     reference = run_ranks(_body_reference, 1, CFG, pool, "mixed")[0]
     assert all(a > 0 for a in reference["aux"])
     experts = [

@@ -139,17 +139,17 @@ def _tp_layout(param) -> tuple[bool, int, int]:
     )
 
 
-def _body_pp(rank, world_size, cfg, pool, tp, planner):
+def _body_pp(rank, world_size, cfg, pool, tp, planner, optim=OPTIM):
     with cpu_shims():
         layout = model_parallel_dims(cfg, world_size).initialize()
         try:
-            engine = build_engine(cfg, OPTIM, seed=SEED)
+            engine = build_engine(cfg, optim, seed=SEED)
             named = list(engine.model.module.named_parameters())
             init = {n: p.detach().clone() for n, p in named}
             runtime = StepRuntime(
                 group=layout.pool_group, check_plans=True, job_group=dist.group.WORLD
             )
-            grads, losses, eval_losses, counts, aux = {}, [], [], [], []
+            grads, losses, eval_losses, counts, aux, started = {}, [], [], [], [], []
             snapshot_grads_before_update(engine, grads)
             for step, plan in enumerate(make_plans(pool, planner)):
                 source = source_of(batch_of(plan, step))
@@ -158,7 +158,10 @@ def _body_pp(rank, world_size, cfg, pool, tp, planner):
                 losses.append(result.loss)
                 aux.append(result.moe_aux_loss)
                 counts.append(result.num_micro_batches)
+                if engine.grad_sync is not None:
+                    started.append(engine.grad_sync.started_before_finish)
             return {
+                "started_before_finish": started,
                 "losses": losses,
                 "aux": aux,
                 "eval": eval_losses,
@@ -216,6 +219,31 @@ def _body_reference(rank, world_size, cfg, pool, planner=None):
 )
 def test_pipelines_equal_one_process(pool, tp, tied, planner):
     """Rings span pipelines; pipelines run different numbers of micro-batches."""
+    check_pipelines(pool, tp, tied, planner)
+
+
+def test_overlapped_reduce_in_pipelines_equals_one_process():
+    """--overlap-grad-reduce with 1F1B: a stage's reduce starts in its last backward when
+    that micro-batch is local (Megatron's schedule leaves no_sync for it), after the
+    backward when it is a ring; small buckets give stage 0 several bucket groups."""
+    optim = dataclasses.replace(OPTIM, overlap_grad_reduce=True, ddp_bucket_size=2000)
+    ranks = check_pipelines(3, 1, False, None, optim)
+    plans = make_plans(3)
+    for result in ranks:
+        lasts = [p.for_rank(result["replica"])[-1:] for p in plans]
+        started = result["started_before_finish"]
+        # Step 0 is Megatron's first batch (the hooks only count). A pipeline whose first
+        # counted step ended on a ring counts on the next local one.
+        assert started[0] == 0
+        for step in (1, 2):
+            local_last = bool(lasts[step]) and lasts[step][0].is_local
+            counted_before = any(bool(last) and last[0].is_local for last in lasts[:step])
+            assert (started[step] > 0) == (local_last and counted_before), (result, step)
+    assert any(s > 0 for r in ranks for s in r["started_before_finish"])
+
+
+def check_pipelines(pool, tp, tied, planner, optim=OPTIM):
+    """Run the pipelines and compare them with one process; return the ranks' results."""
     if tied == "moe":  # 4 experts, top-2, a large load-balancing loss (test_moe's model)
         tied = False
         cfg = dataclasses.replace(
@@ -228,7 +256,7 @@ def test_pipelines_equal_one_process(pool, tp, tied, planner):
         )
     else:
         cfg = dataclasses.replace(CFG, tensor_model_parallel_size=tp, tie_embeddings=tied)
-    ranks = run_ranks(_body_pp, PP * tp * pool, cfg, pool, tp, planner, timeout_s=240)
+    ranks = run_ranks(_body_pp, PP * tp * pool, cfg, pool, tp, planner, optim, timeout_s=240)
     reference = run_ranks(
         _body_reference,
         1,
@@ -277,6 +305,7 @@ def test_pipelines_equal_one_process(pool, tp, tied, planner):
                 assert relative(full["grads"][name], reference["grads"][full_name]) < 1e-5
                 assert relative(full["after"][name], reference["after"][full_name]) < 1e-5
     assert seen == set(reference["init"])  # every parameter lives on exactly one stage
+    return ranks
 
 
 def _body_not_lockstep(rank, world_size, plan):

@@ -113,3 +113,22 @@ def test_each_known_pattern_hides_a_real_message():
     """No pattern is dead: each one is there for a message Megatron really raises."""
     for pattern in KNOWN_MEGATRON_WARNINGS:
         assert any(re.match(pattern, message, re.I) for message, _ in MEGATRON_MESSAGES), pattern
+
+
+def test_nccl_ranks_bind_their_gpu_at_init_and_cpu_ranks_do_not():
+    """`device_id` (eager NCCL communicators, ncclCommSplit sub-groups) on CUDA only; the
+    keywords are ones torch's `init_process_group` takes."""
+    import inspect
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_hdp.launch import process_group_options
+
+    gpu = process_group_options(torch.device("cuda", 3), timeout_s=90)
+    assert gpu == {"timeout": timedelta(seconds=90), "device_id": torch.device("cuda", 3)}
+    cpu = process_group_options(torch.device("cpu"), timeout_s=90)
+    assert cpu == {"timeout": timedelta(seconds=90)}
+    accepted = inspect.signature(dist.init_process_group).parameters
+    assert set(gpu) <= set(accepted)
