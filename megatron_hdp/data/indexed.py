@@ -27,25 +27,15 @@ import os
 import struct
 import time
 import uuid
-import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
-with warnings.catch_warnings():
-    # Importing megatron.core warns four times that Transformer Engine / Apex are missing;
-    # irrelevant to data files, and noise in front of the preprocessing tool's one-line errors.
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex", category=UserWarning)
-    from megatron.core.datasets.indexed_dataset import (
-        DType,
-        IndexedDataset,
-        IndexedDatasetBuilder,
-    )
-
 from megatron_hdp.data.corpus import stdlib_corpus_documents, stdlib_fingerprint
 from megatron_hdp.data.tokenizers import ByteTokenizer
+from megatron_hdp.megatron.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 
 logger = logging.getLogger(__name__)
 

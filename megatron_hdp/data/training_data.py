@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron_hdp.data.indexed import ensure_stdlib_corpus, open_indexed_dataset
 from megatron_hdp.data.sampler import DatasetUnits, TokenBudgetSampler, split_ranges
 from megatron_hdp.data.sources import open_source, source_location
 from megatron_hdp.data.spec import DataSpec
 from megatron_hdp.data.tokenizers import build_tokenizer
+from megatron_hdp.megatron.indexed_dataset import IndexedDataset
 
 logger = logging.getLogger(__name__)
 

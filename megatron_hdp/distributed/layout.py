@@ -151,17 +151,13 @@ class ParallelDims:
         A model built for these dims in another layout would silently get other shards
         (for example all experts on every rank when Megatron's EP size is 1).
         """
-        from megatron.core import parallel_state as ps
+        from megatron_hdp.megatron import parallel_state
 
-        if not ps.model_parallel_is_initialized():
+        found = parallel_state.sizes()
+        if found is None:
             raise RuntimeError(
                 "Megatron's parallel state is not initialised (ParallelDims.initialize)"
             )
-        found = {
-            "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
-            "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
-            "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
-        }
         wrong = {k: v for k, v in found.items() if getattr(self, k) != v}
         if wrong:
             detail = ", ".join(
@@ -178,26 +174,20 @@ class ParallelDims:
         replica. `timeout_minutes` bounds the collectives of Megatron's groups.
         """
         import torch.distributed as dist
-        from megatron.core import parallel_state
+
+        from megatron_hdp.megatron import parallel_state
 
         if dist.get_world_size() != self.world_size:
             raise ValueError(
                 f"the process group has {dist.get_world_size()} ranks, the layout {self.world_size}"
             )
-        if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=self.tp,
-                pipeline_model_parallel_size=self.pp,
-                expert_model_parallel_size=self.ep,
-                expert_tensor_parallel_size=self.tp // self.ep,
-                distributed_timeout_minutes=timeout_minutes,
-            )
+        groups = parallel_state.initialize(
+            tp=self.tp, pp=self.pp, ep=self.ep, timeout_minutes=timeout_minutes
+        )
         layout = ParallelLayout(
             dims=self,
             rank=dist.get_rank(),
-            pool_group=parallel_state.get_data_parallel_group(),
-            tp_group=parallel_state.get_tensor_model_parallel_group(),
-            pp_group=parallel_state.get_pipeline_model_parallel_group(),
+            **groups,
             world_group=dist.group.WORLD,
         )
         layout.check()
@@ -328,6 +318,6 @@ class ParallelLayout:
 
     def destroy(self) -> None:
         """Undo `ParallelDims.initialize` (Megatron keeps its groups in module globals)."""
-        from megatron.core import parallel_state
+        from megatron_hdp.megatron import parallel_state
 
-        parallel_state.destroy_model_parallel()
+        parallel_state.destroy()

@@ -229,38 +229,18 @@ def greedy_sized(
     )
 
 
-class _StubGroup:
-    """What `BalancedCPScheduler` needs of a process group: `.size()`."""
-
-    def __init__(self, n: int) -> None:
-        self._n = n
-
-    def size(self) -> int:
-        return self._n
-
-
 def megatron_available() -> bool:
     """True when Megatron-Core's `BalancedCPScheduler` can be imported."""
-    try:
-        from megatron.core.pipeline_parallel.hybrid_cp_schedule import (  # noqa: F401
-            BalancedCPScheduler,
-        )
-    except Exception:  # noqa: BLE001 - any import failure means "not available"
-        return False
-    return True
+    from megatron_hdp.megatron import dynamic_cp
+
+    return dynamic_cp.available()
 
 
 def megatron_groups(seqlens: Sequence[int], pool_size: int, capacity: int) -> list[list[list[int]]]:
     """Megatron-Core's groups: `groups[g][rank]` = sequence ids the rank runs in group g."""
-    import warnings
+    from megatron_hdp.megatron import dynamic_cp
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
-
-    sched = BalancedCPScheduler(capacity, _StubGroup(pool_size))
-    _, sample_id_groups = sched.get_groups_and_subsamples(list(enumerate(seqlens)), None)
-    return [[list(ids) for ids in group] for group in sample_id_groups]
+    return dynamic_cp.scheduler_groups(seqlens, pool_size, capacity)
 
 
 def plans_from_groups(
