@@ -1,7 +1,7 @@
-"""Rewrite the flag tables of README.md from pretrain_hdp.py's parser.
+"""Rewrite the flag tables of docs/flags.md from pretrain_hdp.py's parser.
 
-.venv/bin/python scripts/gen_flags_doc.py          # rewrite README.md in place
-.venv/bin/python scripts/gen_flags_doc.py --check  # exit 1 if README.md is stale
+.venv/bin/python scripts/gen_flags_doc.py          # rewrite docs/flags.md in place
+.venv/bin/python scripts/gen_flags_doc.py --check  # exit 1 if docs/flags.md is stale
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ sys.path.insert(0, str(REPO))
 from megatron_hdp.megatron.arguments import build_parser  # noqa: E402
 
 START, END = "<!-- flags:start -->", "<!-- flags:end -->"
+#: The page that holds the generated tables, between START and END.
+PAGE = REPO / "docs" / "flags.md"
 
 
 def flag_tables() -> str:
@@ -40,9 +42,9 @@ def flag_tables() -> str:
     return "\n".join(out) + "\n"
 
 
-def render(readme: str) -> str:
-    """README text with the block between the markers regenerated."""
-    head, rest = readme.split(START, 1)
+def render(page: str) -> str:
+    """The page's text with the block between the markers regenerated."""
+    head, rest = page.split(START, 1)
     _, tail = rest.split(END, 1)
     return f"{head}{START}\n{flag_tables()}{END}{tail}"
 
@@ -51,12 +53,12 @@ def main() -> int:
     args = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     args.add_argument("--check", action="store_true", help="only check, do not write")
     check = args.parse_args().check
-    path = REPO / "README.md"
+    path = PAGE
     current = path.read_text()
     wanted = render(current)
     if check:
         if wanted != current:
-            print("README.md flag tables are stale: run scripts/gen_flags_doc.py")
+            print("docs/flags.md flag tables are stale: run scripts/gen_flags_doc.py")
             return 1
         return 0
     path.write_text(wanted)

@@ -4,7 +4,7 @@
 names and with Megatron's defaults where the behaviour exists here. A Megatron-LM flag it
 does not implement is refused by name (`UNSUPPORTED_MEGATRON_FLAGS`), never ignored.
 `add_hdp_args(parser)` adds the HDP group alone; Megatron-LM users pass it as
-`extra_args_provider` (see the README's drop-in section).
+`extra_args_provider` (see docs/megatron-lm.md).
 
 `megatron_hdp.megatron.validation.validate_args` checks the parsed flags before any process
 group exists. This module imports neither torch nor Megatron-Core, so parsing and
@@ -47,7 +47,7 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--vocab-file": "give --tokenizer-type and --tokenizer-model",
     "--merge-file": "give --tokenizer-type HuggingFaceTokenizer --tokenizer-model",
     "--use-mcore-models": "always Megatron-Core here",
-    "--ckpt-format": "checkpoints are torch.save files (see README)",
+    "--ckpt-format": "checkpoints are torch.save files (see docs/checkpoints.md)",
     "--fp8-format": "fp8 needs Transformer Engine on GPU, not supported",
     "--optimizer": "only Adam(W) is supported",
 }
@@ -342,7 +342,7 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="a declarative data spec (JSON or YAML): sources with weights, length buckets "
-        "and a schedule of weights over steps (see the README's 'Data spec'); instead of "
+        "and a schedule of weights over steps (see docs/data.md); instead of "
         "--data-path",
     )
     g.add_argument(
