@@ -227,6 +227,7 @@ def test_offloading_run_gives_the_same_losses(corpus_cache, tmp_path):
         assert (s["offload_bytes"] > 0) == (s["offload_rings"] > 0), s
     assert [s["loss"] for s in offloaded] == pytest.approx([s["loss"] for s in plain], rel=1e-5)
     text = log.read_text()
+    assert "--hdp-offload: each step the planner offloads a long sequence's ring only" in text
     rings = sum(s["offload_rings"] for s in offloaded)
     total = sum(s["offload_rings_total"] for s in offloaded)
     assert f"iter 2 | offloaded {offloaded[-1]['offload_rings']} of " in text, text[-3000:]
