@@ -170,3 +170,30 @@ def test_messages():
         f"offloading would gain only {100 * -change:.2f}% (< 1%), not worth its copies",
     )
     assert plan.offload_decision.message() == f"offload: 0 of 4 rings offloaded: {d.reason}"
+
+
+@pytest.mark.parametrize("size_rings", [True, False])
+def test_cpp_and_python_cores_make_the_same_choice(size_rings):
+    """The choice lives above the balance core: both cores give the same plan and decision."""
+    from megatron_hdp.scheduler.balance import balance_core
+    from megatron_hdp.scheduler.placement import plan_balanced
+    from megatron_hdp.scheduler.planner import default_core
+
+    pytest.importorskip("megatron_hdp._planner")
+    model = CostModel(LLAMA7B, SLOW_NET)
+    lengths = [1 << 21] * 4 + [300000, 70000] + [8192] * 40
+    plans = [
+        plan_balanced(
+            lengths,
+            pool_size=512,
+            capacity=C,
+            cost_model=model,
+            offload=True,
+            size_rings=size_rings,
+            core=core,
+        )
+        for core in (default_core(), balance_core)
+    ]
+    assert default_core() is not balance_core
+    assert plans[0].to_json() == plans[1].to_json()
+    assert plans[0].offload_decision == plans[1].offload_decision
