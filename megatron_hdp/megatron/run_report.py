@@ -201,3 +201,6 @@ class RunReporter:
             records, pool_size=self.pool_size, policy=self.policy, locations=locations
         )
         logger.info("%s", format_summary(summary))
+        totals = summary["offload"]
+        if totals is not None and totals["rings_offloaded"] == 0:
+            logger.warning("%s", summary["offload_line"])

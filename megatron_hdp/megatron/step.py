@@ -98,6 +98,9 @@ class StepResult:
     attention_bytes_total: int = 0
     """Ring attention bytes sent in this step by every rank of the job (all TP ranks and
     stages), from the step's loss all-reduce."""
+    offload_bytes_total: int = 0
+    """Activation bytes copied to host memory in this step by every rank of the job
+    (offloading), from the same all-reduce."""
     micro_batch_times: tuple[tuple[float, float], ...] = ()
     """`(start, end)` of each micro-batch this rank ran, in run order: seconds since this
     rank began its micro-batches (right after the step's token-count all-reduce). Empty
@@ -419,6 +422,7 @@ def train_step(
         check_plan_agreement(plan, runtime.all_ranks, runtime.device)
     check_plan_fits(plan, engine, group)
     bytes_before = runtime.stats.bytes_sent
+    offload_before = runtime.offload.engine.bytes_to_host if runtime.offload is not None else 0
     batches, global_tokens = read_and_count(plan, source, runtime, prepared)
     if global_tokens == 0:
         raise ValueError("the global batch has no loss tokens (every loss mask is zero)")
@@ -451,9 +455,17 @@ def train_step(
         checked_norm = float(engine.optimizer.get_grad_norm())
     bad_norm = checked_norm is not None and not math.isfinite(checked_norm)
     bytes_sent = runtime.stats.bytes_sent - bytes_before
-    # The attention bytes ride along (exact in float64 below 2**53).
+    offloaded = (
+        runtime.offload.engine.bytes_to_host - offload_before if runtime.offload is not None else 0
+    )
+    # The attention and offload bytes ride along (exact in float64 below 2**53).
     totals = torch.tensor(
-        [_own_loss(engine, loss_sum), 1.0 if bad_norm else 0.0, float(bytes_sent)],
+        [
+            _own_loss(engine, loss_sum),
+            1.0 if bad_norm else 0.0,
+            float(bytes_sent),
+            float(offloaded),
+        ],
         dtype=torch.float64,
         device=runtime.device,
     )
@@ -485,6 +497,7 @@ def train_step(
         nonfinite=nonfinite,
         moe_aux_loss=aux_loss,
         attention_bytes_total=int(totals[2].item()),
+        offload_bytes_total=int(totals[3].item()),
         micro_batch_times=tuple((a - start, b - start) for a, b in times),
     )
 

@@ -47,6 +47,7 @@ from megatron_hdp.megatron.step import (
     evaluate,
     train_step,
 )
+from megatron_hdp.report.offload import offload_line
 from megatron_hdp.scheduler import StepPlan, plan_step
 from megatron_hdp.scheduler.cost import CostModel
 from megatron_hdp.scheduler.stats import plan_statistics
@@ -74,6 +75,7 @@ class _Window:
     stats: list[dict] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     aux_losses: list[float] = field(default_factory=list)
+    offload: list[dict] = field(default_factory=list)  # the steps' offload fields
 
 
 class Trainer:
@@ -117,6 +119,18 @@ class Trainer:
             runtime.offload = offload_manager(
                 self.engine, profile.host_memory_bytes / self.engine.tp_size, runtime.device
             )
+            if self.rank == 0:
+                logger.info(
+                    "--hdp-offload: each step the planner offloads a long sequence's ring only "
+                    "where that shortens the predicted step by >= 1%% against widening the ring "
+                    "(profile %s: host link %.0f GB/s%s, ring link %.0f GB/s); it pays where "
+                    "rings are scarce and the network is slow (docs/offloading.md). Each log "
+                    "line and the run summary say what it did.",
+                    profile.name,
+                    profile.host_bandwidth / 1e9,
+                    ", shared with the NIC" if profile.host_link_shared else "",
+                    profile.p2p_bandwidth / 1e9,
+                )
         self.iteration = 0
         self.consumed_tokens = 0
         self.run_id = uuid.uuid4().hex
@@ -397,6 +411,9 @@ class Trainer:
             merged["micro_batches_per_rank_max"],
             merged["predicted_imbalance"],
         )
+        line = offload_line(window.offload)
+        if line is not None:
+            logger.info("iter %d | %s", self.iteration, line)
         if window.aux_losses:
             record["moe_aux_loss"] = statistics.fmean(window.aux_losses)
             logger.info(
@@ -457,6 +474,10 @@ class Trainer:
             if self.engine.cfg.num_experts is not None:
                 record["moe_aux_loss"] = result.moe_aux_loss
             record["attention_bytes"] = result.attention_bytes_total
+            decision = getattr(plan, "offload_decision", None)
+            if decision is not None:
+                record.update(decision.as_record(), offload_bytes=result.offload_bytes_total)
+                window.offload.append(record)
             if predictions is not None:
                 record.update(predictions)
             if self.report.timeline_due(self.iteration):

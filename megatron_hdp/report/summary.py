@@ -15,7 +15,10 @@ records, so anyone can recompute it from the metrics file:
   measured step time is shown only as an estimate;
 - ring attention traffic: bytes measured over all ranks (`attention_bytes`), the formula's
   prediction for this run's plans (`attention_bytes_predicted`) and for the static mesh's
-  (`static_attention_bytes_predicted`); saved = static (predicted) - measured.
+  (`static_attention_bytes_predicted`); saved = static (predicted) - measured;
+- offloading (runs with `--hdp-offload`): rings offloaded of all rings, bytes moved to the
+  host (measured and predicted) and why the other rings did not (`report.offload`); a run
+  that never offloaded says so in one line.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+
+from megatron_hdp.report.offload import offload_line, offload_totals
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -65,8 +70,9 @@ def run_summary(
     `static_cp_size`, `attention_bytes`, `attention_bytes_predicted`,
     `static_attention_bytes_predicted`, `attention_bytes_saved` and
     `attention_bytes_saved_share` (over the steps that have the measurement and the static
-    prediction), plus `pool_size`, `policy` and `locations` as given. A number the records
-    do not hold is None. ValueError if there is no record.
+    prediction), `offload` (`report.offload.offload_totals`, None without `--hdp-offload`)
+    and `offload_line`, plus `pool_size`, `policy` and `locations` as given. A number the
+    records do not hold is None. ValueError if there is no record.
     """
     records = list(records)
     if not records:
@@ -127,6 +133,8 @@ def run_summary(
         out["attention_bytes_saved_share"] = (
             (static_bytes - sent) / static_bytes if static_bytes > 0 else None
         )
+    out["offload"] = offload_totals(records)
+    out["offload_line"] = offload_line(records)
     return out
 
 
@@ -195,6 +203,8 @@ def format_summary(s: Mapping) -> str:
             f"{_bytes(s['static_attention_bytes_predicted'])} predicted for the static mesh: "
             + verdict
         )
+    if s.get("offload_line"):
+        lines.append(f"  {'offloading':<12} {s['offload_line']}")
     for label, text in s["locations"]:
         lines.append(f"  {label:<12} {text}")
     return "\n".join(lines)

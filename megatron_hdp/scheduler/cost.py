@@ -91,6 +91,10 @@ class DeviceProfile:
         memory_bytes: Device memory.
         host_memory_bytes: Host memory one rank may fill with offloaded activations.
         bytes_per_element: 2 for bf16 activations, 4 for fp32.
+        host_link_shared: The host copies and the ring's network traffic cross one link
+            (a GPU's PCIe link carries both its D2H/H2D copies and, through the PCIe
+            switch, its GPUDirect RDMA traffic to the NIC): offloading's copies then
+            compete with the ring's K/V for `host_bandwidth` (`CostModel.offload_copy_time`).
     """
 
     name: str
@@ -102,6 +106,7 @@ class DeviceProfile:
     memory_bytes: float
     host_memory_bytes: float = 64e9
     bytes_per_element: int = 2
+    host_link_shared: bool = False
 
     def replica(
         self, tp: int, pp: int = 1, *, tp_efficiency: float = 0.9, pp_efficiency: float = 0.9
@@ -145,7 +150,10 @@ class DeviceProfile:
 #: (typical Megatron MFU and FlashAttention-2 forward+backward); 50 GB/s per direction to a
 #: ring neighbour on another node (400 Gb/s InfiniBand NDR per GPU); ~10 us per message;
 #: PCIe Gen5 x16 ~50 GB/s effective per direction; 80 GB HBM3; 2 TB of host memory per
-#: 8-GPU node, half of a GPU's share (128 GB) for offloaded activations.
+#: 8-GPU node, half of a GPU's share (128 GB) for offloaded activations. The host link is
+#: shared with the NIC: in the DGX H100 / HGX reference topology each GPU and its ConnectX-7
+#: sit behind one PCIe Gen5 switch, so GPUDirect RDMA and host copies both cross the GPU's
+#: one x16 link (NVIDIA DGX H100 User Guide, "System Topology").
 H100 = DeviceProfile(
     name="h100",
     linear_flops=0.6 * 989e12,
@@ -155,9 +163,11 @@ H100 = DeviceProfile(
     host_bandwidth=50e9,
     memory_bytes=80e9,
     host_memory_bytes=128e9,
+    host_link_shared=True,
 )
 #: A100 SXM: 312 TFLOP/s dense bf16; same efficiencies; 200 Gb/s HDR per GPU (25 GB/s);
-#: PCIe Gen4 ~25 GB/s; 80 GB HBM2e; 1 TB host memory per node, 64 GB per GPU for offload.
+#: PCIe Gen4 ~25 GB/s; 80 GB HBM2e; 1 TB host memory per node, 64 GB per GPU for offload;
+#: GPU and NIC share a PCIe Gen4 switch (DGX A100 User Guide, "Network Connections"), as H100.
 A100 = DeviceProfile(
     name="a100",
     linear_flops=0.6 * 312e12,
@@ -167,6 +177,7 @@ A100 = DeviceProfile(
     host_bandwidth=25e9,
     memory_bytes=80e9,
     host_memory_bytes=64e9,
+    host_link_shared=True,
 )
 #: This machine's kind (2 cores, gloo over loopback), before calibration: ~20 GFLOP/s per
 #: rank, gloo P2P ~1 GB/s and ~0.5 ms per message (cpu-gloo-facts.md, section 1), fp32;
@@ -266,6 +277,46 @@ class CostModel:
         m = self.model
         return m.num_layers * 34.0 * m.hidden_size * self.device.bytes_per_element / 2.0
 
+    def offload_copy_time(self, s, k, ratio):
+        """Seconds per member that offloading's host copies add to a ring (exposed only).
+
+        A member holds `s / k` tokens; each of the `l - 2` offloadable layers copies a
+        `ratio` share of its activations to the host during its forward pass and back
+        during the backward pass (two layers stay resident, `offload_rule`). A layer's
+        copy hides under that layer's compute on the member (forward, resp. backward)
+        plus the ring time the layer already exposes; only the excess is added. With
+        `host_link_shared` the ring's K/V bytes of the layer cross the same link in the
+        same direction (sends while copying out, receives while copying back), so they
+        take their share of `host_bandwidth` first. Zero where `ratio` is 0; floats or
+        numpy arrays (elementwise, broadcast).
+        """
+        m, d = self.model, self.device
+        s = np.asarray(s, dtype=np.float64)
+        k = np.maximum(np.asarray(k, dtype=np.float64), 1.0)
+        ratio = np.asarray(ratio, dtype=np.float64)
+        layers = m.num_layers
+        tokens = s / k
+        copy = ratio * self.activation_bytes_per_token() / layers * tokens / d.host_bandwidth
+        linear, attention = self.linear_time(s), self.attention_time(s)
+        per_layer = (linear + attention) / (k * layers)
+        forward = forward_fraction(linear, attention) * per_layer
+        backward = per_layer - forward
+        exposed = self.exposed_ring_time(s, k) / layers
+        exposed_f = forward_fraction(linear, attention) * exposed
+        exposed_b = exposed - exposed_f
+        ring_f = ring_b = np.zeros_like(tokens)
+        if d.host_link_shared:
+            step = 2.0 * tokens * m.kv_dim * d.bytes_per_element / d.host_bandwidth
+            ring_f = np.where(k > 1, (k - 1) * step, 0.0)
+            ring_b = np.where(k > 1, (2 * (k - 1) + 1) * step, 0.0)
+        windows = ((forward + exposed_f, ring_f), (backward + exposed_b, ring_b))
+        extra = sum(
+            np.maximum(0.0, copy + ring - window) - np.maximum(0.0, ring - window)
+            for window, ring in windows
+        )
+        out = np.where(ratio > 0, max(0, layers - 2) * extra, 0.0)
+        return float(out) if out.ndim == 0 else out
+
     def planner_cost(self, lengths: Sequence[int], cp_size: int, capacity: int) -> float:
         """`placement.CostFn` adapter: per-member time of a micro-batch."""
         return self.micro_batch_time(lengths, cp_size)
@@ -275,8 +326,8 @@ class CostModel:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Inputs of the balance core: ring sizes, local costs and per-member ring costs.
 
-        Ring sizes default to `ceil(s / capacity)`; offloading passes smaller ones (its
-        copies hide under compute by construction, so they add no time here).
+        Ring sizes default to `ceil(s / capacity)`; offloading passes smaller ones (the
+        ring costs here leave its copies out: `offload_choice.OffloadRingCosts` adds them).
         """
         s = np.asarray(seqlens, dtype=np.float64)
         if ring_sizes is None:

@@ -35,7 +35,8 @@ from megatron_hdp.scheduler.balance import (
     plan_from_placements,
     ring_sequences,
 )
-from megatron_hdp.scheduler.offload_rule import planned_offload
+from megatron_hdp.scheduler.offload_choice import OffloadRingCosts, decide
+from megatron_hdp.scheduler.offload_rule import offload_rule
 from megatron_hdp.scheduler.plan import MicroBatch, StepPlan, plan_from_rank_lists, validate_inputs
 from megatron_hdp.scheduler.pp_balance import plan_pp_balanced, with_pipeline_predictions
 from megatron_hdp.scheduler.ring_sizing import (
@@ -129,20 +130,21 @@ def plan_balanced(
     minimal ring. With one (and `size_rings`), ring sizes are a decision
     (`ring_sizing.plan_ring_sizes`): a sequence gets at least its minimal ring and more
     where that shortens the predicted step. `core` is the placement core with
-    `balance.balance_core`'s signature (the C++ core by default). With `offload`, the
-    minimal rings are the offload rule's (needs a cost model) and each ring offloads the
-    least share that fits its placed width; the plan then records the model's layer count
-    for its memory check.
+    `balance.balance_core`'s signature (the C++ core by default). With `offload` (needs a
+    cost model), offloading is a choice (`offload_choice`): the plan without offloading
+    and the one whose rings may shrink to the offload rule's counts, each ring offloading
+    the least share that fits its placed width with its copies priced; the faster is
+    returned, with its `offload_decision`. An offloading plan records the model's layer
+    count for its memory check.
     """
     lengths = validate_inputs(seqlens, pool_size, capacity)
     if offload:
         if cost_model is None:
             raise ValueError("offloading needs a cost model (bandwidths and activation sizes)")
-        ring_sizes, _ = planned_offload(
-            lengths, pool_size=pool_size, capacity=capacity, cost_model=cost_model
+        return _plan_offload_choice(
+            lengths, pool_size, capacity, cost_model, delta=delta, core=core, size_rings=size_rings
         )
-        ring_sizes, local, ring = cost_model.cost_arrays(lengths, capacity, ring_sizes=ring_sizes)
-    elif cost_model is not None:
+    if cost_model is not None:
         ring_sizes, local, ring = cost_model.cost_arrays(lengths, capacity)
     else:
         ring_sizes = [max(1, math.ceil(s / capacity)) for s in lengths]
@@ -168,27 +170,73 @@ def plan_balanced(
         pack_tokens = pack_limit(cost_model, capacity, bound.value)
         runner = _CoreRunner(core, lengths, local, costs, capacity, pack_tokens, delta)
         small = pack_tokens < capacity or len(lengths) < 2 * pool_size
-        placements = plan_ring_sizes(
-            costs, runner, bound=bound, try_singles=small, balance_attention=not offload
-        ).placements
+        placements = plan_ring_sizes(costs, runner, bound=bound, try_singles=small).placements
     else:
         kwargs = dict(pool_size=pool_size, capacity=capacity, delta=delta)
         placements = _place(core, lengths, ring_sizes, local, ring, **kwargs)
-    ratios = None
-    if offload:
+    return plan_from_placements(
+        placements, lengths, pool_size=pool_size, capacity=capacity, policy="balanced"
+    )
+
+
+def _plan_offload_choice(
+    lengths, pool_size: int, capacity: int, cost_model, *, delta, core, size_rings: bool
+) -> StepPlan:
+    """`plan_balanced(..., offload=True)`: the faster of widening and offloading.
+
+    The plan without offloading, and the one whose rings may shrink to Eq. 3's counts and
+    offload (`offload_choice.OffloadRingCosts`: copies priced); the faster is returned with
+    its `offload_decision` (`offload_choice.decide`).
+    """
+    widen = plan_balanced(
+        lengths,
+        pool_size=pool_size,
+        capacity=capacity,
+        cost_model=cost_model,
+        delta=delta,
+        core=core,
+        size_rings=size_rings,
+    )
+    k_min, _ = offload_rule(lengths, capacity, cost_model)
+    base = np.maximum(1, -(-lengths // capacity))
+    offload = None
+    if np.any(k_min < base):
+        if core is None:
+            from megatron_hdp.scheduler.planner import default_core
+
+            core = default_core()
+        _, local, _ = cost_model.cost_arrays(lengths, capacity, ring_sizes=k_min)
+        costs = OffloadRingCosts(lengths, cost_model, pool_size, k_min, capacity, compute=local)
+        if size_rings:
+            # The bound with free copies: copies only add time, so it bounds this plan too.
+            free = RingCosts(lengths, cost_model, pool_size, k_min, compute=local)
+            bound = step_lower_bound(free)
+            pack_tokens = pack_limit(cost_model, capacity, bound.value)
+            runner = _CoreRunner(core, lengths, local, costs, capacity, pack_tokens, delta)
+            small = pack_tokens < capacity or len(lengths) < 2 * pool_size
+            placements = plan_ring_sizes(
+                costs, runner, bound=bound, try_singles=small, balance_attention=False
+            ).placements
+        else:
+            ring = np.where(k_min > 1, costs.min_time, 0.0)
+            kwargs = dict(pool_size=pool_size, capacity=capacity, delta=delta)
+            placements = _place(core, lengths, k_min, local, ring, **kwargs)
         seqs, widths = ring_sequences(placements)
         placed = np.ones(len(lengths), dtype=np.int64)
         placed[seqs] = widths
         ratios = offload_ratios_for(lengths, placed, capacity, cost_model.model.num_layers)
-    return plan_from_placements(
-        placements,
-        lengths,
-        pool_size=pool_size,
-        capacity=capacity,
-        policy="balanced",
-        offload_ratios=ratios,
-        num_layers=cost_model.model.num_layers if offload else 0,
-    )
+        offload = plan_from_placements(
+            placements,
+            lengths,
+            pool_size=pool_size,
+            capacity=capacity,
+            policy="balanced",
+            offload_ratios=ratios,
+            num_layers=cost_model.model.num_layers,
+        )
+    plan, decision = decide(widen, offload, cost_model)
+    plan.offload_decision = decision
+    return plan
 
 
 #: Packs cost at most this share of the step's lower bound (where the capacity allows less).

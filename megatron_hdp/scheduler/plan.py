@@ -152,6 +152,9 @@ class StepPlan:
                 raise ValueError(f"{name} must hold {m} entries, got {len(getattr(self, name))}")
         self._seqlens = None
         self._micro_batches = None
+        #: With `plan_step(..., offload=True)`: what the planner chose and why
+        #: (`offload_choice.OffloadDecision`); None otherwise. Not part of the plan's JSON.
+        self.offload_decision = None
         self._rank_offsets, self._rank_items = _rank_index(
             self.ring_offsets, self.ring_ranks, self.pool_size
         )

@@ -9,7 +9,9 @@ A profile describes one HDP rank: a model replica of TP x PP GPUs. Per-GPU const
 - 8 GPUs per node on NVLink 4 (900 GB/s per GPU, datasheet): TP stays inside the node.
 - 400 Gb/s InfiniBand NDR per GPU (one ConnectX-7 per GPU, the DGX H100 reference design)
   = 50 GB/s per direction; ~10 us per message (`cost.H100`).
-- PCIe Gen5 x16 host link, ~50 GB/s effective per direction (`cost.H100`).
+- PCIe Gen5 x16 host link, ~50 GB/s effective per direction (`cost.H100`), shared by the
+  host copies of offloading and the GPU's GPUDirect RDMA traffic to its NIC (GPU and
+  ConnectX-7 behind one PCIe switch, the DGX H100 topology; `DeviceProfile.host_link_shared`).
 - 80 GB HBM3 per GPU; 2 TB host memory per 8-GPU node (DGX H100: 2 TB), half of a GPU's
   share (128 GB) for offloaded activations (`cost.H100`).
 
@@ -51,6 +53,7 @@ class Cluster:
     ib_bandwidth: float = 50e9  # 400 Gb/s per GPU, per direction
     ib_latency: float = 10e-6
     host_bandwidth: float = 50e9  # PCIe Gen5 x16 effective, per direction
+    host_link_shared: bool = True  # the NIC's traffic crosses the same PCIe link
     gpu_memory: float = 80e9
     host_memory_per_gpu: float = 128e9
     tp_efficiency: float = 0.9
@@ -67,6 +70,7 @@ class Cluster:
             memory_bytes=self.gpu_memory,
             host_memory_bytes=self.host_memory_per_gpu,
             bytes_per_element=2,
+            host_link_shared=self.host_link_shared,
         )
 
     def rank_profile(self, tp: int) -> DeviceProfile:

@@ -30,8 +30,9 @@ Systems (the paper's ablation order first):
   is the paper's full "HDP balance".
 - `hdp_balance`: balance without offloading (`plan_step(policy="balanced")`).
 
-The cost model prices offloading at zero extra time (its D2H copies hide under compute
-by construction of the ratio); that is the cost model's claim, not re-checked here.
+A micro-batch that offloads is priced with its copies' exposed time
+(`CostModel.offload_copy_time`: host link bandwidth, shared with the NIC where the
+profile says so), the same price the planner weighs when it chooses offloading.
 
 Pipeline parallelism (`pipeline_stages > 1`, the PP models): every pool rank is a pipeline
 and a step runs the plan's lists through Megatron's 1F1B schedule stage by stage
@@ -171,9 +172,17 @@ def price(plan: StepPlan, cost_model: CostModel) -> Segment:
     seqlens = plan.seqlens
     for mb in plan.micro_batches:
         lengths = [seqlens[i] for i in mb.seq_indices]
-        durations.append(cost_model.micro_batch_time(lengths, mb.cp_size))
+        durations.append(micro_batch_seconds(cost_model, lengths, mb.cp_size, mb.offload_ratio))
         compute.append(compute_only(cost_model, lengths, mb.cp_size))
     return Segment(plan, durations, compute)
+
+
+def micro_batch_seconds(cost_model: CostModel, lengths, k: int, ratio: float) -> float:
+    """Per-member seconds of a micro-batch, offloading's exposed copies included."""
+    t = cost_model.micro_batch_time(lengths, k)
+    if ratio > 0:
+        t += float(cost_model.offload_copy_time(float(sum(lengths)), k, ratio))
+    return t
 
 
 def grad_sync_time(params: float, pool_size: int, bandwidth: float, latency: float) -> float:
@@ -528,5 +537,7 @@ def total_cost(result: StepResult, cost_model: CostModel) -> float:
         seqlens = seg.plan.seqlens
         for mb in seg.plan.micro_batches:
             lengths = [seqlens[i] for i in mb.seq_indices]
-            total += mb.cp_size * cost_model.micro_batch_time(lengths, mb.cp_size)
+            total += mb.cp_size * micro_batch_seconds(
+                cost_model, lengths, mb.cp_size, mb.offload_ratio
+            )
     return total

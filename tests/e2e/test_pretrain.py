@@ -204,27 +204,61 @@ def test_resume_equals_uninterrupted(corpus_cache, tmp_path, distributed_optimiz
             torch.testing.assert_close(b[name], value, rtol=1e-6, atol=1e-7, msg=name)
 
 
-def test_offloading_run_gives_the_same_losses(corpus_cache):
-    """--hdp-offload gives long sequences fewer ranks and moves activations to host
-    memory; the losses stay those of the run without it."""
+def test_offloading_run_gives_the_same_losses(corpus_cache, tmp_path):
+    """--hdp-offload on this machine's calibrated profile: the planner offloads where 1K
+    sequences would otherwise take the whole pool of 4 (C = 256) one after another; bytes
+    move to host memory, the losses stay those of the run without it, and every log
+    interval and the summary say how many rings offloaded."""
     extra = [
         "--num-layers",
-        "4",
+        "6",
         "--hidden-size",
         "128",
         "--seq-length",
-        "2048",
+        "1024",
         "--hdp-global-batch-tokens",
-        "8192",
+        "4096",
         "--hdp-device-profile",
-        "cpu",
+        str(REPO / "results" / "cpu_profile.json"),
+        "--hdp-host-memory-gb",
+        "1",
         "--seed",
-        "15",  # both steps of this seed have a sequence the planner offloads
+        "15",
     ]
-    plain = run_pretrain(4, default_corpus_args(corpus_cache, capacity=512, iters=2, extra=extra))
-    offloaded = run_pretrain(
+    plain = run_pretrain(4, default_corpus_args(corpus_cache, capacity=256, iters=2, extra=extra))
+    log = tmp_path / "offload.log"
+    offloaded = run_pretrain_logged(
         4,
-        default_corpus_args(corpus_cache, capacity=512, iters=2, extra=[*extra, "--hdp-offload"]),
+        default_corpus_args(corpus_cache, capacity=256, iters=2, extra=[*extra, "--hdp-offload"]),
+        log,
     )
     assert offloaded[-1]["offloaded_bytes"] > 0 and plain[-1]["offloaded_bytes"] == 0
+    assert "offload_rings" not in plain[0]
+    assert any(s["offload_rings"] > 0 for s in offloaded), offloaded
+    for s in offloaded:  # measured bytes exactly where the plan offloads
+        assert (s["offload_bytes"] > 0) == (s["offload_rings"] > 0), s
     assert [s["loss"] for s in offloaded] == pytest.approx([s["loss"] for s in plain], rel=1e-5)
+    text = log.read_text()
+    assert "--hdp-offload: each step the planner offloads a long sequence's ring only" in text
+    rings = sum(s["offload_rings"] for s in offloaded)
+    total = sum(s["offload_rings_total"] for s in offloaded)
+    assert f"iter 2 | offloaded {offloaded[-1]['offload_rings']} of " in text, text[-3000:]
+    assert f"  offloading   offloaded {rings} of {total} rings in 2 steps, " in text
+    assert "never offloaded" not in text
+
+
+def test_a_run_that_never_offloads_says_so(corpus_cache, tmp_path):
+    """--hdp-offload where no ring can shrink: the run ends with one line saying offloading
+    never happened, and why."""
+    log = tmp_path / "never.log"
+    # 512-token sequences at C = 256: rings of 2, which never shrink.
+    argv = default_corpus_args(
+        corpus_cache, capacity=256, iters=2, extra=["--hdp-offload", "--hdp-device-profile", "cpu"]
+    )
+    records = run_pretrain_logged(2, argv, log)
+    assert all(r["offload_rings"] == 0 and r["offload_bytes"] == 0 for r in records)
+    lines = [line for line in log.read_text().splitlines() if line.strip()]
+    total = sum(r["offload_rings_total"] for r in records)
+    reason = records[-1]["offload_reason"]
+    assert reason.startswith("no ring can shrink") or total == 0, records
+    assert lines[-1] == f"--hdp-offload never offloaded in 2 steps ({total} rings): {reason}"

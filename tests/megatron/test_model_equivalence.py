@@ -134,8 +134,11 @@ def _body_train(rank, world_size, case: Case):
             runtime = StepRuntime(group=dist.group.WORLD, check_plans=True)
             cost_model, offloaded = None, []
             if case.offload:
-                # Copies that always hide and room to spare: the rule offloads all it can.
-                profile = dataclasses.replace(CPU, host_bandwidth=1e15, host_memory_bytes=1e12)
+                # Copies that always hide, room to spare and a slow network, where narrower
+                # rings pay: the planner chooses offloading and the rule offloads all it can.
+                profile = dataclasses.replace(
+                    CPU, host_bandwidth=1e15, host_memory_bytes=1e12, p2p_bandwidth=1e6
+                )
                 cost_model = CostModel(model_shape(case.cfg), profile)
                 # The engine's pool is allocated up front: 1 GiB is far more than it needs.
                 runtime.offload = offload_manager(

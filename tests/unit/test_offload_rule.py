@@ -237,25 +237,32 @@ def test_edge_cases():
         offload_rule([1 << 20], 8192, model, host_budget_bytes=0)
 
 
-def test_planner_gives_long_sequences_the_rule_s_ranks():
-    """With plenty of other work, the ring-time limit does not bind: exactly Eq. 3's ranks."""
-    model = CostModel(shape(32), H100)
-    lengths = [300000, 500000, 70000, 9000] + [8192] * 9000
-    ranks, ratios = offload_rule(lengths, 8192, model)
-    plan = plan_step(
-        lengths, pool_size=64, capacity=8192, policy="balanced", cost_model=model, offload=True
-    )
-    plan.validate(pool_size=64)
-    for mb in plan.micro_batches:
-        if mb.cp_size > 1:
-            (i,) = mb.seq_indices
-            assert mb.cp_size == ranks[i] and mb.offload_ratio == pytest.approx(ratios[i])
-        else:
-            assert mb.offload_ratio == 0.0
-    plain = plan_step(lengths, pool_size=64, capacity=8192, policy="balanced", cost_model=model)
-    assert sum(mb.cp_size for mb in plan.micro_batches) < sum(
-        mb.cp_size for mb in plain.micro_batches
-    )
+def test_planner_offloads_within_the_rule_and_never_plans_slower():
+    """Where the planner offloads, each ring has at least Eq. 3's ranks and the least ratio
+    that fits its placed width; the chosen plan is never predicted slower than the plan
+    without offloading (offloading is a choice, `offload_choice`)."""
+    from megatron_hdp.scheduler.offload_choice import predicted_step
+    from megatron_hdp.scheduler.offload_rule import least_ratio
+
+    slow_net = CostModel(shape(32), dataclasses.replace(H100, p2p_bandwidth=12.5e9))
+    for model in (CostModel(shape(32), H100), slow_net):
+        lengths = [1 << 21] * 4 + [300000, 70000, 9000] + [8192] * 200
+        ranks, _ = offload_rule(lengths, 8192, model)
+        plan = plan_step(
+            lengths, pool_size=512, capacity=8192, policy="balanced", cost_model=model, offload=True
+        )
+        plan.validate(pool_size=512)
+        for mb in plan.micro_batches:
+            if mb.offload_ratio > 0:
+                (i,) = mb.seq_indices
+                assert ranks[i] <= mb.cp_size < math.ceil(lengths[i] / 8192)
+                tokens = -(-lengths[i] // mb.cp_size)
+                assert mb.offload_ratio == least_ratio(tokens, 8192, 32)
+        plain = plan_step(
+            lengths, pool_size=512, capacity=8192, policy="balanced", cost_model=model
+        )
+        assert predicted_step(plan) <= predicted_step(plain)
+    assert plan.offload_decision.offloaded > 0  # the slow network's plan offloads
     with pytest.raises(ValueError, match="offloading is planned by the balanced policy"):
         plan_step(lengths, pool_size=64, capacity=8192, policy="greedy", offload=True)
 
