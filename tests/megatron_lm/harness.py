@@ -144,6 +144,9 @@ def _body_megatron_lm(rank, world_size, script, argv, launcher):
             else:
                 sys.argv = [str(script), *argv]
                 runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as stop:  # Megatron-LM exits this way at --exit-interval
+        if stop.code not in (0, None):
+            raise
     finally:
         training.training_log, training.evaluate = stock_log, stock_evaluate
     return records

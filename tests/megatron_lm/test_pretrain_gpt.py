@@ -57,3 +57,70 @@ def test_hdp_losses_equal_pretrain_hdp(trees, data):
     assert [i for i, _, _ in ran["train"]] == [1, 2, 3]
     _close([loss for _, loss, _ in ran["train"]], [r["loss"] for r in reference])
     _close([norm for _, _, norm in ran["train"]], [r["grad_norm"] for r in reference])
+
+
+def test_launcher_runs_the_unmodified_script_with_hdp(trees, data):
+    """`python -m megatron_hdp.megatron_lm pretrain_gpt.py --hdp`: the same losses, no edit.
+
+    With a token budget (--hdp-global-batch-tokens) and Megatron-LM's CP flag, which --hdp
+    folds into the pool (DP 1 x CP 2 = a pool of 2).
+    """
+    stock, _ = trees
+    flags = [*SHARED, "--data-path", data, "--train-iters", "2", "--hdp-capacity", "256"]
+    flags += ["--hdp-global-batch-tokens", "2048", "--context-parallel-size", "2"]
+    flags += ["--eval-iters", "0", "--eval-interval", "1000"]
+    ran = run_megatron_lm(
+        stock / "pretrain_gpt.py", 2, [*flags, *MEGATRON_CPU, "--hdp"], launcher=True
+    )
+    reference = run_pretrain(2, [*flags, "--no-progress-bar"])
+    assert [i for i, _, _ in ran["train"]] == [1, 2]
+    _close([loss for _, loss, _ in ran["train"]], [r["loss"] for r in reference])
+    _close([norm for _, _, norm in ran["train"]], [r["grad_norm"] for r in reference])
+
+
+def test_save_and_load_resume_exactly(trees, data, tmp_path):
+    """Four steps in one go equal two steps, --save, then --load and two more (data too).
+
+    (Megatron-LM checks that the resumed run has the same --train-iters: the first one stops
+    at --exit-interval.)
+    """
+    _, patched = trees
+    script = patched / "pretrain_gpt.py"
+    flags = [*SHARED, *MEGATRON_CPU, "--data-path", data, "--global-batch-size", "6"]
+    flags += ["--hdp-capacity", "256", "--eval-iters", "0", "--eval-interval", "1000", "--hdp"]
+    whole = run_megatron_lm(script, 2, [*flags, "--train-iters", "4"])
+    save = str(tmp_path / "ckpt")
+    first = run_megatron_lm(
+        script,
+        2,
+        [
+            *flags,
+            "--train-iters",
+            "4",
+            "--exit-interval",
+            "2",
+            "--save",
+            save,
+            "--save-interval",
+            "2",
+        ],
+    )
+    # On CPU Megatron-LM saves no CUDA RNG state to load (nothing here draws from it).
+    resumed = run_megatron_lm(
+        script, 2, [*flags, "--train-iters", "4", "--load", save, "--no-load-rng"]
+    )
+    assert [i for i, _, _ in first["train"]] == [1, 2]
+    assert [i for i, _, _ in resumed["train"]] == [3, 4]
+    _close([r[1] for r in first["train"] + resumed["train"]], [r[1] for r in whole["train"]], 1e-6)
+    _close([r[2] for r in first["train"] + resumed["train"]], [r[2] for r in whole["train"]], 1e-6)
+
+
+def test_without_hdp_the_job_is_stock(trees, data):
+    """No --hdp: the patched script and the launcher log the unpatched script's losses."""
+    stock, patched = trees
+    flags = [*SHARED, *MEGATRON_CPU, "--data-path", data, "--train-iters", "2"]
+    flags += ["--global-batch-size", "4", "--eval-iters", "0", "--eval-interval", "1000"]
+    want = run_megatron_lm(stock / "pretrain_gpt.py", 2, flags)["train"]
+    assert [i for i, _, _ in want] == [1, 2]
+    assert run_megatron_lm(patched / "pretrain_gpt.py", 2, flags)["train"] == want
+    assert run_megatron_lm(stock / "pretrain_gpt.py", 2, flags, launcher=True)["train"] == want
