@@ -124,3 +124,26 @@ def test_without_hdp_the_job_is_stock(trees, data):
     assert [i for i, _, _ in want] == [1, 2]
     assert run_megatron_lm(patched / "pretrain_gpt.py", 2, flags)["train"] == want
     assert run_megatron_lm(stock / "pretrain_gpt.py", 2, flags, launcher=True)["train"] == want
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"],
+        ["--pipeline-model-parallel-size", "2"],
+    ],
+    ids=["tp2", "pp2"],
+)
+def test_tp2_and_pp2_losses_equal_pretrain_hdp(trees, data, layout):
+    """Four ranks: TP 2 or PP 2 per replica, a pool of 2 replicas."""
+    _, patched = trees
+    flags = [*SHARED, *layout, "--data-path", data, "--train-iters", "2"]
+    flags += ["--global-batch-size", "6", "--hdp-capacity", "256"]
+    flags += ["--eval-iters", "0", "--eval-interval", "1000"]
+    ran = run_megatron_lm(
+        patched / "pretrain_gpt.py", 4, [*flags, *MEGATRON_CPU, "--hdp"], timeout_s=240
+    )
+    reference = run_pretrain(4, [*flags, "--no-progress-bar"], timeout_s=240)
+    assert [i for i, _, _ in ran["train"]] == [1, 2]
+    _close([loss for _, loss, _ in ran["train"]], [r["loss"] for r in reference])
+    _close([norm for _, _, norm in ran["train"]], [r["grad_norm"] for r in reference])
