@@ -177,24 +177,30 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _defaults() -> dict:
+def _hdp_flags() -> dict[str, tuple[str, object]]:
+    """Each flag `add_args` adds: its dest -> (its name, its default)."""
     parser = argparse.ArgumentParser(add_help=False)
     add_args(parser)
-    return {a.dest: a.default for a in parser._actions}  # noqa: SLF001
+    return {a.dest: (a.option_strings[0], a.default) for a in parser._actions}  # noqa: SLF001
 
 
 def check_args(args: argparse.Namespace) -> None:
     """Before Megatron-LM's `validate_args`: refuse what HDP cannot run, set what it implies.
 
+    Without `--hdp` it only refuses `--hdp-*` flags (they would do nothing).
+
     With `--hdp` this sets `--dataloader-type external` and `--calculate-per-token-loss`
     (HDP's data iterator and per-token loss), and records whether `--global-batch-size` was
     given (Megatron-LM fills in a default afterwards). Raises ValueError naming the flag.
     """
+    flags = _hdp_flags()
     if not getattr(args, "hdp", False):
+        for dest, (flag, default) in flags.items():
+            if dest != "hdp" and getattr(args, dest, default) != default:
+                raise ValueError(f"{flag} has no effect without --hdp")
         return
-    defaults = _defaults()
     for dest, (flag, reason) in REFUSED_HDP_FLAGS.items():
-        if getattr(args, dest, defaults[dest]) != defaults[dest]:
+        if getattr(args, dest, flags[dest][1]) != flags[dest][1]:
             raise ValueError(f"{flag} is not supported with Megatron-LM's pretrain(): {reason}")
     for dest, refused, message in _REFUSED_MEGATRON:
         if dest in args and refused(getattr(args, dest)):

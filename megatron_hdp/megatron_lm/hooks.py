@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import sys
 from functools import partial
 
 import torch
@@ -166,9 +167,13 @@ def _checked_validate_args(validate_args):
     from megatron_hdp.megatron_lm.args import check_args, finish_args
 
     def validate(args, defaults=None, *rest, **kwargs):
-        check_args(args)
-        result = validate_args(args, {} if defaults is None else defaults, *rest, **kwargs)
-        finish_args(args)
+        try:
+            check_args(args)
+            result = validate_args(args, {} if defaults is None else defaults, *rest, **kwargs)
+            finish_args(args)
+        except ValueError as err:  # bad input: one line, before any process group
+            sys.stderr.write(f"{sys.argv[0]}: error: {err}\n")
+            raise SystemExit(2) from None
         if getattr(args, "hdp", False):
             args.hdp_checked = True
         return result

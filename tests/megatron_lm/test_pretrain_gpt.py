@@ -10,34 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e.harness import run_pretrain
-from tests.megatron_lm.harness import (
-    MEGATRON_CPU,
-    SHARED,
-    import_megatron_lm,
-    prepare_trees,
-    run_megatron_lm,
-    write_documents,
-)
-
-megatron_core = pytest.importorskip("megatron.core")
-if not megatron_core.__version__.startswith("0.16."):
-    pytest.skip("the core_v0.16.1 tree runs with megatron-core 0.16", allow_module_level=True)
-
-
-@pytest.fixture(scope="module")
-def trees(tmp_path_factory):
-    """(stock, patched) Megatron-LM core_v0.16.1 trees; the patched one is imported."""
-    stock, patched = prepare_trees("core_v0.16.1", tmp_path_factory.mktemp("mlm"))
-    import_megatron_lm(patched)
-    return stock, patched
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    """The indexed documents both scripts read."""
-    prefix = tmp_path_factory.mktemp("data") / "docs"
-    write_documents(prefix)
-    return str(prefix)
+from tests.megatron_lm.harness import MEGATRON_CPU, SHARED, run_megatron_lm
 
 
 def _close(got, want, rel=2e-5):
