@@ -77,18 +77,20 @@ def apply(checkout: Path, tag: str | None = None, *, check: bool = False) -> str
             raise ValueError(f"{checkout}: cannot tell its Megatron-LM tag; pass --tag ({tags})")
     if tag not in tags:
         raise ValueError(f"no patch for Megatron-LM tag {tag!r}; there are patches for {tags}")
-    patches = sorted((PATCHES / tag).glob("*.patch"))
-    for patch in patches:
+    done = []
+    for patch in sorted((PATCHES / tag).glob("*.patch")):
         if _git_apply(checkout, patch, "--check").returncode != 0:
             if _git_apply(checkout, patch, "--check", "--reverse").returncode == 0:
-                continue  # already applied
+                done.append(f"{patch.name} (already applied)")
+                continue
             detail = _git_apply(checkout, patch, "--check").stderr.strip()
             raise ValueError(f"{patch.name} does not apply to {checkout}: {detail}")
         if not check:
             result = _git_apply(checkout, patch)
             if result.returncode != 0:
                 raise ValueError(f"{patch.name}: {result.stderr.strip()}")
-    return f"{'checked' if check else 'applied'} {tag}: {', '.join(p.name for p in patches)}"
+        done.append(f"{patch.name} ({'applies' if check else 'applied'})")
+    return f"{tag}: {', '.join(done)}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,6 @@ Without `--hdp` the job is stock Megatron-LM. Nothing here imports Megatron-LM's
 `megatron.training` until the job calls it.
 """
 
-from megatron_hdp.megatron_lm.hooks import hdp_pretrain, install_hooks
+from megatron_hdp.megatron_lm.hooks import hdp_pretrain, install_hooks, with_hdp_args
 
-__all__ = ["hdp_pretrain", "install_hooks"]
+__all__ = ["hdp_pretrain", "install_hooks", "with_hdp_args"]

@@ -32,15 +32,27 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def install_pretrain() -> None:
-    """Replace `megatron.training.pretrain` (what training scripts import) by HDP's wrapper."""
-    import megatron.training
-    from megatron.training import training
+    """Put HDP's wrappers where training scripts import Megatron-LM's entry points from.
 
-    from megatron_hdp.megatron_lm.hooks import hdp_pretrain
+    `megatron.training.pretrain` becomes `hdp_pretrain(pretrain)`; where the script parses
+    the arguments itself (core_v0.19.0: `arguments.parse_and_validate_args`), that function
+    adds HDP's flags to its `extra_args_provider`.
+    """
+    import megatron.training
+    from megatron.training import arguments, training
+
+    from megatron_hdp.megatron_lm.hooks import hdp_pretrain, with_hdp_args
 
     wrapped = hdp_pretrain(training.pretrain)
     megatron.training.pretrain = wrapped
     training.pretrain = wrapped
+    stock_parse = getattr(arguments, "parse_and_validate_args", None)
+    if stock_parse is not None:
+
+        def parse_and_validate_args(extra_args_provider=None, *args, **kwargs):
+            return stock_parse(with_hdp_args(extra_args_provider), *args, **kwargs)
+
+        arguments.parse_and_validate_args = parse_and_validate_args
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ function it replaced, so the job is stock Megatron-LM. The patch
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import logging
@@ -183,38 +184,51 @@ def _checked_validate_args(validate_args):
 
 
 def install_hooks() -> None:
-    """Install the two run-time hooks into Megatron-LM (once; idempotent).
+    """Install the run-time hooks into Megatron-LM (once; idempotent).
 
-    Both call the stock function without `--hdp`.
+    `validate_args` is wrapped where Megatron-LM calls it: `megatron.training.initialize`
+    (core_v0.16.1, inside `pretrain()`) and `megatron.training.arguments` (core_v0.19.0,
+    `parse_and_validate_args`, which the script calls itself). Every hook calls the stock
+    function without `--hdp`.
     """
     if _INSTALLED:
         return
-    from megatron.training import initialize, training
+    from megatron.training import arguments, initialize, training
 
     stock_schedule = training.get_forward_backward_func
 
     def get_forward_backward_func(*args, **kwargs):
         return _SCHEDULE if _hdp_on() else stock_schedule(*args, **kwargs)
 
-    _INSTALLED["validate_args"] = initialize.validate_args
-    _INSTALLED["get_forward_backward_func"] = stock_schedule
-    initialize.validate_args = _checked_validate_args(initialize.validate_args)
+    for module in (initialize, arguments):
+        if hasattr(module, "validate_args"):
+            _INSTALLED[(module.__name__, "validate_args")] = module.validate_args
+            module.validate_args = _checked_validate_args(module.validate_args)
+    _INSTALLED[(training.__name__, "get_forward_backward_func")] = stock_schedule
     training.get_forward_backward_func = get_forward_backward_func
 
 
 def hdp_pretrain(pretrain, *, loss_func=None):
     """Megatron-LM's `pretrain` with `--hdp`: same arguments, same behaviour without the flag.
 
-    `loss_func(loss_mask, output_tensor, model=None)` is the script's loss function; default:
-    the `loss_func` beside the script's `forward_step` (`pretrain_gpt.py`'s), else an
-    equivalent per-token loss.
+    Installs the run-time hooks (`install_hooks`) now, so that a script which parses its
+    arguments before calling `pretrain` (core_v0.19.0) is checked too. `loss_func(loss_mask,
+    output_tensor, model=None)` is the script's loss function; default: the `loss_func`
+    beside the script's `forward_step` (`pretrain_gpt.py`'s), else an equivalent per-token
+    loss.
+
+    core_v0.16.1's `pretrain` parses the arguments itself: the HDP flags go to its
+    `extra_args_provider`. core_v0.19.0's takes a config container built from arguments the
+    script parsed (give `with_hdp_args(...)` to `parse_and_validate_args`); with `--hdp` its
+    model config is dropped so that `pretrain` builds the model with HDP's model provider.
     """
+    install_hooks()
+    parameters = inspect.signature(pretrain).parameters
 
     @functools.wraps(pretrain)
     def pretrain_with_hdp(*args, **kwargs):
         from megatron_hdp.megatron_lm.data import datasets_provider
 
-        install_hooks()
         bound = inspect.signature(pretrain).bind(*args, **kwargs)
         given = bound.arguments
         forward_step_func = given["forward_step_func"]
@@ -224,9 +238,16 @@ def hdp_pretrain(pretrain, *, loss_func=None):
         given["train_valid_test_dataset_provider"] = _Either(
             given["train_valid_test_dataset_provider"], datasets_provider
         )
-        given["model_provider"] = _Either(given["model_provider"], hdp_model_provider)
         given["forward_step_func"] = _Either(forward_step_func, hdp_forward_step(losses))
-        given["extra_args_provider"] = with_hdp_args(given.get("extra_args_provider"))
+        if "cfg_container" in parameters:  # core_v0.19.0: arguments parsed by the script
+            if _hdp_on():
+                container = copy.copy(given["cfg_container"])
+                container.model = None  # pretrain() then calls the model provider
+                given["cfg_container"] = container
+                given["model_provider"] = hdp_model_provider
+        else:
+            given["model_provider"] = _Either(given["model_provider"], hdp_model_provider)
+            given["extra_args_provider"] = with_hdp_args(given.get("extra_args_provider"))
         return pretrain(*bound.args, **bound.kwargs)
 
     return pretrain_with_hdp
