@@ -160,3 +160,29 @@ def run_megatron_lm(
         _body_megatron_lm, world_size, script, list(argv), launcher, timeout_s=timeout_s
     )
     return per_rank[-1]
+
+
+def _body_pretrain_hdp_validation(rank, world_size, argv):
+    import logging
+
+    from tests.e2e.harness import _body_main
+
+    lines = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    handler = Keep()
+    logging.getLogger("megatron_hdp.megatron.trainer").addHandler(handler)
+    logging.getLogger("megatron_hdp.megatron.trainer").setLevel(logging.INFO)
+    try:
+        _body_main(rank, world_size, argv)
+    finally:
+        logging.getLogger("megatron_hdp.megatron.trainer").removeHandler(handler)
+    return [float(line.rsplit(" ", 1)[1]) for line in lines if "validation loss" in line]
+
+
+def pretrain_hdp_validation(world_size: int, argv: list[str]) -> list[float]:
+    """The validation losses pretrain_hdp.py logs (rank 0; 4 decimals)."""
+    return run_ranks(_body_pretrain_hdp_validation, world_size, list(argv), timeout_s=150)[0]

@@ -114,7 +114,7 @@ def test_core_v0_19_hdp_and_stock(tmp_path_factory):
         ran = run_megatron_lm(
             script / "pretrain_gpt.py", 2, [*flags, *MEGATRON_CPU, "--hdp"], launcher=launcher
         )
-        assert [loss for _, loss, _ in ran["train"]] == pytest.approx(reference, rel=2e-5)
+        assert [loss for _, loss, _ in ran["train"]] == pytest.approx(reference, rel=1e-6)
     plain = [*flags, *MEGATRON_CPU]
     want = run_megatron_lm(stock / "pretrain_gpt.py", 2, plain)["train"]
     assert len(want) == 2
