@@ -132,3 +132,20 @@ def test_tp2_and_pp2_losses_equal_pretrain_hdp(trees, data, layout):
     assert [i for i, _, _ in ran["train"]] == [1, 2]
     _close([loss for _, loss, _ in ran["train"]], [r["loss"] for r in reference])
     _close([norm for _, _, norm in ran["train"]], [r["grad_norm"] for r in reference])
+
+
+def test_data_spec_and_distributed_optimizer(trees, data, tmp_path):
+    """--hdp-data-spec instead of --data-path, and Megatron's distributed optimizer."""
+    import json
+
+    _, patched = trees
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"sources": [{"name": "docs", "path": data, "weight": 1.0}]}))
+    flags = [*SHARED, "--hdp-data-spec", str(spec), "--train-iters", "2"]
+    flags += ["--global-batch-size", "6", "--hdp-capacity", "256", "--use-distributed-optimizer"]
+    flags += ["--eval-iters", "0", "--eval-interval", "1000"]
+    ran = run_megatron_lm(patched / "pretrain_gpt.py", 2, [*flags, *MEGATRON_CPU, "--hdp"])
+    reference = run_pretrain(2, [*flags, "--no-progress-bar"])
+    assert [i for i, _, _ in ran["train"]] == [1, 2]
+    _close([loss for _, loss, _ in ran["train"]], [r["loss"] for r in reference])
+    _close([norm for _, _, norm in ran["train"]], [r["grad_norm"] for r in reference])
