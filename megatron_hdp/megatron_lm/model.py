@@ -5,7 +5,9 @@ the same `GPTModel` from Megatron-LM's arguments and `TransformerConfig`, with
 `HDPCoreAttention` in the layer spec (the local spec, or Transformer Engine's where
 `--transformer-impl transformer_engine`) and Megatron's own RoPE switched off (HDP applies
 it at the original positions). Its weights depend on `--seed` alone, exactly as
-`pretrain_hdp.py`'s (`megatron.model.build_seeded`), so both give the same losses.
+`pretrain_hdp.py`'s (`megatron.model.build_seeded`), so both give the same losses; that
+holds with `--use-cpu-initialization` (without it Megatron-Core draws the split weights on
+the GPU from its CUDA RNG tracker: still equal on every replica, but not `pretrain_hdp.py`'s).
 """
 
 from __future__ import annotations
@@ -90,7 +92,9 @@ def hdp_gpt_builder(
         config.moe_token_dispatcher_type = "alltoall"
     position_type = "none" if cfg.position_embedding_type == "rope" else cfg.position_embedding_type
     spec = _layer_specs(args, cfg)
-    with torch.random.fork_rng(devices=[]):
+    # torch.manual_seed reseeds CUDA too: fork it as well, Megatron-LM's streams stay as set.
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
         torch.manual_seed(args.seed)  # as pretrain_hdp.py: the same weights on every stage
         return build_seeded(
             cfg,
