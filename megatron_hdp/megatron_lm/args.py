@@ -141,6 +141,11 @@ _REFUSED_MEGATRON = (
     ("window_size", lambda v: v is not None, "--window-size: HDP attention is full causal"),
     ("hybrid_context_parallel", bool, "--hybrid-context-parallel: HDP replaces it"),
     (
+        "inprocess_restart",
+        bool,
+        "--inprocess-restart: HDP's schedule keeps the process groups of the first start",
+    ),
+    (
         "attention_dropout",
         lambda v: v != 0,
         "--attention-dropout: HDP attention has no dropout; pass --attention-dropout 0 "

@@ -6,15 +6,17 @@ it, it adds `--hdp` and the `--hdp-*` flags to Megatron-LM's parser (its
 provider, model builder and forward step. It also installs two run-time hooks where
 Megatron-LM's `pretrain()` takes no argument:
 
-- `megatron.training.initialize.validate_args`: HDP's checks before and after
+- `validate_args` (in `megatron.training.initialize` at core_v0.16.1, in
+  `megatron.training.arguments` at core_v0.19.0): HDP's checks before and after
   Megatron-LM's own, before any process group exists (`args.check_args`, `finish_args`);
 - `megatron.training.training.get_forward_backward_func`: HDP's schedule
   (`megatron.schedule.hdp_forward_backward`) for training and evaluation.
 
 Every hook reads `get_args().hdp` when it runs: without `--hdp` each one calls the stock
 function it replaced, so the job is stock Megatron-LM. The patch
-(`patches/core_v0.16.1/`) calls `hdp_pretrain` from `pretrain_gpt.py`; the launcher
-(`python -m megatron_hdp.megatron_lm`) installs it into an unmodified checkout.
+(`patches/<tag>/`) calls `hdp_pretrain` from `pretrain_gpt.py`; the launcher
+(`python -m megatron_hdp.megatron_lm`) installs it into an unmodified checkout. The schedule
+and its process groups are built once per process, so in-process restarts are refused.
 """
 
 from __future__ import annotations

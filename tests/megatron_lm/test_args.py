@@ -52,6 +52,7 @@ REFUSED = {
     "--hdp-overwrite-checkpoints": ["--hdp-overwrite-checkpoints"],
     "--mock-data": ["--mock-data"],
     "--fp16": ["--fp16"],
+    "--inprocess-restart": ["--inprocess-restart"],
     "--attention-dropout": ["--attention-dropout", "0.1"],
     "--tokenizer-type": ["--tokenizer-type", "GPT2BPETokenizer"],
     "--dataloader-type": ["--dataloader-type", "single"],
