@@ -149,3 +149,15 @@ def test_data_spec_and_distributed_optimizer(trees, data, tmp_path):
     assert [i for i, _, _ in ran["train"]] == [1, 2]
     _close([loss for _, loss, _ in ran["train"]], [r["loss"] for r in reference])
     _close([norm for _, _, norm in ran["train"]], [r["grad_norm"] for r in reference])
+
+
+def test_bf16_losses_close_to_pretrain_hdp(trees, data):
+    """--bf16: Megatron-LM's Float16Module and mixed-precision optimizer against
+    pretrain_hdp.py's bf16 parameters with fp32 gradients: the same steps within bf16
+    rounding (the two round in different places; measured 1e-5 relative)."""
+    _, patched = trees
+    flags = [*SHARED, "--data-path", data, "--train-iters", "2", "--global-batch-size", "6"]
+    flags += ["--hdp-capacity", "256", "--bf16", "--eval-iters", "0", "--eval-interval", "1000"]
+    ran = run_megatron_lm(patched / "pretrain_gpt.py", 2, [*flags, *MEGATRON_CPU, "--hdp"])
+    reference = run_pretrain(2, [*flags, "--no-progress-bar"])
+    _close([loss for _, loss, _ in ran["train"]], [r["loss"] for r in reference], rel=1e-4)
