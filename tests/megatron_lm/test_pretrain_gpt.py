@@ -135,7 +135,8 @@ def test_tp2_and_pp2_losses_equal_pretrain_hdp(trees, data, layout):
 
 
 def test_data_spec_and_distributed_optimizer(trees, data, tmp_path):
-    """--hdp-data-spec instead of --data-path, and Megatron's distributed optimizer."""
+    """--hdp-data-spec instead of --data-path; Megatron's distributed optimizer with its
+    gradient reduce-scatter overlapped (--overlap-grad-reduce, a Megatron-LM flag only)."""
     import json
 
     _, patched = trees
@@ -144,7 +145,10 @@ def test_data_spec_and_distributed_optimizer(trees, data, tmp_path):
     flags = [*SHARED, "--hdp-data-spec", str(spec), "--train-iters", "2"]
     flags += ["--global-batch-size", "6", "--hdp-capacity", "256", "--use-distributed-optimizer"]
     flags += ["--eval-iters", "0", "--eval-interval", "1000"]
-    ran = run_megatron_lm(patched / "pretrain_gpt.py", 2, [*flags, *MEGATRON_CPU, "--hdp"])
+    overlap = ["--overlap-grad-reduce"]
+    ran = run_megatron_lm(
+        patched / "pretrain_gpt.py", 2, [*flags, *MEGATRON_CPU, *overlap, "--hdp"]
+    )
     reference = run_pretrain(2, [*flags, "--no-progress-bar"])
     assert [i for i, _, _ in ran["train"]] == [1, 2]
     _close([loss for _, loss, _ in ran["train"]], [r["loss"] for r in reference])
