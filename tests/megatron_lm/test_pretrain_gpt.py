@@ -60,37 +60,32 @@ def test_launcher_runs_the_unmodified_script_with_hdp(trees, data):
     _close([norm for _, _, norm in ran["train"]], [r["grad_norm"] for r in reference])
 
 
-def test_save_and_load_resume_exactly(trees, data, tmp_path):
+@pytest.mark.parametrize(
+    "world_size, layout",
+    [(2, []), (4, ["--pipeline-model-parallel-size", "2"])],
+    ids=["pool2", "pp2"],
+)
+def test_save_and_load_resume_exactly(trees, data, tmp_path, world_size, layout):
     """Four steps in one go equal two steps, --save, then --load and two more (data too).
 
     (Megatron-LM checks that the resumed run has the same --train-iters: the first one stops
-    at --exit-interval.)
+    at --exit-interval.) With PP the data position lies in the first stage's folder.
     """
     _, patched = trees
     script = patched / "pretrain_gpt.py"
-    flags = [*SHARED, *MEGATRON_CPU, "--data-path", data, "--global-batch-size", "6"]
+    flags = [*SHARED, *MEGATRON_CPU, *layout, "--data-path", data, "--global-batch-size", "6"]
     flags += ["--hdp-capacity", "256", "--eval-iters", "0", "--eval-interval", "1000", "--hdp"]
-    whole = run_megatron_lm(script, 2, [*flags, "--train-iters", "4"])
+    flags += ["--train-iters", "4"]
     save = str(tmp_path / "ckpt")
-    first = run_megatron_lm(
-        script,
-        2,
-        [
-            *flags,
-            "--train-iters",
-            "4",
-            "--exit-interval",
-            "2",
-            "--save",
-            save,
-            "--save-interval",
-            "2",
-        ],
-    )
+    stop = ["--exit-interval", "2", "--save", save, "--save-interval", "2"]
+
+    def run(argv):
+        return run_megatron_lm(script, world_size, argv, timeout_s=240)
+
+    whole = run(flags)
+    first = run([*flags, *stop])
     # On CPU Megatron-LM saves no CUDA RNG state to load (nothing here draws from it).
-    resumed = run_megatron_lm(
-        script, 2, [*flags, "--train-iters", "4", "--load", save, "--no-load-rng"]
-    )
+    resumed = run([*flags, "--load", save, "--no-load-rng"])
     assert [i for i, _, _ in first["train"]] == [1, 2]
     assert [i for i, _, _ in resumed["train"]] == [3, 4]
     _close([r[1] for r in first["train"] + resumed["train"]], [r[1] for r in whole["train"]])
