@@ -288,6 +288,12 @@ def finish_args(args: argparse.Namespace) -> None:
     from megatron_hdp.attention.kernels.registry import resolve_kernel
     from megatron_hdp.megatron_lm.model import gpt_config
 
+    tokens, _ = global_batch(args)
+    if tokens is not None and tokens < args.seq_length:
+        raise ValueError(
+            f"--hdp-global-batch-tokens {tokens} is smaller than one sequence "
+            f"(--seq-length {args.seq_length})"
+        )
     size = capacity(args)
     if args.seq_length > pool_size(args) * size:
         raise ValueError(

@@ -160,3 +160,24 @@ def test_bf16_losses_close_to_pretrain_hdp(trees, data):
     ran = run_megatron_lm(patched / "pretrain_gpt.py", 2, [*flags, *MEGATRON_CPU, "--hdp"])
     reference = run_pretrain(2, [*flags, "--no-progress-bar"])
     _close([loss for _, loss, _ in ran["train"]], [r["loss"] for r in reference], rel=1e-4)
+
+
+def test_a_rank_without_micro_batches(trees, data):
+    """A budget of 600 tokens (one or two documents per step) and greedy placement: a rank of
+    the pool idles in some step; its zero report keeps Megatron-LM's loss all-reduce in step."""
+    _, patched = trees
+    flags = [*SHARED, "--data-path", data, "--train-iters", "3"]
+    flags += [
+        "--hdp-global-batch-tokens",
+        "600",
+        "--hdp-capacity",
+        "512",
+        "--hdp-placement",
+        "greedy",
+    ]
+    flags += ["--eval-iters", "0", "--eval-interval", "1000"]
+    ran = run_megatron_lm(patched / "pretrain_gpt.py", 2, [*flags, *MEGATRON_CPU, "--hdp"])
+    reference = run_pretrain(2, [*flags, "--no-progress-bar"])
+    assert min(r["micro_batches_per_rank_min"] for r in reference) == 0
+    _close([loss for _, loss, _ in ran["train"]], [r["loss"] for r in reference])
+    _close([norm for _, _, norm in ran["train"]], [r["grad_norm"] for r in reference])
