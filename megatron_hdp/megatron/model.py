@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextvars
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -389,11 +390,10 @@ def build_gpt(cfg: GPTConfig, *, stage: int = 0, tp_rank: int = 0) -> GPTModel:
     rank's (Megatron's parallel state must hold the same layout).
     """
     position_type = "none" if cfg.position_embedding_type == "rope" else cfg.position_embedding_type
-    base = int(torch.randint(0, 2**31, ()))
     last = cfg.pipeline_model_parallel_size - 1
-    token = _INIT_SEED.set(base)
-    try:
-        model = GPTModel(
+    return build_seeded(
+        cfg,
+        lambda: GPTModel(
             config=transformer_config(cfg),
             transformer_layer_spec=hdp_block_spec(cfg),
             vocab_size=cfg.vocab_size,
@@ -402,7 +402,24 @@ def build_gpt(cfg: GPTConfig, *, stage: int = 0, tp_rank: int = 0) -> GPTModel:
             post_process=stage == last,
             share_embeddings_and_output_weights=cfg.tie_embeddings,
             position_embedding_type=position_type,
-        )
+        ),
+        tp_rank=tp_rank,
+    )
+
+
+def build_seeded(cfg: GPTConfig, construct: Callable[[], GPTModel], *, tp_rank: int) -> GPTModel:
+    """`construct()`, a `GPTModel` of `SeededTransformerLayer`s, initialised as `build_gpt`.
+
+    The weights depend on the torch seed alone: the embedding comes from the global stream,
+    every layer from a seed of its global number, the output layer from one of its own.
+
+    Megatron-LM's model builder under `--hdp` uses it, so that its weights are
+    `pretrain_hdp.py`'s for the same seed, whatever the layout.
+    """
+    base = int(torch.randint(0, 2**31, ()))
+    token = _INIT_SEED.set(base)
+    try:
+        model = construct()
     finally:
         _INIT_SEED.reset(token)
     _redraw_output_layer(model, cfg, base + cfg.num_layers + 1, tp_rank)

@@ -12,10 +12,11 @@ import ast
 from tests.unit.scripts_loader import REPO
 
 PACKAGE = REPO / "megatron_hdp"
-HOST = ("megatron/",)
+#: The host layer: Megatron-Core glue, and Megatron-LM's training loop glue (`megatron_lm/`).
+HOST = ("megatron/", "megatron_lm/")
 #: Where torch.distributed may be imported: the comm layer, the host layer, the launcher,
 #: and the ring attention function (ops), which builds its ring's communicator.
-DISTRIBUTED = ("distributed/", "megatron/", "launch.py", "attention/ring.py")
+DISTRIBUTED = ("distributed/", "megatron/", "megatron_lm/", "launch.py", "attention/ring.py")
 #: The pure layer: stdlib and numpy only (the planner, the simulator, the advisor).
 PURE = ("scheduler/", "sim/", "advise/", "sharding.py", "data/sampler.py", "data/spec.py")
 
@@ -38,7 +39,7 @@ def violations(relative: str, source: str) -> list[str]:
         top = module.split(".")[0]
         where = f"megatron_hdp/{relative}:{line} imports {module}"
         if top == "megatron" and not relative.startswith(HOST):
-            bad.append(f"{where}: Megatron-Core only in megatron_hdp/megatron/ (a door module)")
+            bad.append(f"{where}: Megatron only in the host layer (megatron/, megatron_lm/)")
         if module.startswith("torch.distributed") and not relative.startswith(DISTRIBUTED):
             bad.append(f"{where}: torch.distributed only in the comm and host layers")
         if top == "torch" and relative.startswith(PURE):

@@ -1,0 +1,317 @@
+"""`--hdp` and the `--hdp-*` flags inside Megatron-LM's own parser, and their checks.
+
+`add_args(parser)` is what Megatron-LM's `extra_args_provider` adds: `--hdp` (off by default:
+without it the job is stock Megatron-LM) and the `--hdp-*` flags of `pretrain_hdp.py`.
+`check_args(args)` runs before Megatron-LM's `validate_args` and `finish_args(args)` after it,
+both before any process group exists; they do nothing without `--hdp`. A flag that HDP under
+Megatron-LM's `pretrain()` cannot honour is refused by name (`ValueError`), never ignored.
+
+Imports neither torch nor Megatron at module level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+
+from megatron_hdp.megatron.arguments import add_hdp_args
+
+logger = logging.getLogger(__name__)
+
+#: `--hdp-*` flags of `pretrain_hdp.py` that Megatron-LM's loop does not run, with the reason
+#: and what to use instead. Refused when given a value other than their default.
+REFUSED_HDP_FLAGS = {
+    "hdp_static_baseline": (
+        "--hdp-static-baseline",
+        "Megatron-LM's own DP x CP training is the static baseline: run without --hdp",
+    ),
+    "hdp_offload": (
+        "--hdp-offload",
+        "activation offloading runs in pretrain_hdp.py only (the drop-in schedule does not "
+        "install the offload manager)",
+    ),
+    "hdp_host_memory_gb": ("--hdp-host-memory-gb", "it sizes --hdp-offload, see there"),
+    "hdp_load_if_exists": (
+        "--hdp-load-if-exists",
+        "Megatron-LM's --load already starts fresh when the folder holds no checkpoint",
+    ),
+    "hdp_metrics_file": (
+        "--hdp-metrics-file",
+        "Megatron-LM logs the steps itself (--log-interval, --tensorboard-dir, --wandb-project)",
+    ),
+    "hdp_timeline_interval": (
+        "--hdp-timeline-interval",
+        "timelines are recorded by pretrain_hdp.py's loop only",
+    ),
+    "hdp_validate_only": (
+        "--hdp-validate-only",
+        "Megatron-LM validates its arguments at start-up itself",
+    ),
+    "hdp_skip_nonfinite_steps": (
+        "--hdp-skip-nonfinite-steps",
+        "Megatron-LM handles non-finite steps itself (--check-for-nan-in-loss-and-grad, "
+        "--rerun-mode)",
+    ),
+    "hdp_overwrite_checkpoints": (
+        "--hdp-overwrite-checkpoints",
+        "Megatron-LM manages its --save folder itself",
+    ),
+    "hdp_stall_report_seconds": (
+        "--hdp-stall-report-seconds",
+        "the stall watchdog runs in pretrain_hdp.py's loop only",
+    ),
+    "hdp_data_service": (
+        "--hdp-data-service",
+        "the Ray data service runs in pretrain_hdp.py only; every rank reads its own tokens here",
+    ),
+    "hdp_ray_address": ("--hdp-ray-address", "see --hdp-data-service"),
+}
+
+#: Megatron-LM arguments (dest, value test, message) that HDP cannot run with.
+_REFUSED_MEGATRON = (
+    (
+        "mock_data",
+        bool,
+        "--mock-data: HDP plans documents; give --data-path (or omit it for "
+        "the embedded corpus of pretrain_hdp.py)",
+    ),
+    ("fp16", bool, "--fp16: HDP's schedule does not scale the loss; use --bf16"),
+    (
+        "virtual_pipeline_model_parallel_size",
+        lambda v: v is not None,
+        "--virtual-pipeline-model-parallel-size / --num-layers-per-virtual-pipeline-stage: HDP "
+        "runs the non-interleaved 1F1B schedule",
+    ),
+    (
+        "num_layers_per_virtual_pipeline_stage",
+        lambda v: v is not None,
+        "--num-layers-per-virtual-pipeline-stage: HDP runs the non-interleaved 1F1B schedule",
+    ),
+    (
+        "decoder_first_pipeline_num_layers",
+        lambda v: v is not None,
+        "--decoder-first-pipeline-num-layers: HDP splits the layers evenly over the stages",
+    ),
+    (
+        "decoder_last_pipeline_num_layers",
+        lambda v: v is not None,
+        "--decoder-last-pipeline-num-layers: HDP splits the layers evenly over the stages",
+    ),
+    (
+        "pipeline_model_parallel_layout",
+        lambda v: v is not None,
+        "--pipeline-model-parallel-layout: HDP splits the layers evenly over the stages",
+    ),
+    ("sft", bool, "--sft: HDP trains on pretraining documents"),
+    ("fim_data", bool, "--fim-data: HDP reads documents as they are"),
+    ("train_data_path", lambda v: v is not None, "--train-data-path: give --data-path and --split"),
+    ("valid_data_path", lambda v: v is not None, "--valid-data-path: give --data-path and --split"),
+    ("test_data_path", lambda v: v is not None, "--test-data-path: give --data-path and --split"),
+    ("data_args_path", lambda v: v is not None, "--data-args-path: give --data-path"),
+    (
+        "per_split_data_args_path",
+        lambda v: v is not None,
+        "--per-split-data-args-path: give --data-path and --split",
+    ),
+    ("use_legacy_models", bool, "--use-legacy-models: HDP runs Megatron-Core's GPTModel"),
+    ("spec", lambda v: v is not None, "--spec: HDP sets the layer spec (HDP core attention)"),
+    ("yaml_cfg", lambda v: v is not None, "--yaml-cfg: give the flags on the command line"),
+    (
+        "num_experts",
+        lambda v: v is not None,
+        "--num-experts: experts run under pretrain_hdp.py and the drop-in schedule, not yet "
+        "through Megatron-LM's pretrain()",
+    ),
+    ("mtp_num_layers", lambda v: v is not None, "--mtp-num-layers: not supported with HDP"),
+    ("multi_latent_attention", bool, "--multi-latent-attention: HDP attention is MHA/GQA"),
+    (
+        "experimental_attention_variant",
+        lambda v: v is not None,
+        "--experimental-attention-variant: HDP replaces the core attention",
+    ),
+    (
+        "heterogeneous_layers_config_path",
+        lambda v: v is not None,
+        "--heterogeneous-layers-config-path: not supported with HDP",
+    ),
+    ("qk_layernorm", bool, "--qk-layernorm: not supported with HDP yet"),
+    ("use_rope_scaling", bool, "--use-rope-scaling: HDP applies plain RoPE"),
+    ("rotary_percent", lambda v: v != 1.0, "--rotary-percent: HDP rotates whole heads (1.0)"),
+    ("window_size", lambda v: v is not None, "--window-size: HDP attention is full causal"),
+    ("hybrid_context_parallel", bool, "--hybrid-context-parallel: HDP replaces it"),
+    (
+        "inprocess_restart",
+        bool,
+        "--inprocess-restart: HDP's schedule keeps the process groups of the first start",
+    ),
+    (
+        "attention_dropout",
+        lambda v: v != 0,
+        "--attention-dropout: HDP attention has no dropout; pass --attention-dropout 0 "
+        "(Megatron-LM's default is 0.1)",
+    ),
+)
+
+TOKENIZERS = ("NullTokenizer", "HuggingFaceTokenizer")
+POSITION_EMBEDDINGS = ("rope", "learned_absolute")
+
+
+def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM's `extra_args_provider`: add `--hdp` (default off) and the `--hdp-*` flags."""
+    add_hdp_args(parser)
+    parser.set_defaults(hdp=False)
+    for action in parser._actions:  # noqa: SLF001 - argparse has no public lookup
+        if action.dest == "hdp":
+            action.help = (
+                "train with Hybrid Data Parallelism through Megatron-LM's pretrain(); "
+                "without it (or with --no-hdp) the job is stock Megatron-LM"
+            )
+    group = parser.add_argument_group("hybrid data parallelism: data")
+    group.add_argument(
+        "--hdp-data-spec",
+        default=None,
+        metavar="FILE",
+        help="a declarative data spec (JSON or YAML) instead of --data-path (see the README's "
+        "'Data spec')",
+    )
+    group.add_argument(
+        "--hdp-data-service", default="local", help="refused here (pretrain_hdp.py only)"
+    )
+    group.add_argument("--hdp-ray-address", default=None, help="refused here")
+    return parser
+
+
+def _hdp_flags() -> dict[str, tuple[str, object]]:
+    """Each flag `add_args` adds: its dest -> (its name, its default)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_args(parser)
+    return {a.dest: (a.option_strings[0], a.default) for a in parser._actions}  # noqa: SLF001
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Before Megatron-LM's `validate_args`: refuse what HDP cannot run, set what it implies.
+
+    Without `--hdp` it only refuses `--hdp-*` flags (they would do nothing).
+
+    With `--hdp` this sets `--dataloader-type external` and `--calculate-per-token-loss`
+    (HDP's data iterator and per-token loss), and records whether `--global-batch-size` was
+    given (Megatron-LM fills in a default afterwards). Raises ValueError naming the flag.
+    """
+    flags = _hdp_flags()
+    if not getattr(args, "hdp", False):
+        for dest, (flag, default) in flags.items():
+            if dest != "hdp" and getattr(args, dest, default) != default:
+                raise ValueError(f"{flag} has no effect without --hdp")
+        return
+    for dest, (flag, reason) in REFUSED_HDP_FLAGS.items():
+        if getattr(args, dest, flags[dest][1]) != flags[dest][1]:
+            raise ValueError(f"{flag} is not supported with Megatron-LM's pretrain(): {reason}")
+    for dest, refused, message in _REFUSED_MEGATRON:
+        if dest in args and refused(getattr(args, dest)):
+            raise ValueError(f"{message} (with --hdp)")
+    if getattr(args, "dataloader_type", None) not in (None, "external"):
+        raise ValueError(
+            f"--dataloader-type {args.dataloader_type}: --hdp brings its own data iterator "
+            "(Megatron-LM's 'external' type); drop the flag"
+        )
+    if args.position_embedding_type not in POSITION_EMBEDDINGS:
+        raise ValueError(
+            f"--position-embedding-type {args.position_embedding_type}: HDP supports "
+            f"{' and '.join(POSITION_EMBEDDINGS)}"
+        )
+    if args.normalization not in ("LayerNorm", "RMSNorm"):
+        raise ValueError(f"--normalization {args.normalization}: HDP supports LayerNorm, RMSNorm")
+    if args.tokenizer_type not in TOKENIZERS:
+        raise ValueError(
+            f"--tokenizer-type {args.tokenizer_type}: HDP's data reader knows "
+            f"{' and '.join(TOKENIZERS)} (the default GPT2BPETokenizer is not one)"
+        )
+    if args.hdp_data_spec is not None and args.data_path:
+        raise ValueError("--hdp-data-spec and --data-path: give one of them")
+    if args.hdp_global_batch_tokens is not None and args.global_batch_size is not None:
+        raise ValueError(
+            "--hdp-global-batch-tokens and --global-batch-size: give one of them (a token "
+            "budget or a number of sequences per step)"
+        )
+    if args.hdp_capacity is not None and args.hdp_capacity <= 0:
+        raise ValueError(f"--hdp-capacity must be positive, got {args.hdp_capacity}")
+    if args.hdp_prefetch_depth < 0:
+        raise ValueError(f"--hdp-prefetch-depth must be >= 0, got {args.hdp_prefetch_depth}")
+    if args.micro_batch_size not in (None, 1):
+        logger.warning(
+            "--micro-batch-size %d has no effect with --hdp: HDP packs micro-batches up to "
+            "--hdp-capacity tokens per rank",
+            args.micro_batch_size,
+        )
+    args.hdp_global_batch_units = args.global_batch_size
+    args.dataloader_type = "external"
+    args.calculate_per_token_loss = True
+
+
+def pool_size(args: argparse.Namespace) -> int:
+    """Ranks in the HDP pool: Megatron-LM's data-parallel x context-parallel ranks."""
+    return args.world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
+
+
+def capacity(args: argparse.Namespace) -> int:
+    """Tokens per rank per micro-batch: --hdp-capacity, else ceil(seq-length / CP)."""
+    if args.hdp_capacity is not None:
+        return args.hdp_capacity
+    return math.ceil(args.seq_length / args.context_parallel_size)
+
+
+def global_batch(args: argparse.Namespace) -> tuple[int | None, int | None]:
+    """(tokens, sequences) per global batch, as pretrain_hdp.py reads its flags.
+
+    --hdp-global-batch-tokens or --global-batch-size (sequences: documents or --seq-length
+    pieces of them); neither: one --seq-length context per data-parallel rank.
+    """
+    tokens, units = args.hdp_global_batch_tokens, args.hdp_global_batch_units
+    if tokens is None and units is None:
+        tokens = (pool_size(args) // args.context_parallel_size) * args.seq_length
+    return tokens, units
+
+
+def finish_args(args: argparse.Namespace) -> None:
+    """After Megatron-LM's `validate_args`: check the model shape and the attention kernel.
+
+    Resolves `--hdp-attention-backend` to the kernel for this device; with `--save`, turns
+    on Megatron-LM's data-loader checkpoint (`dataloader_save`) so that checkpoints carry
+    the data position. Raises ValueError naming the problem.
+    """
+    if not getattr(args, "hdp", False):
+        return
+    import torch
+
+    from megatron_hdp.attention.kernels.device import DeviceFacts
+    from megatron_hdp.attention.kernels.registry import resolve_kernel
+    from megatron_hdp.megatron_lm.model import gpt_config
+
+    tokens, _ = global_batch(args)
+    if tokens is not None and tokens < args.seq_length:
+        raise ValueError(
+            f"--hdp-global-batch-tokens {tokens} is smaller than one sequence "
+            f"(--seq-length {args.seq_length})"
+        )
+    size = capacity(args)
+    if args.seq_length > pool_size(args) * size:
+        raise ValueError(
+            f"--seq-length {args.seq_length} does not fit the pool: {pool_size(args)} ranks x "
+            f"capacity {size} tokens"
+        )
+    gpt_config(args, vocab_size=args.tensor_model_parallel_size)  # raises on a bad shape
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.hdp_attention_backend = resolve_kernel(
+        args.hdp_attention_backend,
+        DeviceFacts.of(device),
+        dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        head_dim=args.hidden_size // args.num_attention_heads,
+    )
+    if args.kv_channels != args.hidden_size // args.num_attention_heads:
+        raise ValueError(
+            f"--kv-channels {args.kv_channels}: HDP attention needs hidden-size / heads = "
+            f"{args.hidden_size // args.num_attention_heads}"
+        )
+    if args.save:
+        args.dataloader_save = args.save

@@ -1,0 +1,173 @@
+"""The data under `--hdp`: HDP's sampler and planner as Megatron-LM's "external" loaders.
+
+`datasets_provider` stands in for `pretrain_gpt.py`'s `train_valid_test_datasets_provider`:
+it opens the same datasets `pretrain_hdp.py` opens for the same flags and returns a training
+loader (an `HDPDataIterator` with `save_state`, which Megatron-LM's checkpoint calls when
+`dataloader_save` is set) and a validation loader that starts again at every evaluation.
+On a resume it continues the training loader from the position stored in the checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+import torch
+
+from megatron_hdp.data.iterator import HDPDataIterator
+from megatron_hdp.data.training_data import TrainingData
+
+logger = logging.getLogger(__name__)
+
+#: The file Megatron-LM's `maybe_save_dataloader_state` writes for data-parallel rank 0
+#: (every pool rank holds the same sampler position, so one is enough).
+STATE_FILE = "train_dataloader_dprank000.pt"
+
+
+class TrainBatches(HDPDataIterator):
+    """The training loader: `HDPDataIterator` plus the state methods Megatron-LM calls."""
+
+    def __init__(self, *args, prefixes: list[str], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.prefixes = prefixes
+
+    def save_state(self) -> dict:
+        """The sampler position after the last batch trained (Megatron-LM's checkpoint hook)."""
+        return {"sampler": self.state_dict(), "prefixes": self.prefixes}
+
+    def restore_state(self, state: dict) -> None:
+        """Continue after the batches `save_state` counted; refuses other datasets."""
+        if state.get("prefixes") != self.prefixes:
+            raise ValueError(
+                f"the checkpoint was trained on {state.get('prefixes')}, this run reads "
+                f"{self.prefixes}"
+            )
+        self.load_state_dict(state["sampler"])
+
+
+class ValidBatches:
+    """The validation loader: each evaluation (`eval_iters` batches) starts from the start.
+
+    Megatron-LM's `evaluate` draws exactly `--eval-iters` batches per evaluation, so every
+    evaluation sees the same batches, as in `pretrain_hdp.py`.
+    """
+
+    def __init__(self, data: TrainingData, eval_iters: int, make) -> None:
+        self.data, self.eval_iters, self.make = data, eval_iters, make
+        self.current: HDPDataIterator | None = None
+        self.drawn = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.current is None or self.drawn == self.eval_iters:
+            if self.current is not None:
+                self.current.close()
+            self.current, self.drawn = self.make(self.data.fresh_valid_sampler()), 0
+        self.drawn += 1
+        return next(self.current)
+
+
+def _state_path(args: argparse.Namespace) -> str:
+    from megatron.training.checkpointing import get_checkpoint_name
+
+    return get_checkpoint_name(
+        args.load,
+        args.iteration,
+        pipeline_parallel=args.pipeline_model_parallel_size > 1,
+        tensor_rank=0,
+        pipeline_rank=0,
+        expert_parallel=False,
+        basename=STATE_FILE,
+    )
+
+
+def datasets_provider(train_valid_test_num_samples, vp_stage=None):
+    """Megatron-LM's dataset provider under `--hdp`: (train, valid, None) loaders.
+
+    Runs on every rank (`is_distributed`); collective over nothing.
+    """
+    from megatron.core import parallel_state
+    from megatron.training import get_args
+
+    from megatron_hdp.data.sampler import parse_split
+    from megatron_hdp.data.spec import load_spec
+    from megatron_hdp.data.training_data import DataConfig, build_training_data
+    from megatron_hdp.megatron.arguments import parse_data_path
+    from megatron_hdp.megatron.config import device_profile
+    from megatron_hdp.megatron.model import model_shape
+    from megatron_hdp.megatron_lm.args import capacity, global_batch
+    from megatron_hdp.megatron_lm.model import gpt_config
+    from megatron_hdp.scheduler.cost import CostModel
+
+    args = get_args()
+    tokens, units = global_batch(args)
+    data = build_training_data(
+        DataConfig(
+            blend=parse_data_path(args.data_path),
+            split=parse_split(args.split),
+            seq_length=args.seq_length,
+            seed=args.seed,
+            tokens_per_batch=tokens,
+            units_per_batch=units,
+            tokenizer_type=args.tokenizer_type,
+            tokenizer_model=args.tokenizer_model,
+            vocab_size=args.vocab_size,
+            cache_dir=args.data_cache_path,
+            spec=load_spec(args.hdp_data_spec) if args.hdp_data_spec else None,
+        )
+    )
+    cfg = gpt_config(args)
+    padded = gpt_config(args, vocab_size=_padded(data.vocab_size, args)).vocab_size
+    if padded != cfg.vocab_size:
+        raise ValueError(
+            f"the data's vocabulary ({data.vocab_size}, padded {padded}) is not Megatron-LM's "
+            f"({args.padded_vocab_size}): check --tokenizer-type and --vocab-size"
+        )
+    profile = device_profile(args.hdp_device_profile).replica(args.tensor_model_parallel_size)
+    pool = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    pool_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+
+    def loader(sampler, cls=HDPDataIterator, depth=args.hdp_prefetch_depth, **extra):
+        return cls(
+            sampler,
+            data.datasets,
+            pool_size=pool,
+            capacity=capacity(args),
+            policy=args.hdp_placement,
+            cost_model=CostModel(model_shape(cfg), profile),
+            vocab_size=data.vocab_size,
+            pipeline_stages=args.pipeline_model_parallel_size,
+            pool_rank=pool_rank,
+            prefetch_depth=depth,
+            **extra,
+        )
+
+    train = loader(data.train, TrainBatches, prefixes=data.prefixes)
+    if args.load and args.iteration > 0 and not args.finetune:
+        path = _state_path(args)
+        if not os.path.exists(path):
+            raise ValueError(
+                f"--hdp: the checkpoint of iteration {args.iteration} in {args.load} has no "
+                f"HDP data position ({path}); it was not saved by an --hdp run"
+            )
+        state = torch.load(path, weights_only=False)["dataloader_state_dict"]
+        train.restore_state(state)
+        logger.info("HDP data position restored from %s", path)
+    valid = None
+    if data.fresh_valid_sampler() is not None and args.eval_iters > 0:
+        valid = ValidBatches(data, args.eval_iters, lambda s: loader(s, depth=0))
+    return train, valid, None
+
+
+datasets_provider.is_distributed = True
+
+
+def _padded(vocab_size: int, args: argparse.Namespace) -> int:
+    from megatron_hdp.megatron.arguments import padded_vocab_size
+
+    return padded_vocab_size(
+        vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
+    )

@@ -1,0 +1,117 @@
+"""The model under `--hdp`: Megatron-LM's GPT builder with HDP core attention (host layer).
+
+`hdp_gpt_builder` has the signature of Megatron-LM's `gpt_builders.gpt_builder` and builds
+the same `GPTModel` from Megatron-LM's arguments and `TransformerConfig`, with
+`HDPCoreAttention` in the layer spec (the local spec, or Transformer Engine's where
+`--transformer-impl transformer_engine`) and Megatron's own RoPE switched off (HDP applies
+it at the original positions). Its weights depend on `--seed` alone, exactly as
+`pretrain_hdp.py`'s (`megatron.model.build_seeded`), so both give the same losses; that
+holds with `--use-cpu-initialization` (without it Megatron-Core draws the split weights on
+the GPU from its CUDA RNG tracker: still equal on every replica, but not `pretrain_hdp.py`'s).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from megatron_hdp.megatron.model import GPTConfig
+
+
+def gpt_config(args: argparse.Namespace, vocab_size: int | None = None) -> GPTConfig:
+    """The model shape from Megatron-LM's parsed arguments (after its `validate_args`).
+
+    `vocab_size` defaults to Megatron-LM's `padded_vocab_size` (set once its tokenizer is
+    built). Raises ValueError for a shape HDP cannot run (GPTConfig's checks).
+    """
+    return GPTConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        ffn_hidden_size=args.ffn_hidden_size,
+        vocab_size=args.padded_vocab_size if vocab_size is None else vocab_size,
+        max_position_embeddings=args.max_position_embeddings,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=float(args.rotary_base),
+        normalization=args.normalization,
+        swiglu=args.swiglu,
+        add_bias_linear=args.add_bias_linear,
+        init_method_std=args.init_method_std,
+        tie_embeddings=not args.untie_embeddings_and_output_weights,
+        hidden_dropout=args.hidden_dropout,
+        params_dtype="bfloat16" if args.bf16 else "float32",
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+    )
+
+
+def _layer_specs(args: argparse.Namespace, cfg: GPTConfig):
+    """The decoder spec of one stage: HDP core attention in Megatron's local or TE spec."""
+    from megatron_hdp.megatron.model import hdp_block_spec
+
+    if args.transformer_impl == "local":
+        return hdp_block_spec(cfg)
+    if args.transformer_impl != "transformer_engine":
+        raise ValueError(f"--transformer-impl {args.transformer_impl} is not supported with --hdp")
+    from megatron.core.extensions.transformer_engine import TENorm
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from megatron_hdp.megatron.core_attention import HDPCoreAttention
+    from megatron_hdp.megatron.model import SeededTransformerLayer
+
+    spec = get_gpt_layer_with_transformer_engine_spec()
+    spec.module = SeededTransformerLayer
+    spec.submodules.self_attention.submodules.core_attention = HDPCoreAttention
+    return TransformerBlockSubmodules(layer_specs=[spec] * cfg.layers_per_stage, layer_norm=TENorm)
+
+
+def hdp_gpt_builder(
+    args, pre_process, post_process, vp_stage=None, config=None, pg_collection=None
+):
+    """Megatron-LM's `gpt_builder` with HDP core attention, initialised from `--seed`.
+
+    Collective over nothing; runs after Megatron-LM's parallel state exists.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    from megatron_hdp.megatron.model import build_seeded
+
+    cfg = gpt_config(args)
+    if config is None:
+        config = core_transformer_config_from_args(args)
+    if cfg.pipeline_model_parallel_size > 1:
+        # HDP micro-batches hold different token counts: stages exchange shapes first, which
+        # Megatron refuses with its default (allgather) MoE dispatcher even without experts.
+        config.variable_seq_lengths = True
+        config.moe_token_dispatcher_type = "alltoall"
+    position_type = "none" if cfg.position_embedding_type == "rope" else cfg.position_embedding_type
+    spec = _layer_specs(args, cfg)
+    # torch.manual_seed reseeds CUDA too: fork it as well, Megatron-LM's streams stay as set.
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(args.seed)  # as pretrain_hdp.py: the same weights on every stage
+        return build_seeded(
+            cfg,
+            lambda: GPTModel(
+                config=config,
+                transformer_layer_spec=spec,
+                vocab_size=args.padded_vocab_size,
+                max_sequence_length=args.max_position_embeddings,
+                pre_process=pre_process,
+                post_process=post_process,
+                fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+                parallel_output=True,
+                share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                position_embedding_type=position_type,
+                rotary_base=args.rotary_base,
+                vp_stage=vp_stage,
+                pg_collection=pg_collection,
+            ),
+            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        )

@@ -1,0 +1,80 @@
+"""`--hdp` in Megatron-LM's own parser: what it implies, and every refusal, by name.
+
+Parsed by Megatron-LM's real `parse_args` and checked by the hooked `validate_args`, as in
+`initialize_megatron` before any process group exists.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_hdp.megatron_lm.args import REFUSED_HDP_FLAGS
+from tests.megatron_lm.harness import MEGATRON_CPU, SHARED
+
+BASE = [*SHARED, *MEGATRON_CPU, "--train-iters", "2", "--eval-interval", "10"]
+
+
+def _parse_and_validate(monkeypatch, argv, world_size=2):
+    from megatron.training import arguments
+
+    from megatron_hdp.megatron_lm.hooks import _checked_validate_args, with_hdp_args
+
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *argv])
+    args = arguments.parse_args(with_hdp_args(None))
+    _checked_validate_args(arguments.validate_args)(args, {"tokenizer_type": "GPT2BPETokenizer"})
+    return args
+
+
+def test_hdp_sets_what_it_needs(trees, monkeypatch, tmp_path):
+    args = _parse_and_validate(
+        monkeypatch, [*BASE, "--hdp", "--save", str(tmp_path), "--save-interval", "1"]
+    )
+    assert args.hdp and args.hdp_checked
+    assert args.dataloader_type == "external" and args.calculate_per_token_loss
+    assert args.dataloader_save == str(tmp_path)  # checkpoints carry the data position
+    assert args.hdp_attention_backend == "torch"  # "auto" resolved for this CPU
+    assert args.hdp_global_batch_units is None  # no --global-batch-size: token default
+
+
+def test_without_hdp_nothing_changes(trees, monkeypatch):
+    args = _parse_and_validate(monkeypatch, BASE)
+    assert not args.hdp and not getattr(args, "hdp_checked", False)
+    assert args.dataloader_type == "single" and not args.calculate_per_token_loss
+
+
+REFUSED = {
+    **{flag: [flag, "1"] for flag, _ in REFUSED_HDP_FLAGS.values()},
+    "--hdp-static-baseline": ["--hdp-static-baseline"],
+    "--hdp-offload": ["--hdp-offload"],
+    "--hdp-validate-only": ["--hdp-validate-only"],
+    "--hdp-overwrite-checkpoints": ["--hdp-overwrite-checkpoints"],
+    "--mock-data": ["--mock-data"],
+    "--fp16": ["--fp16"],
+    "--inprocess-restart": ["--inprocess-restart"],
+    "--attention-dropout": ["--attention-dropout", "0.1"],
+    "--tokenizer-type": ["--tokenizer-type", "GPT2BPETokenizer"],
+    "--dataloader-type": ["--dataloader-type", "single"],
+    "--num-experts": ["--num-experts", "4"],
+    "--spec": ["--spec", "my.module", "spec"],
+    "--hdp-global-batch-tokens": ["--hdp-global-batch-tokens", "2048", "--global-batch-size", "8"],
+    "--seq-length": ["--hdp-capacity", "100"],  # 512 tokens > 2 ranks x 100
+    "--hdp-global-batch-tokens 300": ["--hdp-global-batch-tokens", "300"],  # < --seq-length
+}
+
+
+@pytest.mark.parametrize("flag", sorted(REFUSED))
+def test_with_hdp_a_flag_it_cannot_honour_is_refused_by_name(trees, monkeypatch, capsys, flag):
+    with pytest.raises(SystemExit) as stop:
+        _parse_and_validate(monkeypatch, [*BASE, "--hdp", *REFUSED[flag]])
+    assert stop.value.code == 2
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message.startswith("pretrain_gpt.py: error: ") and flag in message, message
+
+
+@pytest.mark.parametrize("extra", [["--hdp-capacity", "256"], ["--hdp-placement", "greedy"]])
+def test_an_hdp_flag_without_hdp_is_refused(trees, monkeypatch, capsys, extra):
+    with pytest.raises(SystemExit):
+        _parse_and_validate(monkeypatch, [*BASE, *extra])
+    assert f"{extra[0]} has no effect without --hdp" in capsys.readouterr().err
