@@ -139,7 +139,7 @@ class DataSpec:
             members = range(source * per_source, (source + 1) * per_source)
             total = sum(stream_tokens[k] for k in members)
             for k in members:
-                out[k] += weight * stream_tokens[k] / total if total else 0.0
+                out[k] += weight * (stream_tokens[k] / total) if total else 0.0
         return out
 
     def check_covers(self, train_iters: int) -> None:

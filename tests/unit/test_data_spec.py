@@ -45,6 +45,19 @@ def test_a_spec_parses_into_streams_buckets_and_phases(tmp_path):
         spec.check_covers(51)
 
 
+def test_huge_source_weights_split_over_buckets_stay_finite(tmp_path):
+    spec = parse_spec(
+        {**SPEC, "schedule": None, "sources": [{"name": "code", "path": "x", "weight": 1e308}]},
+        base=tmp_path,
+    )
+    weights = spec.stream_weights({"code": 1e308}, [300, 100])
+    assert weights == [0.75e308, 0.25e308]
+    sampler = TokenBudgetSampler(
+        [_units([3] * 9), _units([3] * 3)], weights, seed=0, units_per_batch=2
+    )
+    assert sampler.weights.tolist() == [0.75, 0.25]
+
+
 def test_yaml_and_json_files_give_the_same_spec(tmp_path):
     import yaml  # the dev extra has PyYAML
 
