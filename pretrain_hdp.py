@@ -76,6 +76,7 @@ def _prepare(parser, args, world_size: int):
                 model=dataclasses.asdict(model_config(args, data.vocab_size)),
                 data_setup=data.train.setup(),
                 prefixes=data.prefixes,
+                streams=data.streams,
             )
     except ValueError as err:
         _say(parser, 2, f"error: {err}")

@@ -76,6 +76,11 @@ class TrainingData:
     cfg: DataConfig
     valid_weights: list[float] | None = None
 
+    @property
+    def streams(self) -> list[str]:
+        """Names of the training sampler's streams: the spec's `source/bucket`s or prefixes."""
+        return list(self.cfg.spec.streams) if self.cfg.spec is not None else list(self.prefixes)
+
     def fresh_valid_sampler(self) -> TokenBudgetSampler | None:
         """A validation sampler at its start (every evaluation sees the same batches)."""
         if self.valid_units is None:

@@ -76,6 +76,12 @@ POSITIVE = (
     "exit_interval",
     "distributed_timeout_minutes",
     "vocab_size",
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "expert_model_parallel_size",
+    "num_experts",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
 )
 
 #: Flags whose value must be >= 0.
@@ -90,7 +96,20 @@ NON_NEGATIVE = (
     "hdp_stall_report_seconds",
     "hdp_prefetch_depth",
     "hdp_timeline_interval",
+    "moe_aux_loss_coeff",
 )
+
+#: MoE flags that do nothing without --num-experts, with their defaults.
+MOE_ONLY = {
+    "moe_router_topk": 2,
+    "moe_ffn_hidden_size": None,
+    "moe_aux_loss_coeff": 0.0,
+    "moe_token_dispatcher_type": "allgather",
+}
+
+#: Bytes each parameter needs at the least while training: its weight and its gradient in
+#: 16-bit precision (Megatron adds fp32 main weights and Adam's two moments on top).
+MIN_BYTES_PER_PARAM = 4
 
 #: Flags whose value must lie in [0, 1).
 UNIT_INTERVAL = ("adam_beta1", "adam_beta2", "hidden_dropout")
@@ -151,8 +170,67 @@ _LAYOUT_FIELDS = re.compile(
 )
 
 
+def _memory_bytes() -> int | None:
+    """This machine's physical memory (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _layer_params_per_rank(args: argparse.Namespace) -> tuple[int, int]:
+    """Parameters of one transformer layer on one rank: (attention and dense MLP, experts).
+
+    A lower bound (no norms, biases or embeddings): enough to refuse a model that cannot fit.
+    """
+    h, tp = args.hidden_size, args.tensor_model_parallel_size
+    ffn = args.ffn_hidden_size or 2 * h  # Megatron's default is 4 h, or about 8 h / 3
+    gates = 2 if args.swiglu else 1
+    attention = 4 * h * h // tp
+    if args.num_experts is None:
+        return attention + (gates + 1) * h * ffn // tp, 0
+    expert_ffn = ffn if args.moe_ffn_hidden_size is None else args.moe_ffn_hidden_size
+    ep = args.expert_model_parallel_size
+    experts = (args.num_experts // ep) * (gates + 1) * h * expert_ffn // (tp // ep)
+    return attention, args.num_experts * h + experts  # the router is on every rank
+
+
+def _check_model_fits(args: argparse.Namespace, world_size: int) -> None:
+    """ValueError when the weights and gradients alone exceed this machine's memory.
+
+    Catches a mistyped size (`--num-experts 100000000`) in a second instead of a failed
+    allocation after start-up; the real peak is several times this bound.
+    """
+    memory = _memory_bytes()
+    if memory is None:
+        return
+    dense, experts = _layer_params_per_rank(args)
+    layers = args.num_layers // args.pipeline_model_parallel_size
+    need = (dense + experts) * layers * MIN_BYTES_PER_PARAM
+    local_ranks = min(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    if need * local_ranks <= memory:
+        return
+    culprit = (
+        f"--num-experts {args.num_experts}"
+        if experts > dense
+        else f"--hidden-size {args.hidden_size}"
+    )
+    raise ValueError(
+        f"{culprit}: each rank's {layers} layers hold at least {need / 2**30:.1f} GiB of "
+        f"weights and gradients, more than this machine's {memory / 2**30:.1f} GiB of memory "
+        f"shared by {local_ranks} ranks"
+    )
+
+
 def _check_experts(args: argparse.Namespace, world_size: int) -> None:
     """The layout owner's MoE rules, reported with flag names."""
+    if args.num_experts is None:
+        for dest, default in MOE_ONLY.items():
+            if getattr(args, dest) != default:
+                raise ValueError(
+                    f"{flag(dest)} {getattr(args, dest)} needs --num-experts (it applies to MoE "
+                    "layers only; this model has a dense MLP)"
+                )
     problems = layout_problems(
         world_size=world_size,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -199,8 +277,6 @@ def _check_layout(args: argparse.Namespace, world_size: int) -> None:
             f"--tensor-model-parallel-size {tp} does not divide the {world_size} ranks (each HDP "
             "replica is a group of TP ranks)"
         )
-    if pp < 1:
-        raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {pp}")
     if world_size % (tp * pp):
         raise ValueError(
             f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = "
@@ -228,6 +304,7 @@ def _check_layout(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
     _check_experts(args, world_size)
     _check_pipeline(args)
+    _check_model_fits(args, world_size)
     if args.sequence_parallel and args.hidden_dropout:
         raise ValueError(
             f"--sequence-parallel with --hidden-dropout {args.hidden_dropout} is not supported "
@@ -502,8 +579,43 @@ MODEL_FIELDS_BEFORE_THEY_EXISTED = {
 MAY_CHANGE_ON_RESUME = ("sequence_parallel", "moe_aux_loss_coeff", "moe_token_dispatcher_type")
 
 
+def _shares(saved: list[float], now: list[float], streams: list[str]) -> str:
+    """`'web' 25% -> 50%` for each stream whose blend share changed."""
+    return ", ".join(
+        f"{name!r} {100 * a:.6g}% -> {100 * b:.6g}%"
+        for name, a, b in zip(streams, saved, now, strict=True)
+        if a != b
+    )
+
+
+def _blend_change(key: str, saved, now, streams: list[str] | None) -> str | None:
+    """The blend change by stream name (None when the set-ups are not comparable)."""
+    if streams is None or saved is None or now is None:
+        return None
+    if key == "weights" and len(saved) == len(now) == len(streams):
+        return f"the blend's token shares changed: {_shares(saved, now, streams)}"
+    if key != "schedule" or len(saved) != len(now):
+        return None
+    ends = ([until for until, _ in saved], [until for until, _ in now])
+    if ends[0] != ends[1]:
+        return f"the schedule's phases end at steps {ends[0]}, now {ends[1]}"
+    if any(len(a) != len(streams) or len(b) != len(streams) for (_, a), (_, b) in zip(saved, now)):
+        return None
+    return "; ".join(
+        f"the phase up to step {until}: {_shares(a, b, streams)}"
+        for (until, a), (_, b) in zip(saved, now, strict=True)
+        if a != b
+    )
+
+
 def check_resume_matches(
-    meta: dict, *, load: str, model: dict, data_setup: dict, prefixes: list[str]
+    meta: dict,
+    *,
+    load: str,
+    model: dict,
+    data_setup: dict,
+    prefixes: list[str],
+    streams: list[str] | None = None,
 ) -> None:
     """ValueError naming what differs between this run and the checkpoint it resumes.
 
@@ -513,6 +625,7 @@ def check_resume_matches(
         model: This run's model configuration (`dataclasses.asdict(GPTConfig)`).
         data_setup: This run's training sampler set-up (`TokenBudgetSampler.setup()`).
         prefixes: This run's dataset prefixes.
+        streams: This run's sampler streams (names a changed blend by source and bucket).
     """
     saved_model = meta.get("model")
     if saved_model is not None:
@@ -531,6 +644,14 @@ def check_resume_matches(
             )
         for key in sorted(set(data_setup) | set(saved_data["setup"])):
             if saved_data["setup"].get(key) != data_setup.get(key):
+                blend = _blend_change(
+                    key, saved_data["setup"].get(key), data_setup.get(key), streams
+                )
+                if blend:
+                    raise ValueError(
+                        f"--load {load}: {blend} (--hdp-data-spec or --data-path weights); a "
+                        "resumed run must keep the checkpoint's blend, or start afresh elsewhere"
+                    )
                 raise ValueError(
                     f"--load {load}: the data set-up differs from the checkpoint's: {key} was "
                     f"{saved_data['setup'].get(key)!r}, now {data_setup.get(key)!r} (changed "

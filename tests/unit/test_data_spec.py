@@ -230,3 +230,58 @@ def test_a_scheduled_state_is_refused_by_a_sampler_without_the_schedule():
     plain = TokenBudgetSampler(streams, [1, 1], seed=9, tokens_per_batch=90)
     with pytest.raises(ValueError, match="schedule=.*but this run has schedule=None"):
         plain.load_state_dict(scheduled.state_dict())
+
+
+def test_yaml_reads_exponent_weights_as_numbers(tmp_path):
+    """PyYAML (YAML 1.1) reads `1e-3` and `1.5e3` as text; a spec means numbers."""
+    (tmp_path / "s.yaml").write_text(
+        "sources:\n"
+        "  - {name: a, path: x, weight: 1e-3}\n"
+        "  - {name: b, path: y, weight: 1.5e3}\n"
+        "  - {name: c, path: z, weight: '2e1'}\n"
+    )
+    with pytest.raises(ValueError, match="source 'c' weight must be a number, got '2e1'"):
+        load_spec(tmp_path / "s.yaml")  # quoted: still text, as in JSON
+    (tmp_path / "s.yaml").write_text(
+        "sources:\n  - {name: a, path: x, weight: 1e-3}\n  - {name: b, path: y, weight: 1.5e3}\n"
+    )
+    assert [s.weight for s in load_spec(tmp_path / "s.yaml").sources] == [0.001, 1500.0]
+
+
+def test_a_changed_blend_on_resume_is_named_by_stream_and_share():
+    from megatron_hdp.megatron.validation import check_resume_matches
+
+    spec = parse_spec(SPEC)
+    tokens = [100, 300, 50, 50]
+    streams = [_units([10] * 10)] * 4
+
+    def setup(weights):
+        phases = [(until, spec.stream_weights(w, tokens)) for until, w in weights]
+        sampler = TokenBudgetSampler(
+            streams, phases[0][1], seed=0, units_per_batch=2, schedule=phases
+        )
+        return sampler.setup()
+
+    before = setup(spec.phase_weights())
+    changed = [(10, {"code/short": 1}), (50, {"code": 1, "web/long": 3})]
+    meta = {"data": {"prefixes": ["p"], "setup": before}}
+    with pytest.raises(ValueError) as info:
+        check_resume_matches(
+            meta, load="ck", model={}, data_setup=setup(changed), prefixes=["p"],
+            streams=list(spec.streams),
+        )  # fmt: skip
+    assert str(info.value).startswith(
+        "--load ck: the phase up to step 50: 'code/short' 12.5% -> 6.25%, 'code/long' 37.5% -> "
+        "18.75%, 'web/long' 50% -> 75% (--hdp-data-spec or --data-path weights)"
+    )
+    with pytest.raises(ValueError, match=r"phases end at steps \[10, 50\], now \[10, 60\]"):
+        check_resume_matches(
+            meta, load="ck", model={}, prefixes=["p"], streams=list(spec.streams),
+            data_setup=setup([(10, {"code/short": 1}), (60, {"code": 1, "web/long": 1})]),
+        )  # fmt: skip
+    plain = {"data": {"prefixes": ["a", "b"], "setup": {"weights": [0.25, 0.75]}}}
+    with pytest.raises(ValueError, match="token shares changed: 'a' 25% -> 50%, 'b' 75% -> 50%"):
+        check_resume_matches(
+            plain, load="ck", model={}, data_setup={"weights": [0.5, 0.5]}, prefixes=["a", "b"],
+            streams=["a", "b"],
+        )  # fmt: skip
