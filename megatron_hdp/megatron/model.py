@@ -147,6 +147,7 @@ class GPTConfig:
             sequence_parallel=self.sequence_parallel,
             dispatcher=self.moe_token_dispatcher_type,
             pp=self.pipeline_model_parallel_size,
+            bias=self.add_bias_linear,
         ):
             raise ValueError(problem)
         if self.moe_aux_loss_coeff < 0:

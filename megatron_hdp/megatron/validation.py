@@ -166,7 +166,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 _LAYOUT_FIELDS = re.compile(
     r"\b(num_experts|moe_router_topk|expert_model_parallel_size|tensor_model_parallel_size"
-    r"|pipeline_model_parallel_size|num_layers|moe_token_dispatcher_type)\b"
+    r"|pipeline_model_parallel_size|num_layers|moe_token_dispatcher_type|disable_bias_linear)\b"
 )
 
 
@@ -241,6 +241,7 @@ def _check_experts(args: argparse.Namespace, world_size: int) -> None:
         num_experts=args.num_experts,
         moe_router_topk=args.moe_router_topk,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        add_bias_linear=not args.disable_bias_linear,
     )
     if problems:
         raise ValueError(_LAYOUT_FIELDS.sub(lambda m: flag(m.group(1)), problems[0]))

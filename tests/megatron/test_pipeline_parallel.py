@@ -202,6 +202,7 @@ def _body_reference(rank, world_size, cfg, pool, planner=None):
         (2, 1, False, "static"),
         (3, 1, "moe", None),
         (2, 2, "moe", None),
+        (2, 1, "moe-bias", None),
     ],
     ids=[
         "pp2-pool2",
@@ -212,14 +213,16 @@ def _body_reference(rank, world_size, cfg, pool, planner=None):
         "pp2-pool2-static",
         "pp2-pool3-moe",
         "pp2-tp2-sp-ep2-pool2-moe",
+        "pp2-pool2-moe-bias",
     ],
 )
 def test_pipelines_equal_one_process(pool, tp, tied, planner):
     """Rings span pipelines; pipelines run different numbers of micro-batches."""
-    if tied == "moe":  # 4 experts, top-2, a large load-balancing loss (test_moe's model)
-        tied = False
+    if tied in ("moe", "moe-bias"):  # 4 experts, top-2, a large load-balancing loss (test_moe's)
+        bias, tied = tied == "moe-bias", False  # with Megatron's default linear biases
         cfg = dataclasses.replace(
             MOE_CFG,
+            add_bias_linear=bias,
             pipeline_model_parallel_size=PP,
             moe_token_dispatcher_type="alltoall",
             tensor_model_parallel_size=tp,
