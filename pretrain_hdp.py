@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     Exit statuses: 2 with a one-line message for bad input (before any process group), 0
     with a message when the checkpoint to resume has already reached `--train-iters`, 1
-    with a one-line message when training stops on a non-finite loss or gradient norm.
+    with a one-line message when training stops on a non-finite loss or gradient norm, or
+    when a checkpoint cannot be written (every rank stops with the same line).
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -158,11 +159,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     data = _prepare(parser, args, world_size)
     if args.hdp_validate_only:
         return []
-    from megatron_hdp.errors import NonFiniteError
+    from megatron_hdp.errors import CheckpointSaveError, NonFiniteError
 
     try:
         return _train(args, data)
-    except NonFiniteError as err:
+    except (NonFiniteError, CheckpointSaveError) as err:
         _say(parser, 1, f"error: {err}")
 
 
