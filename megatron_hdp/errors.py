@@ -18,3 +18,15 @@ class CheckpointSaveError(RuntimeError):
     Nothing of the failed save became the latest checkpoint: the tracker still names the
     last complete one.
     """
+
+
+class DataServiceError(RuntimeError):
+    """The Ray data service failed (planner actor died, cluster gone, no answer in time).
+
+    The message names what failed. Training stops at a step boundary; checkpoints written
+    so far are intact and a resume from the latest one is exact.
+    """
+
+
+class JobStoppedError(RuntimeError):
+    """Another rank stopped the job; the message is the note it left (its rank and cause)."""

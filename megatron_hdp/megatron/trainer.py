@@ -30,7 +30,7 @@ from megatron_hdp.data.training_data import DEFAULT_CACHE, TrainingData
 from megatron_hdp.distributed.layout import ParallelLayout
 from megatron_hdp.distributed.stall_watchdog import StallWatchdog
 from megatron_hdp.distributed.stop_signal import StopSignal
-from megatron_hdp.errors import NonFiniteError
+from megatron_hdp.errors import DataServiceError, NonFiniteError
 from megatron_hdp.megatron.arguments import (
     capacity_of,
     uses_static_mesh,
@@ -316,12 +316,15 @@ class Trainer:
         cost model's predictions for the metrics record.
         """
         self._mark("reading and planning the batch", iteration=self.iteration + 1)
-        item = self._feed().next()
-        if item.error is not None:
-            raise item.error
-        plan, source, read, predictions = item.value
-        start = time.perf_counter()
-        result = train_step(self.engine, plan, source, self.runtime, prepared=read)
+        try:
+            item = self._feed().next()
+            if item.error is not None:
+                raise item.error
+            plan, source, read, predictions = item.value
+            start = time.perf_counter()
+            result = train_step(self.engine, plan, source, self.runtime, prepared=read)
+        except DataServiceError as err:  # the batch or its tokens (read ahead) did not come
+            raise DataServiceError(f"{err}. {self.checkpoint_note()}") from err
         elapsed = time.perf_counter() - start
         self.iteration += 1
         self.consumed_tokens += result.num_loss_tokens

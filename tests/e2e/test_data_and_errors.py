@@ -372,3 +372,29 @@ def test_a_full_disk_on_save_stops_every_rank_with_the_same_line(
     assert report.count(line) >= 2 and report.count("SystemExit: 1") == 2
     assert "connection closed" not in report.lower()
     assert latest_iteration(ckpt) == 1
+
+
+def test_a_rank_whose_data_service_fails_stops_every_rank_with_its_line(
+    corpus_cache, monkeypatch, capfd
+):
+    """Rank 1 alone loses its data (as when the Ray planner actor dies under it) while rank 0
+    waits in the step's first collective: both stop with rank 1's line, not rank 0 with the
+    transport's "connection closed"."""
+    from megatron_hdp.errors import DataServiceError
+    from megatron_hdp.megatron.trainer import Trainer
+    from tests.e2e.harness import corpus_args
+
+    real_step = Trainer.step
+
+    def step(self):
+        if self.iteration == 2 and self.rank == 1:
+            raise DataServiceError("the planner actor, asked for batch 3: the actor died")
+        return real_step(self)
+
+    monkeypatch.setattr(Trainer, "step", step)  # the forked ranks inherit it
+    with pytest.raises(AssertionError) as failure:
+        run_pretrain(2, corpus_args(corpus_cache, iters=4))
+    assert "rank 0 failed" in str(failure.value) and "rank 1 failed" in str(failure.value)
+    lines = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
+    want = "pretrain_hdp.py: error: rank 1: the planner actor, asked for batch 3: the actor died"
+    assert sorted(lines) == [want, want]

@@ -221,3 +221,56 @@ def test_stop_and_resume_on_the_service_is_identical(spec_path, ray_cluster, ref
     assert [s["iteration"] for s in second] == list(range(4, STEPS + 1))
     assert _losses(first + second) == _losses(reference)
     assert _units(first + second) == _units(reference)
+
+
+KILL_PLANNER = textwrap.dedent(
+    """
+    import pathlib, sys, time, ray
+    ray.init(address=sys.argv[1], namespace="megatron_hdp", log_to_driver=False)
+    deadline = time.monotonic() + 240
+    planner = None
+    while planner is None and time.monotonic() < deadline:
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["name"].startswith("planner-")]
+        if names:
+            planner = ray.get_actor(names[0], namespace="megatron_hdp")
+        time.sleep(0.1)
+    tracker = pathlib.Path(sys.argv[2]) / "latest_checkpointed_iteration.txt"
+    while not (tracker.exists() and int(tracker.read_text() or 0) >= 2):  # mid-run
+        time.sleep(0.05)
+    ray.kill(planner, no_restart=True)
+    print("killed", flush=True)
+    """
+)
+
+
+def test_a_killed_planner_actor_stops_every_rank_with_one_line(
+    spec_path, ray_cluster, tmp_path, capfd
+):
+    """Before: every rank stopped with Ray's raw ActorDiedError or ValueError traceback."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    ckpt = tmp_path / "ckpt"
+    killer = subprocess.Popen(
+        [sys.executable, "-c", KILL_PLANNER, ray_cluster, str(ckpt)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    extra = [*_ray(ray_cluster), "--save", str(ckpt), "--save-interval", "1"]
+    extra += ["--train-iters", "100"]  # the whole schedule: running when the planner dies
+    try:
+        with pytest.raises(AssertionError) as failure:
+            run_pretrain(2, _args(spec_path, spec_path.parent / "c4", extra=extra))
+        out, _ = killer.communicate(timeout=60)
+    finally:
+        killer.kill()
+    assert "killed" in out, out
+    assert "rank 0 failed" in str(failure.value) and "rank 1 failed" in str(failure.value)
+    lines = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
+    assert len(lines) == 2 and lines[0] == lines[1], lines
+    assert lines[0].startswith("pretrain_hdp.py: error: rank ")
+    # Its loaders die with it: a rank learns it reading tokens or asking for the next batch.
+    assert "the data service's planner actor, asked " in lines[0]
+    assert "the actor died (ActorDiedError: The actor died unexpectedly" in lines[0]
+    assert "The latest checkpoint is iteration " in lines[0] and str(ckpt) in lines[0]
