@@ -339,13 +339,24 @@ def load_spec(path: str | Path) -> DataSpec:
         try:
             data = yaml.load(text, Loader=_yaml_loader(yaml))
         except yaml.YAMLError as exc:
-            raise ValueError(f"data spec {str(path)!r} is not valid YAML: {exc}") from None
+            raise ValueError(
+                f"data spec {str(path)!r} is not valid YAML: {_one_line(exc)}"
+            ) from None
     else:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"data spec {str(path)!r} is not valid JSON: {exc}") from None
     return parse_spec(data, origin=repr(str(path)), base=path.parent)
+
+
+def _one_line(exc) -> str:
+    """PyYAML's error (several lines, with a caret drawing) as `line L, column C: problem`."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    if mark is None:
+        return problem
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
 
 
 def _yaml_loader(yaml):

@@ -285,3 +285,14 @@ def test_a_changed_blend_on_resume_is_named_by_stream_and_share():
             plain, load="ck", model={}, data_setup={"weights": [0.5, 0.5]}, prefixes=["a", "b"],
             streams=["a", "b"],
         )  # fmt: skip
+
+
+def test_a_yaml_syntax_error_is_one_line_with_its_position(tmp_path):
+    (tmp_path / "s.yaml").write_text("sources:\n\t- {name: a, path: x}\n")
+    with pytest.raises(ValueError) as info:
+        load_spec(tmp_path / "s.yaml")
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.endswith(
+        "is not valid YAML: line 2, column 1: found character '\\t' that cannot start any token"
+    )
