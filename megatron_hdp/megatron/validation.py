@@ -18,6 +18,7 @@ and model shape against the checkpoint); it still runs before any process group.
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 import importlib.util
 import math
@@ -111,6 +112,13 @@ MOE_ONLY = {
 #: 16-bit precision (Megatron adds fp32 main weights and Adam's two moments on top).
 MIN_BYTES_PER_PARAM = 4
 
+#: Batches the prefetch thread may prepare ahead (each holds its plan and tokens in memory;
+#: the Ray planner keeps twice as many).
+MAX_PREFETCH_DEPTH = 64
+
+#: Seeds torch's generators take (Megatron adds small per-rank offsets).
+MAX_SEED = 2**63 - 2**20
+
 #: Flags whose value must lie in [0, 1).
 UNIT_INTERVAL = ("adam_beta1", "adam_beta2", "hidden_dropout")
 
@@ -149,6 +157,20 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--hdp-host-memory-gb {args.hdp_host_memory_gb}: no room for offloaded activations"
         )
+    if args.hdp_prefetch_depth > MAX_PREFETCH_DEPTH:
+        raise ValueError(
+            f"--hdp-prefetch-depth {args.hdp_prefetch_depth}: at most {MAX_PREFETCH_DEPTH} "
+            "batches ahead (each is held in memory until its step)"
+        )
+    if args.seed > MAX_SEED:
+        raise ValueError(f"--seed {args.seed}: must be below 2**63 (torch's generators)")
+    try:
+        datetime.timedelta(minutes=args.distributed_timeout_minutes)
+    except OverflowError:
+        raise ValueError(
+            f"--distributed-timeout-minutes {args.distributed_timeout_minutes:g}: too long for "
+            "a timeout (at most about 1e12 minutes)"
+        ) from None
     timeout_s = args.distributed_timeout_minutes * 60
     if args.hdp_stall_report_seconds is not None and args.hdp_stall_report_seconds >= timeout_s:
         raise ValueError(
@@ -178,21 +200,30 @@ def _memory_bytes() -> int | None:
         return None
 
 
-def _layer_params_per_rank(args: argparse.Namespace) -> tuple[int, int]:
-    """Parameters of one transformer layer on one rank: (attention and dense MLP, experts).
+def _params_per_rank(args: argparse.Namespace) -> tuple[int, int]:
+    """Parameters on the busiest rank: (per transformer layer, embedding and output layer).
 
-    A lower bound (no norms, biases or embeddings): enough to refuse a model that cannot fit.
+    A lower bound (no norms or biases; the vocabulary at its smallest padding): enough to
+    refuse a model that cannot fit.
     """
     h, tp = args.hidden_size, args.tensor_model_parallel_size
     ffn = args.ffn_hidden_size or 2 * h  # Megatron's default is 4 h, or about 8 h / 3
     gates = 2 if args.swiglu else 1
-    attention = 4 * h * h // tp
+    layer = 4 * h * h // tp
     if args.num_experts is None:
-        return attention + (gates + 1) * h * ffn // tp, 0
-    expert_ffn = ffn if args.moe_ffn_hidden_size is None else args.moe_ffn_hidden_size
-    ep = args.expert_model_parallel_size
-    experts = (args.num_experts // ep) * (gates + 1) * h * expert_ffn // (tp // ep)
-    return attention, args.num_experts * h + experts  # the router is on every rank
+        layer += (gates + 1) * h * ffn // tp
+    else:
+        expert_ffn = ffn if args.moe_ffn_hidden_size is None else args.moe_ffn_hidden_size
+        ep = args.expert_model_parallel_size
+        layer += args.num_experts * h  # the router is on every rank
+        layer += (args.num_experts // ep) * (gates + 1) * h * expert_ffn // (tp // ep)
+    vocab = args.make_vocab_size_divisible_by * tp
+    if args.vocab_size is not None:
+        vocab = max(vocab, args.vocab_size)
+    embedding = vocab // tp * h
+    if args.position_embedding_type == "learned_absolute":
+        embedding += (args.max_position_embeddings or args.seq_length) * h
+    return layer, embedding
 
 
 def _check_model_fits(args: argparse.Namespace, world_size: int) -> None:
@@ -204,21 +235,23 @@ def _check_model_fits(args: argparse.Namespace, world_size: int) -> None:
     memory = _memory_bytes()
     if memory is None:
         return
-    dense, experts = _layer_params_per_rank(args)
+    layer, embedding = _params_per_rank(args)
     layers = args.num_layers // args.pipeline_model_parallel_size
-    need = (dense + experts) * layers * MIN_BYTES_PER_PARAM
+    need = (layer * layers + embedding) * MIN_BYTES_PER_PARAM
     local_ranks = min(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if need * local_ranks <= memory:
         return
-    culprit = (
-        f"--num-experts {args.num_experts}"
-        if experts > dense
-        else f"--hidden-size {args.hidden_size}"
+    sizes = ["num_layers", "hidden_size", "ffn_hidden_size", "num_experts", "moe_ffn_hidden_size"]
+    sizes += ["make_vocab_size_divisible_by", "vocab_size"]
+    if args.position_embedding_type == "learned_absolute":
+        sizes.append("max_position_embeddings")
+    named = ", ".join(
+        f"{flag(dest)} {getattr(args, dest)}" for dest in sizes if getattr(args, dest) is not None
     )
     raise ValueError(
-        f"{culprit}: each rank's {layers} layers hold at least {need / 2**30:.1f} GiB of "
-        f"weights and gradients, more than this machine's {memory / 2**30:.1f} GiB of memory "
-        f"shared by {local_ranks} ranks"
+        f"the model ({named}) holds at least {need / 2**30:.1f} GiB of weights and gradients "
+        f"per rank, more than this machine's {memory / 2**30:.1f} GiB of memory shared by "
+        f"{local_ranks} ranks"
     )
 
 

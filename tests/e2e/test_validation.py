@@ -89,9 +89,21 @@ BAD = [
     ),
     (
         ["--num-experts", "100000000", "--moe-router-topk", "1"],
-        "--num-experts 100000000: each rank's",
+        "error: the model (--num-layers 2, --hidden-size 32, --num-experts 100000000, "
+        "--make-vocab-size-divisible-by 128) holds at least ",
     ),
-    (["--hidden-size", "1048576"], "--hidden-size 1048576: each rank's"),
+    (["--hidden-size", "1048576"], "(--num-layers 2, --hidden-size 1048576, "),
+    (
+        ["--make-vocab-size-divisible-by", "1000000000"],
+        "--make-vocab-size-divisible-by 1000000000)",
+    ),
+    (["--distributed-timeout-minutes", "1e30"], "--distributed-timeout-minutes 1e+30: too long"),
+    (["--hdp-prefetch-depth", "65"], "--hdp-prefetch-depth 65: at most 64 batches ahead"),
+    (["--seed", str(2**63)], "--seed 9223372036854775808: must be below 2**63"),
+    (
+        ["--hdp-global-batch-tokens", "1000000000"],
+        "a global batch of 1000000000 tokens (--hdp-global-batch-tokens) is more than the ",
+    ),
     (["--data-path", "nan", "/data/a", "1", "/data/b"], "weights must be finite and positive"),
     (["--data-path", "/nowhere/data"], "--data-path /nowhere/data.idx: no such file"),
     (
