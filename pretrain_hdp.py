@@ -105,6 +105,7 @@ def _train(args, data) -> list[dict]:
         DataServiceError,
         JobStoppedError,
         NonFiniteError,
+        OutputWriteError,
     )
     from megatron_hdp.launch import init_distributed, megatron_device_context
     from megatron_hdp.megatron.config import model_config
@@ -156,9 +157,9 @@ def _train(args, data) -> list[dict]:
             return records
         except (NonFiniteError, CheckpointSaveError):
             raise  # raised on every rank together, with the same message
-        except DataServiceError as err:
+        except (DataServiceError, OutputWriteError) as err:  # one rank's own failure
             note = failure_note.leave(store, dist.get_rank(), str(err))
-            raise DataServiceError(note) from err
+            raise type(err)(note) from err
         except Exception as err:
             note = failure_note.reason(store)
             if note is not None:  # a peer stopped first, and this collective failed with it
@@ -199,11 +200,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
         DataServiceError,
         JobStoppedError,
         NonFiniteError,
+        OutputWriteError,
     )
 
     try:
         return _train(args, data)
-    except (NonFiniteError, CheckpointSaveError, DataServiceError, JobStoppedError) as err:
+    except (
+        NonFiniteError,
+        CheckpointSaveError,
+        DataServiceError,
+        JobStoppedError,
+        OutputWriteError,
+    ) as err:
         _say(parser, 1, f"error: {err}")
 
 

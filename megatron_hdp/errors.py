@@ -30,3 +30,10 @@ class DataServiceError(RuntimeError):
 
 class JobStoppedError(RuntimeError):
     """Another rank stopped the job; the message is the note it left (its rank and cause)."""
+
+
+class OutputWriteError(RuntimeError):
+    """A run output (the metrics file, a step timeline) could not be written.
+
+    The message names the file and the reason (a full disk, a folder that went away).
+    """

@@ -24,9 +24,10 @@ import importlib.util
 import math
 import os
 import re
+import zipfile
 from pathlib import Path
 
-from megatron_hdp.checkpoint_files import TRACKER, read_meta
+from megatron_hdp.checkpoint_files import TRACKER, iteration_dir, latest_iteration, read_meta
 from megatron_hdp.data.sampler import parse_split
 from megatron_hdp.data.service.address import (
     address_origin,
@@ -551,6 +552,22 @@ def _check_paths(args: argparse.Namespace) -> None:
             raise ValueError(f"{name} {value}: is a file, not a checkpoint folder")
 
 
+def _check_files_complete(load: str) -> None:
+    """ValueError naming a `.pt` file of the latest checkpoint that is cut short.
+
+    torch.save writes zip archives; a truncated one has no central directory at its end,
+    which `zipfile` finds by reading the last bytes only.
+    """
+    folder = iteration_dir(load, latest_iteration(load))
+    for path in sorted(folder.glob("*.pt")):
+        if not zipfile.is_zipfile(path):
+            raise ValueError(
+                f"--load {load}: {path.relative_to(load)} is not a complete torch file "
+                "(truncated or damaged); resume from an earlier checkpoint by pointing the "
+                f"tracker {TRACKER} at it"
+            )
+
+
 def _check_resume(args: argparse.Namespace, world_size: int) -> dict | None:
     """The `--load` checkpoint's meta (None for a fresh start), after checking it fits."""
     if args.load is not None and args.hdp_load_if_exists is not None:
@@ -564,6 +581,7 @@ def _check_resume(args: argparse.Namespace, world_size: int) -> dict | None:
             meta = read_meta(args.load)
         except ValueError as err:
             raise ValueError(f"--load {args.load}: {err}") from None
+        _check_files_complete(args.load)
         if meta["distributed_optimizer"] != args.use_distributed_optimizer:
             raise ValueError(
                 f"--load {args.load}: written with use_distributed_optimizer="
@@ -642,6 +660,20 @@ def _blend_change(key: str, saved, now, streams: list[str] | None) -> str | None
     )
 
 
+#: Model fields whose flag has another name or default (the rest: `flag(field)`).
+_MODEL_FLAGS = {
+    "max_position_embeddings": "--max-position-embeddings (default: --seq-length)",
+    "add_bias_linear": "--disable-bias-linear (off: biases)",
+    "tie_embeddings": "--untie-embeddings-and-output-weights (off: tied)",
+    "vocab_size": "the padded vocabulary (--tokenizer-type, --vocab-size, "
+    "--make-vocab-size-divisible-by)",
+}
+
+
+def _model_flag(field: str) -> str:
+    return _MODEL_FLAGS.get(field) or flag(field)
+
+
 def check_resume_matches(
     meta: dict,
     *,
@@ -667,7 +699,9 @@ def check_resume_matches(
         model = {k: v for k, v in model.items() if k not in MAY_CHANGE_ON_RESUME}
         changed = [key for key in model if saved_model.get(key) != model[key]]
         if changed:
-            detail = ", ".join(f"{k}: {saved_model.get(k)!r} -> {model[k]!r}" for k in changed)
+            detail = ", ".join(
+                f"{_model_flag(k)}: {saved_model.get(k)!r} -> {model[k]!r}" for k in changed
+            )
             raise ValueError(f"--load {load}: the model differs from the checkpoint's ({detail})")
     saved_data = meta.get("data")
     if saved_data is not None:

@@ -398,3 +398,36 @@ def test_a_rank_whose_data_service_fails_stops_every_rank_with_its_line(
     lines = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
     want = "pretrain_hdp.py: error: rank 1: the planner actor, asked for batch 3: the actor died"
     assert sorted(lines) == [want, want]
+
+
+def test_a_full_disk_under_the_metrics_file_stops_every_rank_with_one_line(
+    corpus_cache, tmp_path, monkeypatch, capfd
+):
+    """Rank 0 alone writes the metrics file: before, its OSError traceback and rank 1's
+    "connection closed"."""
+    import builtins
+    import errno
+    import io
+
+    from tests.e2e.harness import corpus_args
+
+    real_open = builtins.open
+    metrics = tmp_path / "m.jsonl"
+
+    def full_disk(file, mode="r", *args, **kwargs):
+        if str(file) == str(metrics) and "a" in mode:
+            raise OSError(errno.ENOSPC, "No space left on device", str(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", full_disk)  # the forked ranks inherit it
+    monkeypatch.setattr(io, "open", full_disk)
+    with pytest.raises(AssertionError):
+        run_pretrain(
+            2, corpus_args(corpus_cache, iters=2, extra=["--hdp-metrics-file", str(metrics)])
+        )
+    lines = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
+    want = (
+        f"pretrain_hdp.py: error: rank 0: cannot write --hdp-metrics-file {metrics}: No space "
+        f"left on device ({metrics})"
+    )
+    assert lines == [want, want]

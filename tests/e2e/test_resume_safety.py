@@ -142,7 +142,7 @@ def test_a_resume_with_another_model_is_refused_before_start_up(
     )
     argv[argv.index("--hidden-size") + 1] = "64"
     code, err = exit_of(argv, monkeypatch, capsys)
-    assert code == 2 and "hidden_size: 32 -> 64" in err
+    assert code == 2 and "--hidden-size: 32 -> 64" in err
 
 
 def test_the_checked_schedule_is_the_one_the_engine_saves(corpus_cache, four_steps):
@@ -246,3 +246,15 @@ def test_a_checkpoint_from_before_tensor_parallelism_still_resumes(
     extra = ["--load", str(checkpoint), "--lr-decay-iters", "4", "--hdp-validate-only"]
     assert pretrain_hdp.main(job_args(corpus_cache, iters=6, extra=extra)) == []
     assert capsys.readouterr().err == ""
+
+
+def test_a_truncated_checkpoint_file_is_refused_before_start_up(
+    corpus_cache, checkpoint, monkeypatch, capsys
+):
+    """Before: torch.load failed after the process group started, with a traceback."""
+    common = iteration_dir(checkpoint, 4) / "common.pt"
+    common.write_bytes(common.read_bytes()[: common.stat().st_size // 2])
+    argv = job_args(corpus_cache, iters=6, extra=["--load", str(checkpoint)])
+    code, err = exit_of([*argv, "--lr-decay-iters", "4"], monkeypatch, capsys)
+    assert code == 2
+    assert f"--load {checkpoint}: iter_0000004/common.pt is not a complete torch file" in err
