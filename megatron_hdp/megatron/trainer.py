@@ -300,10 +300,13 @@ class Trainer:
                 },
                 keep=2 * self.args.hdp_prefetch_depth + 4,
                 timeout_s=timeout_s,
+                save=self.args.save,
             )
         dist.barrier(group=self.runtime.all_ranks)
         if service is None:
-            service = RayDataService.attach(address, job_key=key[0], timeout_s=timeout_s)
+            service = RayDataService.attach(
+                address, job_key=key[0], timeout_s=timeout_s, save=self.args.save
+            )
         service.check_sources(
             [source.name for source in sources], [lengths_digest(d) for d in self.data.datasets]
         )

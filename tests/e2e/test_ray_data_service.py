@@ -15,13 +15,17 @@ indexed one. The in-process loader's run is the reference:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
+import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -274,3 +278,65 @@ def test_a_killed_planner_actor_stops_every_rank_with_one_line(
     assert "the data service's planner actor, asked " in lines[0]
     assert "the actor died (ActorDiedError: The actor died unexpectedly" in lines[0]
     assert "The latest checkpoint is iteration " in lines[0] and str(ckpt) in lines[0]
+
+
+def test_a_dead_ray_head_ends_the_ranks_with_one_line_from_the_job(spec_path, tmp_path, capfd):
+    """Ray ends each rank from inside its core worker when the head dies (no Python runs):
+    before, the job stopped with no line of its own. A head of its own, killed (SIGKILL, as
+    a lost node) once iteration 2 is saved."""
+    import psutil  # Ray's own dependency
+
+    port = _free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    temp = Path(tempfile.mkdtemp(prefix="rayh"))  # short: Ray's socket paths must fit 107 bytes
+    start = [
+        str(VENV_BIN / "ray"), "start", "--head", f"--port={port}", "--num-cpus=2",
+        "--object-store-memory=100000000", "--include-dashboard=false",
+        "--disable-usage-stats", f"--temp-dir={temp}",
+    ]  # fmt: skip
+    done = subprocess.run(start, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    ckpt = tmp_path / "ckpt"
+
+    def head_processes():
+        found = []
+        for proc in psutil.process_iter(["cmdline"]):
+            with contextlib.suppress(psutil.Error):
+                if str(temp) in " ".join(proc.info["cmdline"] or []):
+                    found.append(proc)
+        return found
+
+    def kill_head_after_iteration_2():
+        tracker = ckpt / "latest_checkpointed_iteration.txt"
+        deadline = time.monotonic() + 200
+        while time.monotonic() < deadline:
+            if tracker.exists() and int(tracker.read_text() or 0) >= 2:
+                break
+            time.sleep(0.05)
+        for proc in head_processes():
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+
+    killer = threading.Thread(target=kill_head_after_iteration_2, daemon=True)
+    killer.start()
+    extra = [*_ray(f"127.0.0.1:{port}"), "--save", str(ckpt), "--save-interval", "1"]
+    extra += ["--train-iters", "100"]
+    try:
+        with pytest.raises(AssertionError) as failure:
+            run_pretrain(2, _args(spec_path, spec_path.parent / "c5", extra=extra))
+    finally:
+        killer.join(timeout=1)
+        for proc in head_processes():
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        shutil.rmtree(temp, ignore_errors=True)
+    assert "died with exit code 1" in str(failure.value)  # Ray's own exit, as before
+    lines = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
+    assert lines, "no line from the job"
+    assert len(set(lines)) == 1, lines
+    assert lines[0].startswith(
+        f"pretrain_hdp.py: error: the Ray cluster at 127.0.0.1:{port} went away (its head or "
+        "this node's raylet stopped) and Ray ended the job's ranks. The latest checkpoint is "
+        "iteration "
+    )
+    assert lines[0].endswith(f" in {ckpt}.")

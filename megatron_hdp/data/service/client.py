@@ -26,6 +26,7 @@ import numpy as np
 
 from megatron_hdp.data.batching import IndexedTokens
 from megatron_hdp.data.service.actors import PlannerActor
+from megatron_hdp.data.service.sentinel import Sentinel, speaks_for_this_node
 from megatron_hdp.errors import DataServiceError
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,12 @@ def _init(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         ) from failure[0]
 
 
+def _join(address: str, save: str | None) -> Sentinel | None:
+    """`_init`, then this node's sentinel (`sentinel.py`): Ray may end the rank from now on."""
+    _init(address)
+    return Sentinel(address, save=save) if speaks_for_this_node() else None
+
+
 def _get(refs, *, timeout_s: float, what: str):
     """`ray.get(refs)`; DataServiceError saying `what` failed (actor death, timeout)."""
     import ray
@@ -161,8 +168,8 @@ class RemoteBatches:
 class RayDataService:
     """This rank's handle on the job's planner actor and source loaders."""
 
-    def __init__(self, planner, *, timeout_s: float) -> None:
-        self.planner, self.timeout_s = planner, timeout_s
+    def __init__(self, planner, *, timeout_s: float, sentinel: Sentinel | None = None) -> None:
+        self.planner, self.timeout_s, self.sentinel = planner, timeout_s, sentinel
         self.loaders = _get(
             planner.loader_handles.remote(),
             timeout_s=timeout_s,
@@ -201,25 +208,29 @@ class RayDataService:
         open_args: dict,
         keep: int,
         timeout_s: float = 300.0,
+        save: str | None = None,
     ) -> RayDataService:
         """Join the cluster at `address` and start the job's planner (one rank does this).
 
         Returns once the planner's loaders have opened their sources. The planner actor is
         named after `job_key`, so one job never uses another's; the other ranks `attach`.
+        `save` (the job's --save) is what the rank's sentinel names if Ray ends the rank.
         """
-        _init(address)
+        sentinel = _join(address, save)
         actor = ray_remote(PlannerActor).options(
             name=f"planner-{job_key}", num_cpus=0, max_restarts=0
         )
         planner = actor.remote(sampler, plan, list(sources), open_args, keep)
-        return cls(planner, timeout_s=timeout_s)
+        return cls(planner, timeout_s=timeout_s, sentinel=sentinel)
 
     @classmethod
-    def attach(cls, address: str, *, job_key: str, timeout_s: float = 300.0) -> RayDataService:
+    def attach(
+        cls, address: str, *, job_key: str, timeout_s: float = 300.0, save: str | None = None
+    ) -> RayDataService:
         """Join the cluster at `address` and the planner another rank started (`start`)."""
         import ray
 
-        _init(address)
+        sentinel = _join(address, save)
         try:
             planner = ray.get_actor(f"planner-{job_key}", namespace=NAMESPACE)
         except ValueError as err:  # Ray's way of saying the named actor is not there
@@ -227,7 +238,7 @@ class RayDataService:
                 f"the data service's planner actor planner-{job_key} is gone from the Ray "
                 f"cluster at {address} (rank 0 started it)"
             ) from err
-        return cls(planner, timeout_s=timeout_s)
+        return cls(planner, timeout_s=timeout_s, sentinel=sentinel)
 
     def close(self) -> None:
         """Leave the cluster (the planner and its loaders end with the rank that started them)."""
@@ -235,6 +246,9 @@ class RayDataService:
 
         if ray.is_initialized():
             ray.shutdown()
+        if self.sentinel is not None:
+            self.sentinel.close()
+            self.sentinel = None
 
     def batches(self, state: dict) -> RemoteBatches:
         """The batches after the sampler state `state` (what a resume restored)."""
