@@ -212,15 +212,15 @@ def _check_batch_fits(data: TrainingData) -> TrainingData:
     wanted = data.cfg.tokens_per_batch
     if wanted is not None and wanted > tokens:
         raise ValueError(
-            f"a global batch of {wanted} tokens (--hdp-global-batch-tokens) is more than the "
-            f"{tokens} training tokens of the data: every step would read every document "
-            f"{wanted / tokens:.1f} times"
+            f"--hdp-global-batch-tokens {wanted}: a global batch of more than the {tokens} "
+            f"training tokens of the data (every step would read every document "
+            f"{wanted / tokens:.1f} times)"
         )
     units = sum(len(u) for u in data.train.datasets)
     if data.cfg.units_per_batch is not None and data.cfg.units_per_batch > units:
         raise ValueError(
-            f"a global batch of {data.cfg.units_per_batch} sequences (--global-batch-size) is "
-            f"more than the {units} training sequences of the data"
+            f"--global-batch-size {data.cfg.units_per_batch}: a global batch of more than the "
+            f"{units} training sequences of the data"
         )
     return data
 
