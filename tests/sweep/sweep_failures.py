@@ -493,8 +493,25 @@ def sweep_disk(tmp: Path, cache: Path):
         os.chmod(ro, 0o700)
 
 
+def sweep_flags_at_run_time(tmp: Path, cache: Path):
+    """Huge values validation accepts, trained for 2 steps: they run, or stop in one line."""
+    from tests.e2e.harness import corpus_args
+
+    cases = [
+        ("--hdp-capacity", "1000000000", None),
+        ("--max-position-embeddings", "1000000000", None),
+        ("--init-method-std", "1e30", "not finite"),  # the non-finite guard stops it
+        ("--lr", "1e30", "not finite"),
+    ]
+    for name, value, want in cases:
+        result = _train(corpus_args(cache, iters=2, extra=[name, value]))
+        outcome, detail = _runtime_outcome(result, want_line=want)
+        yield f"{name} {value} (2 steps)", outcome, detail
+
+
 CLASSES = {
     "bad flags": sweep_flags,
+    "bad flags, run": sweep_flags_at_run_time,
     "data spec": sweep_spec,
     "Ray faults": sweep_ray,
     "resume": sweep_resume,
