@@ -710,6 +710,13 @@ def check_resume_matches(
                 f"--load {load}: the checkpoint was trained on {saved_data['prefixes']}, this "
                 f"run reads {prefixes}"
             )
+        saved_streams = len(saved_data["setup"].get("units", []))
+        if streams is not None and saved_streams != len(data_setup.get("units", [])):
+            raise ValueError(
+                f"--load {load}: the checkpoint's data had {saved_streams} streams, this run "
+                f"has {len(streams)} ({', '.join(streams)}): sources or length buckets of "
+                "--hdp-data-spec were added or removed"
+            )
         for key in sorted(set(data_setup) | set(saved_data["setup"])):
             if saved_data["setup"].get(key) != data_setup.get(key):
                 blend = _blend_change(
@@ -723,6 +730,6 @@ def check_resume_matches(
                 raise ValueError(
                     f"--load {load}: the data set-up differs from the checkpoint's: {key} was "
                     f"{saved_data['setup'].get(key)!r}, now {data_setup.get(key)!r} (changed "
-                    "--seed, --data-path, --hdp-data-spec, --split, --seq-length or the global "
-                    "batch size?)"
+                    "--seed, --data-path, --hdp-data-spec (its length buckets?), --split, "
+                    "--seq-length or the global batch size?)"
                 )

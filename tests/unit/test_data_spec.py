@@ -296,3 +296,18 @@ def test_a_yaml_syntax_error_is_one_line_with_its_position(tmp_path):
     assert message.endswith(
         "is not valid YAML: line 2, column 1: found character '\\t' that cannot start any token"
     )
+
+
+def test_a_spec_with_other_streams_on_resume_is_named_by_stream():
+    from megatron_hdp.megatron.validation import check_resume_matches
+
+    meta = {"data": {"prefixes": ["p"], "setup": {"units": [4, 4], "weights": [0.5, 0.5]}}}
+    with pytest.raises(ValueError) as info:
+        check_resume_matches(
+            meta, load="ck", model={}, prefixes=["p"], streams=["lib/short", "lib/mid", "lib/long"],
+            data_setup={"units": [2, 3, 3], "weights": [0.25, 0.25, 0.5]},
+        )  # fmt: skip
+    assert str(info.value) == (
+        "--load ck: the checkpoint's data had 2 streams, this run has 3 (lib/short, lib/mid, "
+        "lib/long): sources or length buckets of --hdp-data-spec were added or removed"
+    )
