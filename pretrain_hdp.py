@@ -50,8 +50,17 @@ def _say(parser, status: int, message: str) -> None:
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         parser.exit(status, f"{parser.prog}: {message}\n")
     if status != 0:
+        _leave_process_group()  # peers blocked in a collective with this rank fail now
         time.sleep(OTHER_RANKS_WAIT_S)
     parser.exit(status)
+
+
+def _leave_process_group() -> None:
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _prepare(parser, args, world_size: int):
@@ -89,6 +98,7 @@ def _prepare(parser, args, world_size: int):
                 model=dataclasses.asdict(model_config(args, data.vocab_size)),
                 data_setup=data.train.setup(),
                 prefixes=data.prefixes,
+                streams=data.streams,
             )
     except ValueError as err:
         _say(parser, 2, f"error: {err}")
@@ -100,8 +110,16 @@ def _train(args, data) -> list[dict]:
     import torch.distributed as dist
     from tqdm import tqdm
 
+    from megatron_hdp.distributed import failure_note
     from megatron_hdp.distributed.stall_watchdog import StallWatchdog, watchdog_store
     from megatron_hdp.distributed.stop_signal import StopSignal
+    from megatron_hdp.errors import (
+        CheckpointSaveError,
+        DataServiceError,
+        JobStoppedError,
+        NonFiniteError,
+        OutputWriteError,
+    )
     from megatron_hdp.launch import init_distributed, megatron_device_context
     from megatron_hdp.megatron.config import model_config
     from megatron_hdp.megatron.model import model_parallel_dims
@@ -109,6 +127,7 @@ def _train(args, data) -> list[dict]:
 
     timeout_s = args.distributed_timeout_minutes * 60
     device = init_distributed(timeout_s=timeout_s)
+    store = dist.distributed_c10d._get_default_store()
     with megatron_device_context():
         cfg = model_config(args, data.vocab_size)
         layout = model_parallel_dims(cfg, dist.get_world_size()).initialize(
@@ -149,6 +168,23 @@ def _train(args, data) -> list[dict]:
                 records = trainer.train(progress)
             trainer.log_summary(records)  # rank 0, after the progress bar has closed
             return records
+        except (NonFiniteError, CheckpointSaveError):
+            raise  # raised on every rank together, with the same message
+        except (DataServiceError, OutputWriteError) as err:  # one rank's own failure
+            note = failure_note.leave(store, dist.get_rank(), str(err))
+            raise type(err)(note) from err
+        except Exception as err:
+            note = failure_note.reason(store)
+            if note is not None:  # a peer stopped first, and this collective failed with it
+                raise JobStoppedError(note) from err
+            lines = str(err).strip().splitlines()
+            first = lines[0] if lines else ""
+            failure_note.leave(
+                store,
+                dist.get_rank(),
+                f"{type(err).__name__}: {first} (the traceback is in that rank's output)",
+            )
+            raise
         finally:
             layout.destroy()
 
@@ -158,7 +194,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     Exit statuses: 2 with a one-line message for bad input (before any process group), 0
     with a message when the checkpoint to resume has already reached `--train-iters`, 1
-    with a one-line message when training stops on a non-finite loss or gradient norm.
+    with a one-line message when training stops on a non-finite loss or gradient norm, when
+    a checkpoint cannot be written or when the Ray data service fails (every rank stops
+    with the same line; a rank whose peer stopped first gives the peer's reason).
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -170,11 +208,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     data = _prepare(parser, args, world_size)
     if args.hdp_validate_only:
         return []
-    from megatron_hdp.errors import NonFiniteError
+    from megatron_hdp.errors import (
+        CheckpointSaveError,
+        DataServiceError,
+        JobStoppedError,
+        NonFiniteError,
+        OutputWriteError,
+    )
 
     try:
         return _train(args, data)
-    except NonFiniteError as err:
+    except (
+        NonFiniteError,
+        CheckpointSaveError,
+        DataServiceError,
+        JobStoppedError,
+        OutputWriteError,
+    ) as err:
         _say(parser, 1, f"error: {err}")
 
 

@@ -84,11 +84,16 @@ def split_ranges(num_docs: int, split: Sequence[float]) -> list[tuple[int, int]]
 def _normalised(weights: Sequence[float]) -> np.ndarray:
     """Weights as shares; ValueError unless all are finite, >= 0, and some positive."""
     w = np.asarray(weights, dtype=np.float64)
-    if not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
+    if not np.isfinite(w).all() or (w < 0).any() or not (w > 0).any():
         raise ValueError(
             f"blend weights must be positive (finite, >= 0, not all 0), got {list(weights)}"
         )
-    return w / w.sum()
+    with np.errstate(over="ignore"):
+        total = w.sum()
+    if not np.isfinite(total):  # huge weights: scale first, or every share would be 0
+        w = w / w.max()
+        total = w.sum()
+    return w / total
 
 
 def parse_split(text: str) -> list[float]:

@@ -19,7 +19,7 @@ service both read it (`--hdp-data-spec FILE`)::
 - A source is an indexed dataset (`path`: the prefix of a `.bin`/`.idx` pair), raw JSONL
   text tokenized when it is opened (`jsonl`: one file or a list, `json_key`, default
   "text"), or the embedded corpus (`builtin: "stdlib"`). `loaders` is how many source-loader
-  actors the Ray service runs for it (default 1; the in-process loader ignores it).
+  actors the Ray service runs for it (1 to 64, default 1; the in-process loader ignores it).
 - `length_buckets` split every source's training sequences by length into streams named
   `source/bucket`: a sequence goes to the first bucket whose `max_tokens` it fits (the last
   bucket has no `max_tokens`). Without buckets each source is one stream.
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,12 @@ BUILTIN_SOURCES = ("stdlib",)
 
 _SOURCE_KEYS = {"name", "path", "jsonl", "json_key", "builtin", "weight", "loaders"}
 _TOP_KEYS = {"sources", "length_buckets", "schedule"}
+
+#: Source-loader actors a source may ask for: each is a Ray actor holding the source open.
+MAX_LOADERS = 64
+
+#: Exponent forms YAML 1.1 (PyYAML) reads as text: `1e-3` (no dot), `1.5e3` (no sign).
+_EXPONENT_FORM = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
 
 
 @dataclass(frozen=True)
@@ -139,7 +146,7 @@ class DataSpec:
             members = range(source * per_source, (source + 1) * per_source)
             total = sum(stream_tokens[k] for k in members)
             for k in members:
-                out[k] += weight * stream_tokens[k] / total if total else 0.0
+                out[k] += weight * (stream_tokens[k] / total) if total else 0.0
         return out
 
     def check_covers(self, train_iters: int) -> None:
@@ -177,8 +184,12 @@ def _source(origin: str, index: int, raw, base: Path) -> SourceSpec:
     if len(kinds) != 1:
         raise _fail(origin, f"source {name!r} needs exactly one of path, jsonl, builtin")
     loaders = raw.get("loaders", 1)
-    if isinstance(loaders, bool) or not isinstance(loaders, int) or loaders < 1:
-        raise _fail(origin, f"source {name!r}: loaders must be an integer >= 1, got {loaders!r}")
+    if isinstance(loaders, bool) or not isinstance(loaders, int) or not 1 <= loaders <= MAX_LOADERS:
+        raise _fail(
+            origin,
+            f"source {name!r}: loaders must be an integer from 1 to {MAX_LOADERS} (Ray actors "
+            f"per source), got {loaders!r}",
+        )
     weight = _weight(origin, f"source {name!r} weight", raw.get("weight", 1.0))
 
     def resolve(p) -> str:
@@ -326,12 +337,33 @@ def load_spec(path: str | Path) -> DataSpec:
                 f"data spec {str(path)!r} is YAML, which needs PyYAML (pip install pyyaml)"
             ) from None
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_yaml_loader(yaml))
         except yaml.YAMLError as exc:
-            raise ValueError(f"data spec {str(path)!r} is not valid YAML: {exc}") from None
+            raise ValueError(
+                f"data spec {str(path)!r} is not valid YAML: {_one_line(exc)}"
+            ) from None
     else:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"data spec {str(path)!r} is not valid JSON: {exc}") from None
     return parse_spec(data, origin=repr(str(path)), base=path.parent)
+
+
+def _one_line(exc) -> str:
+    """PyYAML's error (several lines, with a caret drawing) as `line L, column C: problem`."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    if mark is None:
+        return problem
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+
+
+def _yaml_loader(yaml):
+    """PyYAML's safe loader that also reads `1e-3` and `1.5e3` as numbers, as JSON does."""
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FORM, list("-+0123456789."))
+    return Loader

@@ -76,6 +76,11 @@ class TrainingData:
     cfg: DataConfig
     valid_weights: list[float] | None = None
 
+    @property
+    def streams(self) -> list[str]:
+        """Names of the training sampler's streams: the spec's `source/bucket`s or prefixes."""
+        return list(self.cfg.spec.streams) if self.cfg.spec is not None else list(self.prefixes)
+
     def fresh_valid_sampler(self) -> TokenBudgetSampler | None:
         """A validation sampler at its start (every evaluation sees the same batches)."""
         if self.valid_units is None:
@@ -201,14 +206,34 @@ def _spec_data(cfg: DataConfig, vocab_size: int) -> TrainingData:
     )
 
 
+def _check_batch_fits(data: TrainingData) -> TrainingData:
+    """ValueError if one global batch needs more tokens than the training data holds."""
+    tokens = sum(u.num_tokens for u in data.train.datasets)
+    wanted = data.cfg.tokens_per_batch
+    if wanted is not None and wanted > tokens:
+        raise ValueError(
+            f"--hdp-global-batch-tokens {wanted}: a global batch of more than the {tokens} "
+            f"training tokens of the data (every step would read every document "
+            f"{wanted / tokens:.1f} times)"
+        )
+    units = sum(len(u) for u in data.train.datasets)
+    if data.cfg.units_per_batch is not None and data.cfg.units_per_batch > units:
+        raise ValueError(
+            f"--global-batch-size {data.cfg.units_per_batch}: a global batch of more than the "
+            f"{units} training sequences of the data"
+        )
+    return data
+
+
 def build_training_data(cfg: DataConfig) -> TrainingData:
     """Open (or build) the datasets, split them and make the train/valid samplers.
 
-    Raises ValueError for unreadable data or a dataset split with no usable document.
+    Raises ValueError for unreadable data, a dataset split with no usable document, or a
+    global batch larger than the training data.
     """
     vocab_size = _vocab_size(cfg)
     if cfg.spec is not None:
-        return _spec_data(cfg, vocab_size)
+        return _check_batch_fits(_spec_data(cfg, vocab_size))
     if cfg.blend:
         prefixes = [prefix for _, prefix in cfg.blend]
     else:
@@ -219,12 +244,14 @@ def build_training_data(cfg: DataConfig) -> TrainingData:
     if not all(len(u) > 0 for u in valid_units):
         logger.warning("no validation documents in some dataset: evaluation is skipped")
         valid_units = None
-    return TrainingData(
-        datasets=datasets,
-        prefixes=prefixes,
-        train=_sampler(train_units, cfg, seed=cfg.seed),
-        vocab_size=vocab_size,
-        train_units=train_units,
-        valid_units=valid_units,
-        cfg=cfg,
+    return _check_batch_fits(
+        TrainingData(
+            datasets=datasets,
+            prefixes=prefixes,
+            train=_sampler(train_units, cfg, seed=cfg.seed),
+            vocab_size=vocab_size,
+            train_units=train_units,
+            valid_units=valid_units,
+            cfg=cfg,
+        )
     )

@@ -34,8 +34,13 @@ def moe_problems(
     sequence_parallel: bool,
     dispatcher: str = "allgather",
     pp: int = 1,
+    bias: bool = False,
 ) -> list[str]:
-    """What is wrong with an MoE set-up (empty: nothing), one message per bad value."""
+    """What is wrong with an MoE set-up (empty: nothing), one message per bad value.
+
+    `bias`: the linear layers have biases (Megatron's default), which Megatron's experts
+    support only whole on one rank (expert TP = TP / EP = 1).
+    """
     problems = []
     if ep < 1:
         problems.append(f"expert_model_parallel_size must be >= 1, got {ep}")
@@ -59,6 +64,13 @@ def moe_problems(
     elif num_experts % ep:
         problems.append(
             f"num_experts {num_experts} is not divisible by expert_model_parallel_size {ep}"
+        )
+    elif bias and tp // ep > 1:
+        problems.append(
+            f"an MoE model with linear biases (Megatron's default) needs each expert whole on "
+            f"one rank, but tensor_model_parallel_size {tp} / expert_model_parallel_size {ep} "
+            f"splits it over {tp // ep}: set expert_model_parallel_size {tp}, or "
+            "disable_bias_linear"
         )
     if tp > 1 and not sequence_parallel:
         problems.append(
@@ -210,6 +222,7 @@ def layout_problems(
     num_experts: int | None = None,
     moe_router_topk: int = 2,
     moe_token_dispatcher_type: str = "allgather",
+    add_bias_linear: bool = False,
 ) -> list[str]:
     """What is wrong with a layout (empty: nothing), one message per bad value."""
     tp, pp, world = tensor_model_parallel_size, pipeline_model_parallel_size, world_size
@@ -236,6 +249,7 @@ def layout_problems(
         sequence_parallel=sequence_parallel,
         dispatcher=moe_token_dispatcher_type,
         pp=pp,
+        bias=add_bias_linear,
     )
     return problems
 

@@ -11,9 +11,11 @@ earlier phase of the step), with what each was doing. Comm layer: it touches onl
 
 The store should be a client of its own (`watchdog_store`), so that heartbeats never wait
 behind a blocking `get` of the main thread (NCCL sets up communicators through the store).
-Store traffic: one small write per rank per heartbeat (every `report_after_s / 4`, 0.25-5 s),
-and when a step stalls, one read per waiting rank plus one `multi_get` of all heartbeats by
-the reporting rank.
+Store traffic: one small write per rank per heartbeat (every `report_after_s / 4`, 0.25-5 s,
+and once per iteration, as soon as a rank starts it, so that a rank stopped between two
+periodic heartbeats is reported at its iteration, not at an older one), and when a step
+stalls, one read per waiting rank plus one `multi_get` of all heartbeats by the reporting
+rank. The heartbeat thread writes them all; `mark` only wakes it.
 """
 
 from __future__ import annotations
@@ -113,6 +115,7 @@ class StallWatchdog:
         self._since = time.monotonic()
         self._reported: tuple[int, int] | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hdp-stall-watchdog", daemon=True)
 
     def _key(self, rank: int) -> str:
@@ -121,8 +124,9 @@ class StallWatchdog:
     def mark(self, what: str, *, iteration: int | None = None) -> None:
         """Record that this rank starts `what` (in `iteration`, if it changes)."""
         with self._lock:
-            if iteration is not None:
+            if iteration is not None and iteration != self._iteration:
                 self._iteration = iteration
+                self._wake.set()  # a heartbeat now: the new iteration is news to the others
             self._seq += 1
             self._what = what
             self._since = time.monotonic()
@@ -136,6 +140,7 @@ class StallWatchdog:
     def stop(self) -> None:
         """Stop the heartbeat thread (other ranks then see this rank as silent)."""
         self._stop.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2 * self.interval_s + 1)
 
@@ -161,7 +166,11 @@ class StallWatchdog:
         return state
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while True:
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 state = self._beat()
                 position = (state["iteration"], state["seq"])

@@ -54,7 +54,7 @@ from megatron_hdp.checkpoint_files import (
     latest_iteration,
     read_meta,
 )
-from megatron_hdp.errors import NonFiniteError
+from megatron_hdp.errors import CheckpointSaveError, NonFiniteError
 from megatron_hdp.megatron.engine import Engine
 
 logger = logging.getLogger(__name__)
@@ -156,6 +156,59 @@ def _all_ok(ok: bool, group: dist.ProcessGroup, device: torch.device) -> bool:
     return int(flag.item()) == 0
 
 
+def _cause(err: BaseException) -> str:
+    """One line for a failed write: the OS's reason and the file, or the error's first line."""
+    if isinstance(err, OSError) and err.strerror:
+        return f"{err.strerror} ({err.filename})" if err.filename else err.strerror
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def _still_latest(root: Path) -> str:
+    try:
+        return f"the latest checkpoint there is still iteration {latest_iteration(root)}"
+    except (OSError, ValueError):
+        return "there is no complete checkpoint there"
+
+
+def _free_space(root: Path) -> str:
+    try:
+        return f", {shutil.disk_usage(root).free / 2**20:.0f} MiB free there"
+    except OSError:
+        return ""
+
+
+def _raise_if_any_failed(
+    error: BaseException | None,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    root: Path,
+    iteration: int,
+) -> None:
+    """Collective over `group`: the same `CheckpointSaveError` on every rank if any failed.
+
+    The message is the cause on the lowest failing rank: every rank stops with one line
+    that names it, instead of one rank's traceback and the others' "connection closed".
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    first = torch.tensor([rank if error is not None else world], dtype=torch.int64, device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
+    failed = int(first.item())
+    if failed == world:
+        return
+    cause = [None]
+    if rank == failed:
+        cause = [error.args[0] if isinstance(error, ValueError) else _cause(error)]
+        if isinstance(error, OSError) and error.errno is not None:
+            cause[0] += _free_space(root)
+    src = dist.get_global_rank(group, failed)
+    dist.broadcast_object_list(cause, src=src, group=group, device=device)
+    raise CheckpointSaveError(
+        f"could not save iteration {iteration} to {root}: rank {failed}: {cause[0]}; "
+        f"{_still_latest(root)}"
+    ) from error
+
+
 def _parameters_finite(engine: Engine) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in engine.model.module.parameters())
 
@@ -216,7 +269,8 @@ def save_checkpoint(
     `meta_extra`) overwrite the checkpoints of another run, is refused.
 
     Raises (on every rank, nothing written): `NonFiniteError` if any rank's parameters are
-    not finite; the error of any rank that failed to prepare or write its part.
+    not finite; `CheckpointSaveError` naming the rank and the cause if any rank failed to
+    prepare, write or publish its part (a full disk, a refused folder).
     """
     device = device or torch.device("cpu")
     root = Path(root)
@@ -235,8 +289,7 @@ def save_checkpoint(
             _prepare_folder(root, partial, state.iteration, discard_existing, run_id)
         except (OSError, ValueError) as err:
             error = err
-    if not _all_ok(error is None, group, device):
-        raise error or RuntimeError(f"rank 0 could not prepare {partial}")
+    _raise_if_any_failed(error, group, device, root, state.iteration)
     try:
         if engine.optimizer_is_distributed:
             _write(partial / f"optim_rank{rank}.pt", _optimizer_shard_state(engine.optimizer))
@@ -273,23 +326,41 @@ def save_checkpoint(
             }
             (partial / META).write_text(json.dumps(meta) + "\n")
             fsync_path(partial / META)
-    except OSError as err:
+    except (OSError, RuntimeError) as err:  # torch.save reports a full disk as RuntimeError
         error = err
-    if not _all_ok(error is None, group, device):
-        raise error or RuntimeError(f"another rank failed to write its part of {partial}")
+    _raise_if_any_failed(error, group, device, root, state.iteration)
     if rank == 0:
-        fsync_path(partial)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(partial, final)
-        tracker_tmp = root / (TRACKER + ".tmp")
-        tracker_tmp.write_text(f"{state.iteration}\n")
+        try:
+            _publish(root, partial, final, state.iteration)
+        except OSError as err:
+            error = err
+    _raise_if_any_failed(error, group, device, root, state.iteration)
+    if rank == 0:
+        logger.info("saved checkpoint %s", final)
+    return final
+
+
+def _publish(root: Path, partial: Path, final: Path, iteration: int) -> None:
+    """Rank 0: rename the complete `partial` folder to `final`, then point the tracker at it.
+
+    A failure before the tracker's `os.replace` leaves the tracker at the previous
+    checkpoint and removes the new folder (which also gives its space back).
+    """
+    fsync_path(partial)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    tracker_tmp = root / (TRACKER + ".tmp")
+    try:
+        tracker_tmp.write_text(f"{iteration}\n")
         fsync_path(tracker_tmp)
         os.replace(tracker_tmp, root / TRACKER)
-        fsync_path(root)
-        logger.info("saved checkpoint %s", final)
-    dist.barrier(group=group)
-    return final
+    except OSError:
+        shutil.rmtree(final, ignore_errors=True)
+        raise
+    finally:
+        tracker_tmp.unlink(missing_ok=True)
+    fsync_path(root)
 
 
 def load_checkpoint(

@@ -148,6 +148,7 @@ class GPTConfig:
             sequence_parallel=self.sequence_parallel,
             dispatcher=self.moe_token_dispatcher_type,
             pp=self.pipeline_model_parallel_size,
+            bias=self.add_bias_linear,
         ):
             raise ValueError(problem)
         if self.moe_aux_loss_coeff < 0:
@@ -166,7 +167,9 @@ class GPTConfig:
     @property
     def expert_ffn_hidden_size(self) -> int:
         """Hidden size of each expert (moe_ffn_hidden_size, else the dense MLP's)."""
-        return self.moe_ffn_hidden_size or self.ffn_hidden_size or 4 * self.hidden_size
+        if self.moe_ffn_hidden_size is not None:
+            return self.moe_ffn_hidden_size
+        return self.ffn_hidden_size or 4 * self.hidden_size
 
     @property
     def expert_tensor_parallel_size(self) -> int:
@@ -265,9 +268,7 @@ def _moe_settings(cfg: GPTConfig) -> dict:
     return {
         "num_moe_experts": cfg.num_experts,
         "moe_router_topk": cfg.moe_router_topk,
-        "moe_ffn_hidden_size": cfg.moe_ffn_hidden_size
-        or cfg.ffn_hidden_size
-        or 4 * cfg.hidden_size,
+        "moe_ffn_hidden_size": cfg.expert_ffn_hidden_size,
         "moe_aux_loss_coeff": cfg.moe_aux_loss_coeff,
         "moe_router_load_balancing_type": "aux_loss",
         "moe_token_dispatcher_type": cfg.moe_token_dispatcher_type,

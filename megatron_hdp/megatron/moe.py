@@ -174,6 +174,19 @@ class GlobalIndexSequentialMLP(SequentialMLP):
     Megatron draws the local experts one after the other from the global RNG, so expert 0
     of EP rank 1 would equal expert 0 of EP rank 0, and the layers after it would start from
     an RNG state that depends on the EP size.
+
+    Linear biases (Megatron's default) need experts whole on one rank (expert TP 1, as
+    Megatron asserts). Two fixes make them work in every such layout:
+
+    - each expert's second linear skips the all-reduce over its one-rank group: Megatron's
+      reduce hands back its input as-is, and the expert then adds its bias in place on that
+      view, which autograd refuses ("a view ... is being modified inplace");
+    - that bias is not marked `sequence_parallel`: its gradient is already whole (the
+      dispatcher brought the expert all its tokens), and `finalize_model_grads` would sum
+      it with the biases of the other experts on the other TP ranks;
+    - that bias is marked `tensor_model_parallel` (no duplicate of another TP rank's): the
+      expert optimizer filters TP duplicates out of the gradient norm by the dense TP group,
+      and would leave out the biases of the experts on TP ranks other than 0.
     """
 
     def __init__(self, num_local_experts, config, submodules, pg_collection=None):
@@ -193,3 +206,8 @@ class GlobalIndexSequentialMLP(SequentialMLP):
                         tp_group=pg_collection.expt_tp,
                     )
                 )
+        if self.config.add_bias_linear:
+            for expert in self.local_experts:
+                expert.linear_fc2.explicit_expert_comm = True
+                expert.linear_fc2.bias.sequence_parallel = False
+                expert.linear_fc2.bias.tensor_model_parallel = True

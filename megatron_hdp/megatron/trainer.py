@@ -8,6 +8,7 @@ update. Logging, evaluation, checkpoints and TensorBoard hang off that loop.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -30,7 +31,7 @@ from megatron_hdp.data.training_data import DEFAULT_CACHE, TrainingData
 from megatron_hdp.distributed.layout import ParallelLayout
 from megatron_hdp.distributed.stall_watchdog import StallWatchdog
 from megatron_hdp.distributed.stop_signal import StopSignal
-from megatron_hdp.errors import NonFiniteError
+from megatron_hdp.errors import DataServiceError, NonFiniteError, OutputWriteError
 from megatron_hdp.megatron.arguments import (
     capacity_of,
     uses_static_mesh,
@@ -313,10 +314,13 @@ class Trainer:
                 },
                 keep=2 * self.args.hdp_prefetch_depth + 4,
                 timeout_s=timeout_s,
+                save=self.args.save,
             )
         dist.barrier(group=self.runtime.all_ranks)
         if service is None:
-            service = RayDataService.attach(address, job_key=key[0], timeout_s=timeout_s)
+            service = RayDataService.attach(
+                address, job_key=key[0], timeout_s=timeout_s, save=self.args.save
+            )
         service.check_sources(
             [source.name for source in sources], [lengths_digest(d) for d in self.data.datasets]
         )
@@ -330,12 +334,15 @@ class Trainer:
         cost model's predictions for the metrics record.
         """
         self._mark("reading and planning the batch", iteration=self.iteration + 1)
-        item = self._feed().next()
-        if item.error is not None:
-            raise item.error
-        plan, source, read, predictions = item.value
-        start = time.perf_counter()
-        result = train_step(self.engine, plan, source, self.runtime, prepared=read)
+        try:
+            item = self._feed().next()
+            if item.error is not None:
+                raise item.error
+            plan, source, read, predictions = item.value
+            start = time.perf_counter()
+            result = train_step(self.engine, plan, source, self.runtime, prepared=read)
+        except DataServiceError as err:  # the batch or its tokens (read ahead) did not come
+            raise DataServiceError(f"{err}. {self.checkpoint_note()}") from err
         elapsed = time.perf_counter() - start
         self.iteration += 1
         self.consumed_tokens += result.num_loss_tokens
@@ -446,8 +453,9 @@ class Trainer:
         steps = []
         metrics = None
         if args.hdp_metrics_file and self.rank == 0:
-            Path(args.hdp_metrics_file).parent.mkdir(parents=True, exist_ok=True)
-            metrics = open(args.hdp_metrics_file, "a")  # noqa: SIM115 - closed below
+            with _writing("--hdp-metrics-file", args.hdp_metrics_file):
+                Path(args.hdp_metrics_file).parent.mkdir(parents=True, exist_ok=True)
+                metrics = open(args.hdp_metrics_file, "a")  # noqa: SIM115 - closed below
         while self.iteration < args.train_iters:
             result, plan, stats, elapsed, units, data_wait, predictions = self.step()
             self._check_finite(result)
@@ -481,10 +489,12 @@ class Trainer:
             if predictions is not None:
                 record.update(predictions)
             if self.report.timeline_due(self.iteration):
-                self.report.record_timeline(self.iteration, plan, result)
+                with _writing("a step timeline (--hdp-timeline-interval)", None):
+                    self.report.record_timeline(self.iteration, plan, result)
             if metrics is not None:
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
+                with _writing("--hdp-metrics-file", args.hdp_metrics_file):
+                    metrics.write(json.dumps(record) + "\n")
+                    metrics.flush()
             steps.append(
                 {**record, "units": [(u.dataset, u.doc, u.start, u.length) for u in units]}
             )
@@ -529,6 +539,17 @@ class Trainer:
         if metrics is not None:
             metrics.close()
         return steps
+
+
+@contextlib.contextmanager
+def _writing(what: str, path: str | None):
+    """OutputWriteError naming `what` (and the file) for an OSError inside the block."""
+    try:
+        yield
+    except OSError as err:
+        where = f" {path}" if path is not None else ""
+        reason = f"{err.strerror} ({err.filename})" if err.strerror else str(err)
+        raise OutputWriteError(f"cannot write {what}{where}: {reason}") from err
 
 
 def runtime_for(args, layout: ParallelLayout, device) -> StepRuntime:

@@ -18,14 +18,16 @@ and model shape against the checkpoint); it still runs before any process group.
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 import importlib.util
 import math
 import os
 import re
+import zipfile
 from pathlib import Path
 
-from megatron_hdp.checkpoint_files import TRACKER, read_meta
+from megatron_hdp.checkpoint_files import TRACKER, iteration_dir, latest_iteration, read_meta
 from megatron_hdp.data.sampler import parse_split
 from megatron_hdp.data.service.address import (
     address_origin,
@@ -83,6 +85,12 @@ POSITIVE = (
     "distributed_timeout_minutes",
     "vocab_size",
     "ddp_bucket_size",
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "expert_model_parallel_size",
+    "num_experts",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
 )
 
 #: Flags whose value must be >= 0.
@@ -97,7 +105,27 @@ NON_NEGATIVE = (
     "hdp_stall_report_seconds",
     "hdp_prefetch_depth",
     "hdp_timeline_interval",
+    "moe_aux_loss_coeff",
 )
+
+#: MoE flags that do nothing without --num-experts, with their defaults.
+MOE_ONLY = {
+    "moe_router_topk": 2,
+    "moe_ffn_hidden_size": None,
+    "moe_aux_loss_coeff": 0.0,
+    "moe_token_dispatcher_type": "allgather",
+}
+
+#: Bytes each parameter needs at the least while training: its weight and its gradient in
+#: 16-bit precision (Megatron adds fp32 main weights and Adam's two moments on top).
+MIN_BYTES_PER_PARAM = 4
+
+#: Batches the prefetch thread may prepare ahead (each holds its plan and tokens in memory;
+#: the Ray planner keeps twice as many).
+MAX_PREFETCH_DEPTH = 64
+
+#: Seeds torch's generators take (Megatron adds small per-rank offsets).
+MAX_SEED = 2**63 - 2**20
 
 #: Flags whose value must lie in [0, 1).
 UNIT_INTERVAL = ("adam_beta1", "adam_beta2", "hidden_dropout")
@@ -137,6 +165,20 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--hdp-host-memory-gb {args.hdp_host_memory_gb}: no room for offloaded activations"
         )
+    if args.hdp_prefetch_depth > MAX_PREFETCH_DEPTH:
+        raise ValueError(
+            f"--hdp-prefetch-depth {args.hdp_prefetch_depth}: at most {MAX_PREFETCH_DEPTH} "
+            "batches ahead (each is held in memory until its step)"
+        )
+    if args.seed > MAX_SEED:
+        raise ValueError(f"--seed {args.seed}: must be below 2**63 (torch's generators)")
+    try:
+        datetime.timedelta(minutes=args.distributed_timeout_minutes)
+    except OverflowError:
+        raise ValueError(
+            f"--distributed-timeout-minutes {args.distributed_timeout_minutes:g}: too long for "
+            "a timeout (at most about 1e12 minutes)"
+        ) from None
     timeout_s = args.distributed_timeout_minutes * 60
     if args.hdp_stall_report_seconds is not None and args.hdp_stall_report_seconds >= timeout_s:
         raise ValueError(
@@ -154,12 +196,82 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 _LAYOUT_FIELDS = re.compile(
     r"\b(num_experts|moe_router_topk|expert_model_parallel_size|tensor_model_parallel_size"
-    r"|pipeline_model_parallel_size|num_layers|moe_token_dispatcher_type)\b"
+    r"|pipeline_model_parallel_size|num_layers|moe_token_dispatcher_type|disable_bias_linear)\b"
 )
+
+
+def _memory_bytes() -> int | None:
+    """This machine's physical memory (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _params_per_rank(args: argparse.Namespace) -> tuple[int, int]:
+    """Parameters on the busiest rank: (per transformer layer, embedding and output layer).
+
+    A lower bound (no norms or biases; the vocabulary at its smallest padding): enough to
+    refuse a model that cannot fit.
+    """
+    h, tp = args.hidden_size, args.tensor_model_parallel_size
+    ffn = args.ffn_hidden_size or 2 * h  # Megatron's default is 4 h, or about 8 h / 3
+    gates = 2 if args.swiglu else 1
+    layer = 4 * h * h // tp
+    if args.num_experts is None:
+        layer += (gates + 1) * h * ffn // tp
+    else:
+        expert_ffn = ffn if args.moe_ffn_hidden_size is None else args.moe_ffn_hidden_size
+        ep = args.expert_model_parallel_size
+        layer += args.num_experts * h  # the router is on every rank
+        layer += (args.num_experts // ep) * (gates + 1) * h * expert_ffn // (tp // ep)
+    vocab = args.make_vocab_size_divisible_by * tp
+    if args.vocab_size is not None:
+        vocab = max(vocab, args.vocab_size)
+    embedding = vocab // tp * h
+    if args.position_embedding_type == "learned_absolute":
+        embedding += (args.max_position_embeddings or args.seq_length) * h
+    return layer, embedding
+
+
+def _check_model_fits(args: argparse.Namespace, world_size: int) -> None:
+    """ValueError when the weights and gradients alone exceed this machine's memory.
+
+    Catches a mistyped size (`--num-experts 100000000`) in a second instead of a failed
+    allocation after start-up; the real peak is several times this bound.
+    """
+    memory = _memory_bytes()
+    if memory is None:
+        return
+    layer, embedding = _params_per_rank(args)
+    layers = args.num_layers // args.pipeline_model_parallel_size
+    need = (layer * layers + embedding) * MIN_BYTES_PER_PARAM
+    local_ranks = min(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    if need * local_ranks <= memory:
+        return
+    sizes = ["num_layers", "hidden_size", "ffn_hidden_size", "num_experts", "moe_ffn_hidden_size"]
+    sizes += ["make_vocab_size_divisible_by", "vocab_size"]
+    if args.position_embedding_type == "learned_absolute":
+        sizes.append("max_position_embeddings")
+    named = ", ".join(
+        f"{flag(dest)} {getattr(args, dest)}" for dest in sizes if getattr(args, dest) is not None
+    )
+    raise ValueError(
+        f"the model ({named}) holds at least {need / 2**30:.1f} GiB of weights and gradients "
+        f"per rank, more than this machine's {memory / 2**30:.1f} GiB of memory shared by "
+        f"{local_ranks} ranks"
+    )
 
 
 def _check_experts(args: argparse.Namespace, world_size: int) -> None:
     """The layout owner's MoE rules, reported with flag names."""
+    if args.num_experts is None:
+        for dest, default in MOE_ONLY.items():
+            if getattr(args, dest) != default:
+                raise ValueError(
+                    f"{flag(dest)} {getattr(args, dest)} needs --num-experts (it applies to MoE "
+                    "layers only; this model has a dense MLP)"
+                )
     problems = layout_problems(
         world_size=world_size,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -170,6 +282,7 @@ def _check_experts(args: argparse.Namespace, world_size: int) -> None:
         num_experts=args.num_experts,
         moe_router_topk=args.moe_router_topk,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        add_bias_linear=not args.disable_bias_linear,
     )
     if problems:
         raise ValueError(_LAYOUT_FIELDS.sub(lambda m: flag(m.group(1)), problems[0]))
@@ -206,8 +319,6 @@ def _check_layout(args: argparse.Namespace, world_size: int) -> None:
             f"--tensor-model-parallel-size {tp} does not divide the {world_size} ranks (each HDP "
             "replica is a group of TP ranks)"
         )
-    if pp < 1:
-        raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {pp}")
     if world_size % (tp * pp):
         raise ValueError(
             f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = "
@@ -235,6 +346,7 @@ def _check_layout(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
     _check_experts(args, world_size)
     _check_pipeline(args)
+    _check_model_fits(args, world_size)
     if args.sequence_parallel and args.hidden_dropout:
         raise ValueError(
             f"--sequence-parallel with --hidden-dropout {args.hidden_dropout} is not supported "
@@ -480,6 +592,22 @@ def _check_paths(args: argparse.Namespace) -> None:
             raise ValueError(f"{name} {value}: is a file, not a checkpoint folder")
 
 
+def _check_files_complete(load: str) -> None:
+    """ValueError naming a `.pt` file of the latest checkpoint that is cut short.
+
+    torch.save writes zip archives; a truncated one has no central directory at its end,
+    which `zipfile` finds by reading the last bytes only.
+    """
+    folder = iteration_dir(load, latest_iteration(load))
+    for path in sorted(folder.glob("*.pt")):
+        if not zipfile.is_zipfile(path):
+            raise ValueError(
+                f"--load {load}: {path.relative_to(load)} is not a complete torch file "
+                "(truncated or damaged); resume from an earlier checkpoint by pointing the "
+                f"tracker {TRACKER} at it"
+            )
+
+
 def _check_resume(args: argparse.Namespace, world_size: int) -> dict | None:
     """The `--load` checkpoint's meta (None for a fresh start), after checking it fits."""
     if args.load is not None and args.hdp_load_if_exists is not None:
@@ -493,6 +621,7 @@ def _check_resume(args: argparse.Namespace, world_size: int) -> dict | None:
             meta = read_meta(args.load)
         except ValueError as err:
             raise ValueError(f"--load {args.load}: {err}") from None
+        _check_files_complete(args.load)
         if meta["distributed_optimizer"] != args.use_distributed_optimizer:
             raise ValueError(
                 f"--load {args.load}: written with use_distributed_optimizer="
@@ -552,8 +681,57 @@ MODEL_FIELDS_BEFORE_THEY_EXISTED = {
 MAY_CHANGE_ON_RESUME = ("sequence_parallel", "moe_aux_loss_coeff", "moe_token_dispatcher_type")
 
 
+def _shares(saved: list[float], now: list[float], streams: list[str]) -> str:
+    """`'web' 25% -> 50%` for each stream whose blend share changed."""
+    return ", ".join(
+        f"{name!r} {100 * a:.6g}% -> {100 * b:.6g}%"
+        for name, a, b in zip(streams, saved, now, strict=True)
+        if a != b
+    )
+
+
+def _blend_change(key: str, saved, now, streams: list[str] | None) -> str | None:
+    """The blend change by stream name (None when the set-ups are not comparable)."""
+    if streams is None or saved is None or now is None:
+        return None
+    if key == "weights" and len(saved) == len(now) == len(streams):
+        return f"the blend's token shares changed: {_shares(saved, now, streams)}"
+    if key != "schedule" or len(saved) != len(now):
+        return None
+    ends = ([until for until, _ in saved], [until for until, _ in now])
+    if ends[0] != ends[1]:
+        return f"the schedule's phases end at steps {ends[0]}, now {ends[1]}"
+    if any(len(a) != len(streams) or len(b) != len(streams) for (_, a), (_, b) in zip(saved, now)):
+        return None
+    return "; ".join(
+        f"the phase up to step {until}: {_shares(a, b, streams)}"
+        for (until, a), (_, b) in zip(saved, now, strict=True)
+        if a != b
+    )
+
+
+#: Model fields whose flag has another name or default (the rest: `flag(field)`).
+_MODEL_FLAGS = {
+    "max_position_embeddings": "--max-position-embeddings (default: --seq-length)",
+    "add_bias_linear": "--disable-bias-linear (off: biases)",
+    "tie_embeddings": "--untie-embeddings-and-output-weights (off: tied)",
+    "vocab_size": "the padded vocabulary (--tokenizer-type, --vocab-size, "
+    "--make-vocab-size-divisible-by)",
+}
+
+
+def _model_flag(field: str) -> str:
+    return _MODEL_FLAGS.get(field) or flag(field)
+
+
 def check_resume_matches(
-    meta: dict, *, load: str, model: dict, data_setup: dict, prefixes: list[str]
+    meta: dict,
+    *,
+    load: str,
+    model: dict,
+    data_setup: dict,
+    prefixes: list[str],
+    streams: list[str] | None = None,
 ) -> None:
     """ValueError naming what differs between this run and the checkpoint it resumes.
 
@@ -563,6 +741,7 @@ def check_resume_matches(
         model: This run's model configuration (`dataclasses.asdict(GPTConfig)`).
         data_setup: This run's training sampler set-up (`TokenBudgetSampler.setup()`).
         prefixes: This run's dataset prefixes.
+        streams: This run's sampler streams (names a changed blend by source and bucket).
     """
     saved_model = meta.get("model")
     if saved_model is not None:
@@ -570,7 +749,9 @@ def check_resume_matches(
         model = {k: v for k, v in model.items() if k not in MAY_CHANGE_ON_RESUME}
         changed = [key for key in model if saved_model.get(key) != model[key]]
         if changed:
-            detail = ", ".join(f"{k}: {saved_model.get(k)!r} -> {model[k]!r}" for k in changed)
+            detail = ", ".join(
+                f"{_model_flag(k)}: {saved_model.get(k)!r} -> {model[k]!r}" for k in changed
+            )
             raise ValueError(f"--load {load}: the model differs from the checkpoint's ({detail})")
     saved_data = meta.get("data")
     if saved_data is not None:
@@ -579,11 +760,26 @@ def check_resume_matches(
                 f"--load {load}: the checkpoint was trained on {saved_data['prefixes']}, this "
                 f"run reads {prefixes}"
             )
+        saved_streams = len(saved_data["setup"].get("units", []))
+        if streams is not None and saved_streams != len(data_setup.get("units", [])):
+            raise ValueError(
+                f"--load {load}: the checkpoint's data had {saved_streams} streams, this run "
+                f"has {len(streams)} ({', '.join(streams)}): sources or length buckets of "
+                "--hdp-data-spec were added or removed"
+            )
         for key in sorted(set(data_setup) | set(saved_data["setup"])):
             if saved_data["setup"].get(key) != data_setup.get(key):
+                blend = _blend_change(
+                    key, saved_data["setup"].get(key), data_setup.get(key), streams
+                )
+                if blend:
+                    raise ValueError(
+                        f"--load {load}: {blend} (--hdp-data-spec or --data-path weights); a "
+                        "resumed run must keep the checkpoint's blend, or start afresh elsewhere"
+                    )
                 raise ValueError(
                     f"--load {load}: the data set-up differs from the checkpoint's: {key} was "
                     f"{saved_data['setup'].get(key)!r}, now {data_setup.get(key)!r} (changed "
-                    "--seed, --data-path, --hdp-data-spec, --split, --seq-length or the global "
-                    "batch size?)"
+                    "--seed, --data-path, --hdp-data-spec (its length buckets?), --split, "
+                    "--seq-length or the global batch size?)"
                 )

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from megatron_hdp.checkpoint_files import latest_iteration
 from megatron_hdp.data import preprocess
 from megatron_hdp.data.indexed import open_indexed_dataset
 from tests.e2e.harness import SMALL_MODEL, run_pretrain, tiny_engine, torchrun_command
@@ -262,21 +263,44 @@ def test_torchrun_launch(corpus_cache, tmp_path):
     assert list(board.glob("events.out.tfevents.*"))
 
 
-def _body_crash_while_saving(rank, world_size, folder, failing_rank):
+def _full_disk(where: str, rank: int, failing_rank: int, checkpoint):
+    """Patches that make `failing_rank` hit a full disk at `where`; returns an undo."""
+    import errno
+
+    real_write, real_write_text = checkpoint._write, Path.write_text
+
+    def failing_write(path, obj):
+        if rank == failing_rank:
+            if where == "torch.save":  # how torch.save reports a failed write
+                raise RuntimeError(
+                    "[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0"
+                )
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_write(path, obj)
+
+    def failing_write_text(self, *args, **kwargs):
+        if rank == failing_rank and self.name.startswith("latest_checkpointed"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return real_write_text(self, *args, **kwargs)
+
+    checkpoint._write = failing_write
+    Path.write_text = failing_write_text
+
+    def undo():
+        checkpoint._write, Path.write_text = real_write, real_write_text
+
+    return undo
+
+
+def _body_crash_while_saving(rank, world_size, folder, failing_rank, where):
+    from megatron_hdp.errors import CheckpointSaveError
     from megatron_hdp.megatron import checkpoint
 
     with tiny_engine() as engine:
         group = dist.group.WORLD
         first = checkpoint.TrainingState(iteration=1, data_state={"at": 1})
         checkpoint.save_checkpoint(folder, engine, first, group=group)
-        real_write = checkpoint._write
-
-        def failing_write(path, obj):
-            if rank == failing_rank:
-                raise OSError("disk full")
-            return real_write(path, obj)
-
-        checkpoint._write = failing_write
+        undo = _full_disk(where, rank, failing_rank, checkpoint)
         raised = None
         try:
             checkpoint.save_checkpoint(
@@ -285,23 +309,125 @@ def _body_crash_while_saving(rank, world_size, folder, failing_rank):
                 checkpoint.TrainingState(iteration=2, data_state={}),
                 group=group,
             )
-        except (OSError, RuntimeError) as err:
+        except CheckpointSaveError as err:
             raised = str(err)
         finally:
-            checkpoint._write = real_write
+            undo()
         state, _ = checkpoint.load_checkpoint(folder, engine, group=group)
         names = sorted(p.name for p in Path(folder).iterdir())
         return raised, state.iteration, state.data_state, names
 
 
-@pytest.mark.parametrize("world_size, failing_rank", [(1, 0), (2, 0), (2, 1)])
-def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, world_size, failing_rank):
+@pytest.mark.parametrize(
+    "world_size, failing_rank, where",
+    [(1, 0, "write"), (2, 0, "write"), (2, 1, "write"), (2, 1, "torch.save"), (2, 0, "tracker")],
+)
+def test_crash_while_saving_keeps_the_previous_checkpoint(
+    tmp_path, world_size, failing_rank, where
+):
+    """Every rank stops with the same line naming the failing rank and the cause."""
     from tests.dist import run_ranks
 
     results = run_ranks(
-        _body_crash_while_saving, world_size, str(tmp_path), failing_rank, timeout_s=60
+        _body_crash_while_saving, world_size, str(tmp_path), failing_rank, where, timeout_s=60
     )
-    for raised, iteration, data_state, names in results:
-        assert raised is not None  # every rank learns of the failure; none hangs
+    messages = {raised for raised, *_ in results}
+    assert len(messages) == 1  # every rank learns of the failure, the same way; none hangs
+    message = messages.pop()
+    assert message.startswith(f"could not save iteration 2 to {tmp_path}: rank {failing_rank}: ")
+    assert message.endswith("; the latest checkpoint there is still iteration 1")
+    if where == "torch.save":
+        assert "RuntimeError: [enforce fail at inline_container.cc:664]" in message
+    else:
+        assert "No space left on device (" in message and " MiB free there" in message
+    for _, iteration, data_state, names in results:
         assert (iteration, data_state) == (1, {"at": 1})
-        assert "iter_0000002" not in names and "iter_0000001" in names
+        assert "iter_0000001" in names and "iter_0000002" not in names
+        assert not any(n.endswith(".tmp") for n in names)
+
+
+def test_a_full_disk_on_save_stops_every_rank_with_the_same_line(
+    corpus_cache, tmp_path, monkeypatch
+):
+    import errno
+
+    from megatron_hdp.megatron import checkpoint
+    from tests.e2e.harness import corpus_args
+
+    real_write = checkpoint._write
+
+    def full_at_iteration_2_on_rank_0(path, obj):
+        if "iter_0000002" in str(path) and os.environ.get("RANK") == "0":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_write(path, obj)
+
+    monkeypatch.setattr(checkpoint, "_write", full_at_iteration_2_on_rank_0)  # forked ranks too
+    ckpt = tmp_path / "ckpt"
+    extra = ["--save", str(ckpt), "--save-interval", "1"]
+    with pytest.raises(AssertionError) as failure:
+        run_pretrain(2, corpus_args(corpus_cache, iters=3, extra=extra))
+    report = str(failure.value)
+    line = f"could not save iteration 2 to {ckpt}: rank 0: No space left on device ("
+    assert "rank 0 failed" in report and "rank 1 failed" in report
+    assert report.count(line) >= 2 and report.count("SystemExit: 1") == 2
+    assert "connection closed" not in report.lower()
+    assert latest_iteration(ckpt) == 1
+
+
+def test_a_rank_whose_data_service_fails_stops_every_rank_with_its_line(
+    corpus_cache, monkeypatch, capfd
+):
+    """Rank 1 alone loses its data (as when the Ray planner actor dies under it) while rank 0
+    waits in the step's first collective: both stop with rank 1's line, not rank 0 with the
+    transport's "connection closed"."""
+    from megatron_hdp.errors import DataServiceError
+    from megatron_hdp.megatron.trainer import Trainer
+    from tests.e2e.harness import corpus_args
+
+    real_step = Trainer.step
+
+    def step(self):
+        if self.iteration == 2 and self.rank == 1:
+            raise DataServiceError("the planner actor, asked for batch 3: the actor died")
+        return real_step(self)
+
+    monkeypatch.setattr(Trainer, "step", step)  # the forked ranks inherit it
+    with pytest.raises(AssertionError) as failure:
+        run_pretrain(2, corpus_args(corpus_cache, iters=4))
+    assert "rank 0 failed" in str(failure.value) and "rank 1 failed" in str(failure.value)
+    lines = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
+    want = "pretrain_hdp.py: error: rank 1: the planner actor, asked for batch 3: the actor died"
+    assert sorted(lines) == [want, want]
+
+
+def test_a_full_disk_under_the_metrics_file_stops_every_rank_with_one_line(
+    corpus_cache, tmp_path, monkeypatch, capfd
+):
+    """Rank 0 alone writes the metrics file: before, its OSError traceback and rank 1's
+    "connection closed"."""
+    import builtins
+    import errno
+    import io
+
+    from tests.e2e.harness import corpus_args
+
+    real_open = builtins.open
+    metrics = tmp_path / "m.jsonl"
+
+    def full_disk(file, mode="r", *args, **kwargs):
+        if str(file) == str(metrics) and "a" in mode:
+            raise OSError(errno.ENOSPC, "No space left on device", str(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", full_disk)  # the forked ranks inherit it
+    monkeypatch.setattr(io, "open", full_disk)
+    with pytest.raises(AssertionError):
+        run_pretrain(
+            2, corpus_args(corpus_cache, iters=2, extra=["--hdp-metrics-file", str(metrics)])
+        )
+    lines = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
+    want = (
+        f"pretrain_hdp.py: error: rank 0: cannot write --hdp-metrics-file {metrics}: No space "
+        f"left on device ({metrics})"
+    )
+    assert lines == [want, want]

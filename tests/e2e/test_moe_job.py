@@ -79,3 +79,35 @@ def test_bad_moe_set_ups_stop_before_start_up(
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err, err
+
+
+def with_biases(argv: list[str]) -> list[str]:
+    """`argv` without --disable-bias-linear: Megatron's default linear biases."""
+    return [a for a in argv if a != "--disable-bias-linear"]
+
+
+def test_moe_with_megatron_default_biases_trains_alike_on_one_and_two_ranks(corpus_cache):
+    argv = with_biases(job_args(corpus_cache, iters=3, extra=["--hdp-capacity", "512"]))
+    one, two = run_pretrain(1, argv), run_pretrain(2, argv)
+    assert [s["iteration"] for s in two] == [1, 2, 3]
+    assert [s["loss"] for s in two] == pytest.approx([s["loss"] for s in one], rel=1e-5)
+    assert [s["moe_aux_loss"] for s in two] == pytest.approx(
+        [s["moe_aux_loss"] for s in one], rel=1e-5
+    )
+
+
+def test_moe_biases_with_experts_split_over_tp_ranks_are_refused_by_name(
+    corpus_cache, monkeypatch, capsys
+):
+    import pretrain_hdp
+
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--hdp-validate-only"]
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain_hdp.main([*with_biases(job_args(corpus_cache, iters=1)), *tp2])
+    assert exit_info.value.code == 2
+    assert (
+        "an MoE model with linear biases (Megatron's default) needs each expert whole on one "
+        "rank, but --tensor-model-parallel-size 2 / --expert-model-parallel-size 1 splits it "
+        "over 2: set --expert-model-parallel-size 2, or --disable-bias-linear"
+    ) in capsys.readouterr().err

@@ -59,7 +59,7 @@ def test_a_resume_with_another_pp_size_is_refused(corpus_cache, tmp_path, monkey
     with pytest.raises(SystemExit) as exit_info:
         pretrain_hdp.main(job_args(corpus_cache, iters=2, extra=["--load", str(ckpt)]))
     assert exit_info.value.code == 2
-    assert "pipeline_model_parallel_size: 2 -> 1" in capsys.readouterr().err
+    assert "--pipeline-model-parallel-size: 2 -> 1" in capsys.readouterr().err
 
 
 def test_pp2_through_torchrun(corpus_cache, tmp_path):

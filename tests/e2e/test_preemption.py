@@ -148,6 +148,8 @@ def test_a_stopped_rank_is_reported_before_the_timeout(corpus_cache, tmp_path):
     assert "(the collective timeout is 60 s)" in block
     assert "rank 1 is not responding, last heard" in block
     assert "iteration" in block.splitlines()[1]
+    stopped_in = int(block.splitlines()[1].split(": iteration ")[1].split(",")[0])
+    assert stopped_in >= 3  # two steps were done when it stopped: its latest state, not a stale one
     assert steps_done(tmp_path)[-1]["iteration"] == 60
 
 

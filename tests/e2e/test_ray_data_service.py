@@ -15,13 +15,17 @@ indexed one. The in-process loader's run is the reference:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
+import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -221,3 +225,118 @@ def test_stop_and_resume_on_the_service_is_identical(spec_path, ray_cluster, ref
     assert [s["iteration"] for s in second] == list(range(4, STEPS + 1))
     assert _losses(first + second) == _losses(reference)
     assert _units(first + second) == _units(reference)
+
+
+KILL_PLANNER = textwrap.dedent(
+    """
+    import pathlib, sys, time, ray
+    ray.init(address=sys.argv[1], namespace="megatron_hdp", log_to_driver=False)
+    deadline = time.monotonic() + 240
+    planner = None
+    while planner is None and time.monotonic() < deadline:
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["name"].startswith("planner-")]
+        if names:
+            planner = ray.get_actor(names[0], namespace="megatron_hdp")
+        time.sleep(0.1)
+    tracker = pathlib.Path(sys.argv[2]) / "latest_checkpointed_iteration.txt"
+    while not (tracker.exists() and int(tracker.read_text() or 0) >= 2):  # mid-run
+        time.sleep(0.05)
+    ray.kill(planner, no_restart=True)
+    print("killed", flush=True)
+    """
+)
+
+
+def test_a_killed_planner_actor_stops_every_rank_with_one_line(
+    spec_path, ray_cluster, tmp_path, capfd
+):
+    """Before: every rank stopped with Ray's raw ActorDiedError or ValueError traceback."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    ckpt = tmp_path / "ckpt"
+    killer = subprocess.Popen(
+        [sys.executable, "-c", KILL_PLANNER, ray_cluster, str(ckpt)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    extra = [*_ray(ray_cluster), "--save", str(ckpt), "--save-interval", "1"]
+    extra += ["--train-iters", "100"]  # the whole schedule: running when the planner dies
+    try:
+        with pytest.raises(AssertionError) as failure:
+            run_pretrain(2, _args(spec_path, spec_path.parent / "c4", extra=extra))
+        out, _ = killer.communicate(timeout=60)
+    finally:
+        killer.kill()
+    assert "killed" in out, out
+    assert "rank 0 failed" in str(failure.value) and "rank 1 failed" in str(failure.value)
+    lines = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
+    assert len(lines) == 2 and lines[0] == lines[1], lines
+    assert lines[0].startswith("pretrain_hdp.py: error: rank ")
+    # Its loaders die with it: a rank learns it reading tokens or asking for the next batch.
+    assert "the data service's planner actor, asked " in lines[0]
+    assert "the actor died (ActorDiedError: The actor died unexpectedly" in lines[0]
+    assert "The latest checkpoint is iteration " in lines[0] and str(ckpt) in lines[0]
+
+
+def test_a_dead_ray_head_ends_the_ranks_with_one_line_from_the_job(spec_path, tmp_path, capfd):
+    """Ray ends each rank from inside its core worker when the head dies (no Python runs):
+    before, the job stopped with no line of its own. A head of its own, killed (SIGKILL, as
+    a lost node) once iteration 2 is saved."""
+    import psutil  # Ray's own dependency
+
+    port = _free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    temp = Path(tempfile.mkdtemp(prefix="rayh"))  # short: Ray's socket paths must fit 107 bytes
+    start = [
+        str(VENV_BIN / "ray"), "start", "--head", f"--port={port}", "--num-cpus=2",
+        "--object-store-memory=100000000", "--include-dashboard=false",
+        "--disable-usage-stats", f"--temp-dir={temp}",
+    ]  # fmt: skip
+    done = subprocess.run(start, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    ckpt = tmp_path / "ckpt"
+
+    def head_processes():
+        found = []
+        for proc in psutil.process_iter(["cmdline"]):
+            with contextlib.suppress(psutil.Error):
+                if str(temp) in " ".join(proc.info["cmdline"] or []):
+                    found.append(proc)
+        return found
+
+    def kill_head_after_iteration_2():
+        tracker = ckpt / "latest_checkpointed_iteration.txt"
+        deadline = time.monotonic() + 200
+        while time.monotonic() < deadline:
+            if tracker.exists() and int(tracker.read_text() or 0) >= 2:
+                break
+            time.sleep(0.05)
+        for proc in head_processes():
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+
+    killer = threading.Thread(target=kill_head_after_iteration_2, daemon=True)
+    killer.start()
+    extra = [*_ray(f"127.0.0.1:{port}"), "--save", str(ckpt), "--save-interval", "1"]
+    extra += ["--train-iters", "100"]
+    try:
+        with pytest.raises(AssertionError) as failure:
+            run_pretrain(2, _args(spec_path, spec_path.parent / "c5", extra=extra))
+    finally:
+        killer.join(timeout=1)
+        for proc in head_processes():
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        shutil.rmtree(temp, ignore_errors=True)
+    assert "died with exit code 1" in str(failure.value)  # Ray's own exit, as before
+    lines = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
+    assert lines, "no line from the job"
+    assert len(set(lines)) == 1, lines
+    assert lines[0].startswith(
+        f"pretrain_hdp.py: error: the Ray cluster at 127.0.0.1:{port} went away (its head or "
+        "this node's raylet stopped) and Ray ended the job's ranks. The latest checkpoint is "
+        "iteration "
+    )
+    assert lines[0].endswith(f" in {ckpt}.")

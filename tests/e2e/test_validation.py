@@ -70,6 +70,41 @@ BAD = [
         "--num-experts with --pipeline-model-parallel-size 2 needs --moe-token-dispatcher-type "
         "alltoall",
     ),
+    (["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size must be > 0, got 0"),
+    (["--pipeline-model-parallel-size", "-1"], "--pipeline-model-parallel-size must be > 0"),
+    (["--expert-model-parallel-size", "0"], "--expert-model-parallel-size must be > 0, got 0"),
+    (["--num-experts", "0"], "--num-experts must be > 0, got 0"),
+    (["--num-experts", "4", "--moe-ffn-hidden-size", "0"], "--moe-ffn-hidden-size must be > 0"),
+    (["--num-experts", "4", "--moe-ffn-hidden-size", "-8"], "must be > 0, got -8"),
+    (["--num-experts", "4", "--moe-router-topk", "0"], "--moe-router-topk must be > 0, got 0"),
+    (
+        ["--num-experts", "4", "--moe-aux-loss-coeff", "-0.01"],
+        "--moe-aux-loss-coeff must be >= 0, got -0.01",
+    ),
+    (["--moe-aux-loss-coeff", "0.01"], "--moe-aux-loss-coeff 0.01 needs --num-experts"),
+    (["--moe-ffn-hidden-size", "64"], "--moe-ffn-hidden-size 64 needs --num-experts"),
+    (
+        ["--moe-token-dispatcher-type", "alltoall"],
+        "--moe-token-dispatcher-type alltoall needs --num-experts",
+    ),
+    (
+        ["--num-experts", "100000000", "--moe-router-topk", "1"],
+        "error: the model (--num-layers 2, --hidden-size 32, --num-experts 100000000, "
+        "--make-vocab-size-divisible-by 128) holds at least ",
+    ),
+    (["--hidden-size", "1048576"], "(--num-layers 2, --hidden-size 1048576, "),
+    (
+        ["--make-vocab-size-divisible-by", "1000000000"],
+        "--make-vocab-size-divisible-by 1000000000)",
+    ),
+    (["--distributed-timeout-minutes", "1e30"], "--distributed-timeout-minutes 1e+30: too long"),
+    (["--hdp-prefetch-depth", "65"], "--hdp-prefetch-depth 65: at most 64 batches ahead"),
+    (["--seed", str(2**63)], "--seed 9223372036854775808: must be below 2**63"),
+    (
+        ["--hdp-global-batch-tokens", "1000000000"],
+        "--hdp-global-batch-tokens 1000000000: a global batch of more than the 30817144 "
+        "training tokens of the data (every step would read every document 32.4 times)",
+    ),
     (["--data-path", "nan", "/data/a", "1", "/data/b"], "weights must be finite and positive"),
     (["--data-path", "/nowhere/data"], "--data-path /nowhere/data.idx: no such file"),
     (
@@ -127,6 +162,10 @@ BAD = [
         "the schedule ends at step 2, but --train-iters is 3",
     ),
     (lambda t: _spec(t) + ["--data-path", "/data/a"], "give --hdp-data-spec or --data-path"),
+    (
+        lambda t: _spec(t, [{"name": "lib", "builtin": "stdlib", "loaders": 100000}]),
+        "source 'lib': loaders must be an integer from 1 to 64 (Ray actors per source), got 100000",
+    ),
     (
         ["--hdp-data-service", "ray", "--hdp-ray-address", "127.0.0.1:1"],
         "--hdp-ray-address 127.0.0.1:1: no Ray cluster answers there (Connection refused)",

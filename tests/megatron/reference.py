@@ -82,6 +82,12 @@ def build_reference(cfg: GPTConfig, state_dict: dict) -> GPTModel:
         share_embeddings_and_output_weights=cfg.tie_embeddings,
         position_embedding_type=cfg.position_embedding_type,
     )
+    if cfg.num_experts is not None and cfg.add_bias_linear:
+        # Megatron's expert adds its bias in place on what a reduce over one rank returned
+        # as-is, which autograd refuses; skipping that identity reduce changes no number.
+        for name, module in model.named_modules():
+            if name.endswith("linear_fc2") and ".local_experts." in name:
+                module.explicit_expert_comm = True
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
     assert not unexpected, unexpected
     assert all("_extra_state" in k or "inv_freq" in k for k in missing), missing

@@ -110,30 +110,36 @@ def _full(members: list[dict], key: str, layout: dict, ep: int) -> dict[str, tor
 
 
 @pytest.mark.parametrize(
-    "pool, tp, dispatcher, overlap",
+    "pool, tp, dispatcher, bias, overlap",
     [
-        (2, 2, "alltoall", False),
-        (3, 2, "allgather", False),
-        (2, 1, "allgather", False),
-        (3, 2, "alltoall", True),
+        (2, 2, "alltoall", False, False),
+        (3, 2, "allgather", False, False),
+        (2, 1, "allgather", False, False),
+        (3, 2, "alltoall", False, True),
+        (2, 1, "allgather", True, False),
+        (2, 2, "alltoall", True, False),
     ],
     ids=[
         "ep2-tp2-pool2-alltoall",
         "ep2-tp2-pool3-allgather",
         "ep1-tp1-pool2",
         "ep2-tp2-pool3-alltoall-overlap",
+        "ep1-tp1-pool2-bias",
+        "ep2-tp2-pool2-alltoall-bias",
     ],
 )
-def test_moe_replicas_equal_one_process(pool, tp, dispatcher, overlap):
+def test_moe_replicas_equal_one_process(pool, tp, dispatcher, bias, overlap):
     """Mixed lengths (C-1, C, C+1 and, with pool 3, sequences needing 2 and 3 replicas): every
     step's loss and load-balancing loss, the first step's gradients, the parameters after 3
-    AdamW steps, and the initial weights bit for bit, expert by global index. With
-    `overlap`, --overlap-grad-reduce with small buckets (dense and expert bucket groups)."""
+    AdamW steps, and the initial weights bit for bit, expert by global index. With `bias`:
+    Megatron's default linear biases, experts' biases included. With `overlap`,
+    --overlap-grad-reduce with small buckets (dense and expert bucket groups)."""
     optim = OPTIM
     if overlap:
         optim = dataclasses.replace(OPTIM, overlap_grad_reduce=True, ddp_bucket_size=2000)
+    single = dataclasses.replace(CFG, add_bias_linear=bias)
     cfg = dataclasses.replace(
-        CFG,
+        single,
         tensor_model_parallel_size=tp,
         sequence_parallel=tp > 1,
         expert_model_parallel_size=tp,
@@ -142,7 +148,9 @@ def test_moe_replicas_equal_one_process(pool, tp, dispatcher, overlap):
     ranks = run_ranks(_body_hdp, tp * pool, cfg, pool, "mixed", optim, timeout_s=240)
     if overlap:  # some rank's reduce really started in a backward
         assert any(n > 0 for r in ranks for n in r["started_before_finish"])
-    reference = run_ranks(_body_reference, 1, CFG, pool, "mixed")[0]
+    reference = run_ranks(_body_reference, 1, single, pool, "mixed")[0]
+    if bias:
+        assert any(".local_experts.0.linear_fc2.bias" in n for n in reference["init"])
     assert all(a > 0 for a in reference["aux"])
     experts = [
         reference["init"][f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc1.weight"]

@@ -139,7 +139,7 @@ def _tp_layout(param) -> tuple[bool, int, int]:
     )
 
 
-def _body_pp(rank, world_size, cfg, pool, tp, planner, optim=OPTIM):
+def _body_pp(rank, world_size, cfg, pool, tp, planner, optim=OPTIM, plans=None):
     with cpu_shims():
         layout = model_parallel_dims(cfg, world_size).initialize()
         try:
@@ -151,7 +151,7 @@ def _body_pp(rank, world_size, cfg, pool, tp, planner, optim=OPTIM):
             )
             grads, losses, eval_losses, counts, aux, started = {}, [], [], [], [], []
             snapshot_grads_before_update(engine, grads)
-            for step, plan in enumerate(make_plans(pool, planner)):
+            for step, plan in enumerate(plans or make_plans(pool, planner)):
                 source = source_of(batch_of(plan, step))
                 eval_losses.append(evaluate(engine, plan, source, runtime))
                 result = train_step(engine, plan, source, runtime)
@@ -205,6 +205,7 @@ def _body_reference(rank, world_size, cfg, pool, planner=None):
         (2, 1, False, "static"),
         (3, 1, "moe", None),
         (2, 2, "moe", None),
+        (2, 1, "moe-bias", None),
     ],
     ids=[
         "pp2-pool2",
@@ -215,6 +216,7 @@ def _body_reference(rank, world_size, cfg, pool, planner=None):
         "pp2-pool2-static",
         "pp2-pool3-moe",
         "pp2-tp2-sp-ep2-pool2-moe",
+        "pp2-pool2-moe-bias",
     ],
 )
 def test_pipelines_equal_one_process(pool, tp, tied, planner):
@@ -244,10 +246,11 @@ def test_overlapped_reduce_in_pipelines_equals_one_process():
 
 def check_pipelines(pool, tp, tied, planner, optim=OPTIM):
     """Run the pipelines and compare them with one process; return the ranks' results."""
-    if tied == "moe":  # 4 experts, top-2, a large load-balancing loss (test_moe's model)
-        tied = False
+    if tied in ("moe", "moe-bias"):  # 4 experts, top-2, a large load-balancing loss (test_moe's)
+        bias, tied = tied == "moe-bias", False  # with Megatron's default linear biases
         cfg = dataclasses.replace(
             MOE_CFG,
+            add_bias_linear=bias,
             pipeline_model_parallel_size=PP,
             moe_token_dispatcher_type="alltoall",
             tensor_model_parallel_size=tp,
@@ -344,3 +347,43 @@ def test_a_plan_that_is_not_lockstep_is_refused_on_every_rank_before_any_ring():
     for message in messages:
         assert "cannot run on pipelines in lock step" in message
         assert "ring micro-batch 1" in message and "positions {0: 0, 1: 1}" in message
+
+
+# Four stages: packs of 6 to 16 tokens, at least 6 per step (more than the 3 warm-up
+# micro-batches of the first stage), so Megatron's 1F1B runs warm-up, steady state and
+# cool-down with tensors of a different shape at nearly every send.
+PP4_LENGTHS = [
+    [16, 5, 11, 3, 14, 7, 9, 2, 13, 6, 1, 12],
+    [15, 8, 4, 10, 16, 3, 6, 12, 2, 9],
+    [7, 16, 11, 5, 13, 2, 8, 14, 6],
+]
+
+
+def test_four_stages_with_variable_micro_batch_lengths_equal_one_process():
+    """PP=4, one pipeline of 4 ranks (Megatron-LM issue #5100: 1F1B with variable sequence
+    lengths and batched P2P deadlocked at PP >= 4): every step's loss, the first step's
+    gradients and the weights after three steps equal one process."""
+    cfg = dataclasses.replace(CFG, num_layers=4, pipeline_model_parallel_size=4)
+    plans = [
+        plan_step(lengths, pool_size=1, capacity=C, policy="balanced", pipeline_stages=4)
+        for lengths in PP4_LENGTHS
+    ]
+    for plan in plans:
+        sizes = [sum(plan.seqlens[i] for i in mb.seq_indices) for mb in plan.micro_batches]
+        assert len(sizes) >= 6 and len(set(sizes)) >= 3, sizes
+    ranks = run_ranks(_body_pp, 4, cfg, 1, 1, None, OPTIM, plans, timeout_s=240)
+    batches = [batch_of(plan, step) for step, plan in enumerate(plans)]
+    single = dataclasses.replace(cfg, pipeline_model_parallel_size=1)
+    reference = run_ranks(_body_reference_batches, 1, single, batches)[0]
+    seen = set()
+    for rank, result in enumerate(ranks):
+        assert result["stage"] == rank
+        assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+        assert result["counts"] == [len(p.micro_batches) for p in plans]
+        for name, init in result["init"].items():
+            full_name = global_name(name, rank, 1)
+            seen.add(full_name)
+            assert torch.equal(init, reference["init"][full_name]), full_name
+            assert relative(result["grads"][name], reference["grads"][full_name]) < 1e-5
+            assert relative(result["after"][name], reference["after"][full_name]) < 1e-5
+    assert seen == set(reference["init"])  # every parameter lives on exactly one stage

@@ -45,6 +45,19 @@ def test_a_spec_parses_into_streams_buckets_and_phases(tmp_path):
         spec.check_covers(51)
 
 
+def test_huge_source_weights_split_over_buckets_stay_finite(tmp_path):
+    spec = parse_spec(
+        {**SPEC, "schedule": None, "sources": [{"name": "code", "path": "x", "weight": 1e308}]},
+        base=tmp_path,
+    )
+    weights = spec.stream_weights({"code": 1e308}, [300, 100])
+    assert weights == [0.75e308, 0.25e308]
+    sampler = TokenBudgetSampler(
+        [_units([3] * 9), _units([3] * 3)], weights, seed=0, units_per_batch=2
+    )
+    assert sampler.weights.tolist() == [0.75, 0.25]
+
+
 def test_yaml_and_json_files_give_the_same_spec(tmp_path):
     import yaml  # the dev extra has PyYAML
 
@@ -217,3 +230,84 @@ def test_a_scheduled_state_is_refused_by_a_sampler_without_the_schedule():
     plain = TokenBudgetSampler(streams, [1, 1], seed=9, tokens_per_batch=90)
     with pytest.raises(ValueError, match="schedule=.*but this run has schedule=None"):
         plain.load_state_dict(scheduled.state_dict())
+
+
+def test_yaml_reads_exponent_weights_as_numbers(tmp_path):
+    """PyYAML (YAML 1.1) reads `1e-3` and `1.5e3` as text; a spec means numbers."""
+    (tmp_path / "s.yaml").write_text(
+        "sources:\n"
+        "  - {name: a, path: x, weight: 1e-3}\n"
+        "  - {name: b, path: y, weight: 1.5e3}\n"
+        "  - {name: c, path: z, weight: '2e1'}\n"
+    )
+    with pytest.raises(ValueError, match="source 'c' weight must be a number, got '2e1'"):
+        load_spec(tmp_path / "s.yaml")  # quoted: still text, as in JSON
+    (tmp_path / "s.yaml").write_text(
+        "sources:\n  - {name: a, path: x, weight: 1e-3}\n  - {name: b, path: y, weight: 1.5e3}\n"
+    )
+    assert [s.weight for s in load_spec(tmp_path / "s.yaml").sources] == [0.001, 1500.0]
+
+
+def test_a_changed_blend_on_resume_is_named_by_stream_and_share():
+    from megatron_hdp.megatron.validation import check_resume_matches
+
+    spec = parse_spec(SPEC)
+    tokens = [100, 300, 50, 50]
+    streams = [_units([10] * 10)] * 4
+
+    def setup(weights):
+        phases = [(until, spec.stream_weights(w, tokens)) for until, w in weights]
+        sampler = TokenBudgetSampler(
+            streams, phases[0][1], seed=0, units_per_batch=2, schedule=phases
+        )
+        return sampler.setup()
+
+    before = setup(spec.phase_weights())
+    changed = [(10, {"code/short": 1}), (50, {"code": 1, "web/long": 3})]
+    meta = {"data": {"prefixes": ["p"], "setup": before}}
+    with pytest.raises(ValueError) as info:
+        check_resume_matches(
+            meta, load="ck", model={}, data_setup=setup(changed), prefixes=["p"],
+            streams=list(spec.streams),
+        )  # fmt: skip
+    assert str(info.value).startswith(
+        "--load ck: the phase up to step 50: 'code/short' 12.5% -> 6.25%, 'code/long' 37.5% -> "
+        "18.75%, 'web/long' 50% -> 75% (--hdp-data-spec or --data-path weights)"
+    )
+    with pytest.raises(ValueError, match=r"phases end at steps \[10, 50\], now \[10, 60\]"):
+        check_resume_matches(
+            meta, load="ck", model={}, prefixes=["p"], streams=list(spec.streams),
+            data_setup=setup([(10, {"code/short": 1}), (60, {"code": 1, "web/long": 1})]),
+        )  # fmt: skip
+    plain = {"data": {"prefixes": ["a", "b"], "setup": {"weights": [0.25, 0.75]}}}
+    with pytest.raises(ValueError, match="token shares changed: 'a' 25% -> 50%, 'b' 75% -> 50%"):
+        check_resume_matches(
+            plain, load="ck", model={}, data_setup={"weights": [0.5, 0.5]}, prefixes=["a", "b"],
+            streams=["a", "b"],
+        )  # fmt: skip
+
+
+def test_a_yaml_syntax_error_is_one_line_with_its_position(tmp_path):
+    (tmp_path / "s.yaml").write_text("sources:\n\t- {name: a, path: x}\n")
+    with pytest.raises(ValueError) as info:
+        load_spec(tmp_path / "s.yaml")
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.endswith(
+        "is not valid YAML: line 2, column 1: found character '\\t' that cannot start any token"
+    )
+
+
+def test_a_spec_with_other_streams_on_resume_is_named_by_stream():
+    from megatron_hdp.megatron.validation import check_resume_matches
+
+    meta = {"data": {"prefixes": ["p"], "setup": {"units": [4, 4], "weights": [0.5, 0.5]}}}
+    with pytest.raises(ValueError) as info:
+        check_resume_matches(
+            meta, load="ck", model={}, prefixes=["p"], streams=["lib/short", "lib/mid", "lib/long"],
+            data_setup={"units": [2, 3, 3], "weights": [0.25, 0.25, 0.5]},
+        )  # fmt: skip
+    assert str(info.value) == (
+        "--load ck: the checkpoint's data had 2 streams, this run has 3 (lib/short, lib/mid, "
+        "lib/long): sources or length buckets of --hdp-data-spec were added or removed"
+    )

@@ -81,6 +81,24 @@ def test_blend_weights_are_token_shares():
         assert abs(tokens[1] - 0.75 * sum(tokens)) <= 32  # within one sequence
 
 
+@pytest.mark.parametrize("huge", [1e308, 1.7e308])
+def test_blend_weights_whose_sum_overflows_keep_their_shares(huge):
+    """Two weights of 1e308 sum to inf; the shares must still be 1/2 each, not 0 and 0."""
+    rng = np.random.default_rng(6)
+    a = DatasetUnits.from_documents(np.arange(200), rng.integers(2, 40, 200), max_seq_length=32)
+    b = DatasetUnits.from_documents(np.arange(200), rng.integers(2, 40, 200), max_seq_length=32)
+    sampler = TokenBudgetSampler([a, b], [huge, huge], seed=0, units_per_batch=8)
+    assert sampler.weights.tolist() == [0.5, 0.5]
+    tokens = [0, 0]
+    for _ in range(20):
+        for unit in sampler.next_batch():
+            tokens[unit.dataset] += unit.length
+    assert abs(tokens[0] - tokens[1]) <= 2 * 32
+    # Ordinary weights normalise as before (a checkpoint's saved set-up still matches).
+    plain = TokenBudgetSampler([a, b], [0.3, 0.7], seed=0, units_per_batch=8)
+    assert plain.weights.tolist() == (np.array([0.3, 0.7]) / np.sum([0.3, 0.7])).tolist()
+
+
 def test_bad_inputs_name_the_value():
     units = DatasetUnits.from_documents(np.arange(3), np.array([100, 5, 5]), max_seq_length=64)
     with pytest.raises(ValueError, match="global batch of 40 tokens is smaller than one sequence"):

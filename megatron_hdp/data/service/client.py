@@ -18,6 +18,7 @@ so every document is still used exactly once per epoch. No collective runs here.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -25,6 +26,8 @@ import numpy as np
 
 from megatron_hdp.data.batching import IndexedTokens
 from megatron_hdp.data.service.actors import PlannerActor
+from megatron_hdp.data.service.sentinel import Sentinel, speaks_for_this_node
+from megatron_hdp.errors import DataServiceError
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +35,8 @@ logger = logging.getLogger(__name__)
 NAMESPACE = "megatron_hdp"
 #: Fetch attempts per micro-batch read before a loader failure is raised.
 ATTEMPTS = 3
+#: Seconds `ray.init` may take to join the cluster before the rank gives up.
+CONNECT_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -63,13 +68,69 @@ class _Fetched:
         return self.ranges[(int(idx), int(offset), int(length))]
 
 
-def _init(address: str) -> None:
+def _first_line(err: BaseException) -> str:
+    cause = getattr(err, "cause", None)  # a task's own exception inside Ray's RayTaskError
+    if isinstance(cause, BaseException):
+        err = cause
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0].strip() if lines else ''}"
+
+
+def _init(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Join the Ray cluster at `address`; DataServiceError naming it if that fails or hangs.
+
+    `ray.init` retries for ever on a port where something other than a Ray head answers;
+    it runs in a thread here so that the rank gives up after `timeout_s`.
+    """
     import ray
 
-    if not ray.is_initialized():
-        ray.init(
-            address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING
+    if ray.is_initialized():
+        return
+    failure: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            ray.init(
+                address=address,
+                namespace=NAMESPACE,
+                log_to_driver=False,
+                logging_level=logging.WARNING,
+            )
+        except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
+            failure.append(err)
+
+    thread = threading.Thread(target=join, name="hdp-ray-init", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise DataServiceError(
+            f"the Ray cluster at {address} did not let this rank join within {timeout_s:g} s "
+            "(is a Ray head of this Ray version listening there?)"
         )
+    if failure:
+        raise DataServiceError(
+            f"could not join the Ray cluster at {address}: {_first_line(failure[0])}"
+        ) from failure[0]
+
+
+def _join(address: str, save: str | None) -> Sentinel | None:
+    """`_init`, then this node's sentinel (`sentinel.py`): Ray may end the rank from now on."""
+    _init(address)
+    return Sentinel(address, save=save) if speaks_for_this_node() else None
+
+
+def _get(refs, *, timeout_s: float, what: str):
+    """`ray.get(refs)`; DataServiceError saying `what` failed (actor death, timeout)."""
+    import ray
+
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError as err:
+        raise DataServiceError(f"{what}: no answer within {timeout_s:g} s") from err
+    except ray.exceptions.RayActorError as err:
+        raise DataServiceError(f"{what}: the actor died ({_first_line(err)})") from err
+    except ray.exceptions.RayError as err:
+        raise DataServiceError(f"{what}: {_first_line(err)}") from err
 
 
 def ray_remote(cls):
@@ -92,11 +153,10 @@ class RemoteBatches:
 
     def next_batch(self) -> PlannedBatch:
         """The next batch and its plan (blocks until the planner has made it)."""
-        import ray
-
         self._step += 1
-        (ref,) = ray.get(self._planner.batch.remote(self._step), timeout=self._timeout_s)
-        units, plan, state = ray.get(ref, timeout=self._timeout_s)
+        what = f"the data service's planner actor, asked for batch {self._step}"
+        (ref,) = _get(self._planner.batch.remote(self._step), timeout_s=self._timeout_s, what=what)
+        units, plan, state = _get(ref, timeout_s=self._timeout_s, what=what)
         self._state = state
         return PlannedBatch(units, plan)
 
@@ -108,11 +168,13 @@ class RemoteBatches:
 class RayDataService:
     """This rank's handle on the job's planner actor and source loaders."""
 
-    def __init__(self, planner, *, timeout_s: float) -> None:
-        import ray
-
-        self.planner, self.timeout_s = planner, timeout_s
-        self.loaders = ray.get(planner.loader_handles.remote(), timeout=timeout_s)
+    def __init__(self, planner, *, timeout_s: float, sentinel: Sentinel | None = None) -> None:
+        self.planner, self.timeout_s, self.sentinel = planner, timeout_s, sentinel
+        self.loaders = _get(
+            planner.loader_handles.remote(),
+            timeout_s=timeout_s,
+            what="the data service's planner actor, starting its source loaders",
+        )
 
     def check_sources(self, names: Sequence[str], digests: Sequence[str]) -> None:
         """ValueError naming a source whose loaders opened other documents than this rank.
@@ -121,9 +183,11 @@ class RayDataService:
         node's Python, JSONL is tokenized there): its document lengths must be the ones
         this rank planned with.
         """
-        import ray
-
-        theirs = ray.get(self.planner.source_digests.remote(), timeout=self.timeout_s)
+        theirs = _get(
+            self.planner.source_digests.remote(),
+            timeout_s=self.timeout_s,
+            what="the data service's planner actor, asked what its loaders opened",
+        )
         for name, mine, found in zip(names, digests, theirs, strict=True):
             if found != [mine]:
                 raise ValueError(
@@ -144,27 +208,37 @@ class RayDataService:
         open_args: dict,
         keep: int,
         timeout_s: float = 300.0,
+        save: str | None = None,
     ) -> RayDataService:
         """Join the cluster at `address` and start the job's planner (one rank does this).
 
         Returns once the planner's loaders have opened their sources. The planner actor is
         named after `job_key`, so one job never uses another's; the other ranks `attach`.
+        `save` (the job's --save) is what the rank's sentinel names if Ray ends the rank.
         """
-        _init(address)
+        sentinel = _join(address, save)
         actor = ray_remote(PlannerActor).options(
             name=f"planner-{job_key}", num_cpus=0, max_restarts=0
         )
         planner = actor.remote(sampler, plan, list(sources), open_args, keep)
-        return cls(planner, timeout_s=timeout_s)
+        return cls(planner, timeout_s=timeout_s, sentinel=sentinel)
 
     @classmethod
-    def attach(cls, address: str, *, job_key: str, timeout_s: float = 300.0) -> RayDataService:
+    def attach(
+        cls, address: str, *, job_key: str, timeout_s: float = 300.0, save: str | None = None
+    ) -> RayDataService:
         """Join the cluster at `address` and the planner another rank started (`start`)."""
         import ray
 
-        _init(address)
-        planner = ray.get_actor(f"planner-{job_key}", namespace=NAMESPACE)
-        return cls(planner, timeout_s=timeout_s)
+        sentinel = _join(address, save)
+        try:
+            planner = ray.get_actor(f"planner-{job_key}", namespace=NAMESPACE)
+        except ValueError as err:  # Ray's way of saying the named actor is not there
+            raise DataServiceError(
+                f"the data service's planner actor planner-{job_key} is gone from the Ray "
+                f"cluster at {address} (rank 0 started it)"
+            ) from err
+        return cls(planner, timeout_s=timeout_s, sentinel=sentinel)
 
     def close(self) -> None:
         """Leave the cluster (the planner and its loaders end with the rank that started them)."""
@@ -172,6 +246,9 @@ class RayDataService:
 
         if ray.is_initialized():
             ray.shutdown()
+        if self.sentinel is not None:
+            self.sentinel.close()
+            self.sentinel = None
 
     def batches(self, state: dict) -> RemoteBatches:
         """The batches after the sampler state `state` (what a resume restored)."""
@@ -204,14 +281,21 @@ class RayDataService:
                     break
                 except ray.exceptions.RayActorError as err:
                     if attempt == ATTEMPTS - 1:
-                        raise RuntimeError(
-                            f"source loader {slot} of source {source} failed {ATTEMPTS} times"
+                        raise DataServiceError(
+                            f"source loader {slot} of source {source} of the data service "
+                            f"failed {ATTEMPTS} times ({_first_line(err)})"
                         ) from err
                     logger.warning("source loader %d of source %d died: %s", slot, source, err)
-                    self.loaders[source][slot] = ray.get(
+                    self.loaders[source][slot] = _get(
                         self.planner.replace_loader.remote(source, slot, loader._actor_id.hex()),
-                        timeout=self.timeout_s,
+                        timeout_s=self.timeout_s,
+                        what="the data service's planner actor, asked to replace a dead loader",
                     )
+                except ray.exceptions.GetTimeoutError as err:
+                    raise DataServiceError(
+                        f"source loader {slot} of source {source} of the data service: no "
+                        f"answer within {self.timeout_s:g} s"
+                    ) from err
             for request, piece in zip(share, np.split(tokens, np.cumsum(sizes)[:-1]), strict=True):
                 ranges[request] = piece
         return ranges
