@@ -226,9 +226,9 @@ def parse_job(
             ignored.append(f"--{dest.replace('_', '-')}")
             setattr(args, dest, off)
     if own_data:
-        validate_args(args, gpus)
+        validate_args(args, gpus, here=False)
     else:
-        validate_layout(args, gpus)
+        validate_layout(args, gpus, here=False)
         if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
             raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
         if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:

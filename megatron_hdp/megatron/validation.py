@@ -234,11 +234,13 @@ def _params_per_rank(args: argparse.Namespace) -> tuple[int, int]:
     return layer, embedding
 
 
-def _check_model_fits(args: argparse.Namespace, world_size: int) -> None:
+def _check_model_fits(args: argparse.Namespace) -> None:
     """ValueError when the weights and gradients alone exceed this machine's memory.
 
     Catches a mistyped size (`--num-experts 100000000`) in a second instead of a failed
-    allocation after start-up; the real peak is several times this bound.
+    allocation after start-up; the real peak is several times this bound. The model is
+    built in host memory before it moves to a GPU, so the bound holds there too. The
+    ranks that share this machine are torchrun's `LOCAL_WORLD_SIZE` (1 when not set).
     """
     memory = _memory_bytes()
     if memory is None:
@@ -246,7 +248,7 @@ def _check_model_fits(args: argparse.Namespace, world_size: int) -> None:
     layer, embedding = _params_per_rank(args)
     layers = args.num_layers // args.pipeline_model_parallel_size
     need = (layer * layers + embedding) * MIN_BYTES_PER_PARAM
-    local_ranks = min(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     if need * local_ranks <= memory:
         return
     sizes = ["num_layers", "hidden_size", "ffn_hidden_size", "num_experts", "moe_ffn_hidden_size"]
@@ -312,7 +314,7 @@ def _check_pipeline(args: argparse.Namespace) -> None:
         )
 
 
-def _check_layout(args: argparse.Namespace, world_size: int) -> None:
+def _check_layout(args: argparse.Namespace, world_size: int, *, here: bool = True) -> None:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size % tp:
         raise ValueError(
@@ -346,7 +348,8 @@ def _check_layout(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
     _check_experts(args, world_size)
     _check_pipeline(args)
-    _check_model_fits(args, world_size)
+    if here:
+        _check_model_fits(args)
     if args.sequence_parallel and args.hidden_dropout:
         raise ValueError(
             f"--sequence-parallel with --hidden-dropout {args.hidden_dropout} is not supported "
@@ -638,21 +641,24 @@ def _check_resume(args: argparse.Namespace, world_size: int) -> dict | None:
     return meta
 
 
-def validate_layout(args: argparse.Namespace, world_size: int) -> None:
+def validate_layout(args: argparse.Namespace, world_size: int, *, here: bool = True) -> None:
     """The number and layout checks of `validate_args` alone (no data, paths or resume).
 
     For tools that take the job's model and layout flags but not its data (the advisor
-    with a lengths file). Raises ValueError naming the flag and the value.
+    with a lengths file). `here=False`: the job runs elsewhere (a cluster the advisor
+    predicts), so this machine's memory is not checked. Raises ValueError naming the flag
+    and the value.
     """
     _check_numbers(args)
-    _check_layout(args, world_size)
+    _check_layout(args, world_size, here=here)
 
 
-def validate_args(args: argparse.Namespace, world_size: int) -> dict | None:
+def validate_args(args: argparse.Namespace, world_size: int, *, here: bool = True) -> dict | None:
     """Check the arguments against each other, the pool, the file system and `--load`.
 
     Reads only small files (the checkpoint's `meta.json`, a device profile). Sets
-    `args.load` when `--hdp-load-if-exists` finds a checkpoint.
+    `args.load` when `--hdp-load-if-exists` finds a checkpoint. `here=False`: the job runs
+    on other machines (the advisor), so this machine's memory is not checked.
 
     Returns:
         The meta of the checkpoint to resume, or None for a fresh start.
@@ -662,7 +668,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> dict | None:
         NothingToTrain: The checkpoint to resume is already at (or past) `--train-iters`.
     """
     _check_numbers(args)
-    _check_layout(args, world_size)
+    _check_layout(args, world_size, here=here)
     _check_training(args)
     _check_paths(args)
     return _check_resume(args, world_size)

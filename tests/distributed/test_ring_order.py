@@ -24,16 +24,21 @@ def _body_two_exchanges(rank, world_size, reorder, order_only):
     comm = RingComm(dist.group.WORLD, [0, 1])
     a, b = torch.ones(8), torch.full((8,), 2.0)
     with order_only_messages(order_only):
-        try:
-            if reorder and rank == 1:
-                pending_b = comm.exchange(b, torch.empty(8), tag=2)
-                pending_a = comm.exchange(a, torch.empty(8), tag=1)
-            else:
-                pending_a = comm.exchange(a, torch.empty(8), tag=1)
-                pending_b = comm.exchange(b, torch.empty(8), tag=2)
-            return pending_a.wait().tolist(), pending_b.wait().tolist()
-        except RingOrderError as err:
-            return str(err)
+        if reorder and rank == 1:
+            pending_b = comm.exchange(b, torch.empty(8), tag=2)
+            pending_a = comm.exchange(a, torch.empty(8), tag=1)
+        else:
+            pending_a = comm.exchange(a, torch.empty(8), tag=1)
+            pending_b = comm.exchange(b, torch.empty(8), tag=2)
+        # Wait for both (a check fails only after its transfer is done), so that no rank
+        # leaves while its peer still reads from it.
+        got, errors = [], []
+        for pending in (pending_a, pending_b):
+            try:
+                got.append(pending.wait().tolist())
+            except RingOrderError as err:
+                errors.append(str(err))
+        return errors[0] if errors else tuple(got)
 
 
 def test_gloo_tag_matching_hides_a_reordered_exchange():

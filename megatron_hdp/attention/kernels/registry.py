@@ -80,7 +80,11 @@ def resolve_kernel(name: str, facts: DeviceFacts, *, dtype: torch.dtype, head_di
             reason = _KERNELS[candidate].unavailable_reason(facts, dtype=dtype, head_dim=head_dim)
             if reason is None:
                 skipped = f" (skipped: {'; '.join(reasons)})" if reasons else ""
-                logger.info("attention kernel %s on %s%s", candidate, facts.describe(), skipped)
+                # Worth a line where it matters (a GPU); the CPU start stays quiet.
+                level = logging.INFO if facts.type == "cuda" else logging.DEBUG
+                logger.log(
+                    level, "attention kernel %s on %s%s", candidate, facts.describe(), skipped
+                )
                 _KERNELS[candidate].activate()
                 return candidate
             reasons.append(f"{candidate} {reason}")
