@@ -7,15 +7,21 @@ cd "$(dirname "$0")/.."
 NPROC="${NPROC:-4}"
 OUT="${OUT:-runs/cpu-$(date +%Y%m%d-%H%M%S)}"  # a new folder per run
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-# On the embedded corpus (median document 499 bytes = tokens) a capacity of 2048 tokens packs
-# most sequences whole on one rank; the tail gets rings of 2-4 ranks, cut at 4096 tokens. The
-# static mesh to compare with is then DP 2 x CP 2 (at capacity 1024 it would be DP 1 x CP 4,
-# one group with nothing to balance).
+# The data: the embedded corpus (median document 499 bytes = tokens, a heavy tail cut at
+# --seq-length) drawn by scripts/demo_corpus.json as 80% of the tokens from sequences that
+# fit one rank (<= 2,048 tokens, the capacity) and 20% from longer ones, about 38 sequences
+# per 24,576-token step. HDP packs the short ones whole on one rank and gives the long ones
+# rings; the static mesh to compare with, DP 2 x CP 2, shards every sequence over 2 ranks.
+# Giving --data-path or --hdp-data-spec replaces that spec.
+DATA=(--hdp-data-spec scripts/demo_corpus.json)
+for arg in "$@"; do
+  case "$arg" in --data-path | --data-path=* | --hdp-data-spec | --hdp-data-spec=*) DATA=() ;; esac
+done
 ARGS=(
   --num-layers 2 --hidden-size 64 --num-attention-heads 4
   --group-query-attention --num-query-groups 2
   --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
-  --seq-length 4096 --hdp-capacity 2048 --hdp-global-batch-tokens 16384
+  --seq-length 4096 --hdp-capacity 2048 --hdp-global-batch-tokens 24576 "${DATA[@]}"
   --train-iters 30 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 3
   --log-interval 5 --eval-interval 15 --eval-iters 2
   --save "$OUT/checkpoints" --save-interval 15

@@ -8,14 +8,17 @@ records, so anyone can recompute it from the metrics file:
 - tokens/s: the sum of `tokens` over the sum of `seconds` (each step from its batch in
   hand to its update; the time spent waiting for data, `data_wait_s`, is shown apart);
 - ranks per sequence: the mean over every sequence of the run (each step's
-  `mean_ranks_per_sequence` weighted by its `num_sequences`) and the maximum;
+  `mean_ranks_per_sequence` weighted by its `num_sequences`) and the maximum, beside the
+  static mesh's CP size (the ranks it gives every sequence);
 - step time: the measured mean, and the cost model's prediction for this run's plans
   (`predicted_step_s`) next to its prediction for the static mesh on the same batches
   (`static_predicted_step_s`), over the steps that have both; their ratio applied to the
   measured step time is shown only as an estimate;
 - ring attention traffic: bytes measured over all ranks (`attention_bytes`), the formula's
   prediction for this run's plans (`attention_bytes_predicted`) and for the static mesh's
-  (`static_attention_bytes_predicted`); saved = static (predicted) - measured;
+  (`static_attention_bytes_predicted`); saved = static (predicted) - measured, and one
+  sentence on why (`traffic_tradeoff`: fewer ranks per sequence, or wider rings for a
+  shorter predicted step);
 - offloading (runs with `--hdp-offload`): rings offloaded of all rings, bytes moved to the
   host (measured and predicted) and why the other rings did not (`report.offload`); a run
   that never offloaded says so in one line.
@@ -169,6 +172,38 @@ def _step_lines(s: Mapping) -> list[str]:
     return lines
 
 
+def traffic_tradeoff(s: Mapping) -> str | None:
+    """One sentence on why the run's ring traffic differs from the static mesh's, or None.
+
+    Fewer bytes: a sequence on one rank sends nothing, and the mesh shards every sequence
+    over its CP group. More bytes: rings wider than the mesh's CP group, the price of the
+    shorter step the cost model predicts for the run's plans (by how much), or of none.
+    """
+    saved, cp = s["attention_bytes_saved"], s["static_cp_size"]
+    widest = s["max_ranks_per_sequence"]
+    if saved is None or cp is None:
+        return None
+    if saved >= 0:
+        return (
+            "why: a sequence whole on one rank sends nothing; the static mesh shards every "
+            f"sequence over its CP group of {cp}."
+        )
+    if widest is not None and widest > cp:
+        rings = f"widened long sequences' rings to up to {widest} ranks (the static mesh: {cp})"
+    else:
+        rings = f"gave sequences rings that send more than the static mesh's CP group of {cp}"
+    speedup = s["predicted_speedup"]
+    if speedup is not None and speedup > 1:
+        return (
+            f"the trade-off: the planner {rings} for a step the cost model predicts "
+            f"{speedup:.2f}x shorter."
+        )
+    ratio = f" ({speedup:.2f}x)" if speedup is not None else ""
+    return (
+        f"the trade-off: the planner {rings}, but the cost model predicts no shorter step{ratio}."
+    )
+
+
 def format_summary(s: Mapping) -> str:
     """The summary of `run_summary` as lines of text for one screen (no trailing newline)."""
     where = f" on a pool of {s['pool_size']} ranks" if s["pool_size"] else ""
@@ -183,9 +218,11 @@ def format_summary(s: Mapping) -> str:
             f"{s['seconds']:.2f} s of steps; {s['data_wait_s']:.2f} s more waiting for data)"
         )
     if s["mean_ranks_per_sequence"] is not None:
+        cp = s["static_cp_size"]
+        mesh = f" (the static mesh: {cp} for every sequence)" if cp is not None else ""
         lines.append(
             f"  ranks/seq    mean {s['mean_ranks_per_sequence']:.2f}, "
-            f"max {s['max_ranks_per_sequence']}"
+            f"max {s['max_ranks_per_sequence']}{mesh}"
         )
     lines.extend("  " + line for line in _step_lines(s))
     if s["attention_bytes"] is not None:
@@ -196,13 +233,16 @@ def format_summary(s: Mapping) -> str:
         verdict = (
             f"{_bytes(saved)}{share_text} saved"
             if saved >= 0
-            else f"{_bytes(-saved)}{share_text} more (wider rings that shorten the step)"
+            else f"{_bytes(-saved)}{share_text} more"
         )
         lines.append(
             f"  attention    ring traffic {_bytes(s['attention_bytes'])} measured{own_text} vs "
             f"{_bytes(s['static_attention_bytes_predicted'])} predicted for the static mesh: "
             + verdict
         )
+        why = traffic_tradeoff(s)
+        if why:
+            lines.append(f"               {why}")
     if s.get("offload_line"):
         lines.append(f"  {'offloading':<12} {s['offload_line']}")
     for label, text in s["locations"]:

@@ -1,7 +1,8 @@
 """Data wait per step with and without prefetching, on 4 CPU ranks (the goal: < 2% of the
 step time with prefetch).
 
-Runs the CPU job (`scripts/run_cpu.sh`: a small GPT, the embedded corpus, 4 gloo ranks)
+Runs the CPU job (`scripts/run_cpu.sh`: a small GPT, the embedded corpus drawn by
+`scripts/demo_corpus.json`, 4 gloo ranks)
 once per `--depths` value of `--hdp-prefetch-depth` and reads rank 0's metrics file:
 `data_wait_s` (the step blocked for its planned, read batch) and `seconds` (the step from
 the batch in hand to the update). The share is `data_wait_s / (data_wait_s + seconds)`;
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
     report = {
         "benchmark": "data_wait",
         "config": {
-            "job": "scripts/run_cpu.sh (2 layers, hidden 64, 16,384 tokens per step)",
+            "job": "scripts/run_cpu.sh (2 layers, hidden 64, 24,576 tokens per step)",
             "nproc": args.nproc,
             "iters": args.iters,
             "goal_share": GOAL_SHARE,

@@ -230,6 +230,29 @@ def test_the_cpu_launcher_exits_2_with_one_line(tmp_path):
     )
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--data-path", "{tmp}/ds"], "--data-path {tmp}/ds.idx: no such file"),
+        (["--hdp-data-spec={tmp}/s.json"], "data spec '{tmp}/s.json' cannot be read"),
+    ],
+)
+def test_the_cpu_launcher_s_data_spec_gives_way_to_the_user_s_data(tmp_path, flags, message):
+    """run_cpu.sh draws the demo corpus by a spec unless the flags name other data."""
+    env = {**os.environ, "NPROC": "2", "OUT": str(tmp_path / "run")}
+    done = subprocess.run(
+        ["bash", "scripts/run_cpu.sh", *(f.format(tmp=tmp_path) for f in flags)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"pretrain_hdp.py: error: {message.format(tmp=tmp_path)}")
+    assert "not both" not in done.stderr
+
+
 def test_under_torchrun_the_message_comes_first_and_once(tmp_path):
     cmd = torchrun_command(2, job_args(tmp_path, ["--lr", "nan"]))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

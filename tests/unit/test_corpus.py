@@ -315,7 +315,7 @@ def test_definition_pieces_edge_cases(source, expected, recwarn):
 
 
 DEFINITION_LINE = re.compile(rb"(@|def |async def |class )")
-DEMO_CAPACITY, DEMO_SEQ_LENGTH = 1024, 4096  # scripts/run_cpu.sh: --hdp-capacity, --seq-length
+DEMO_CAPACITY, DEMO_SEQ_LENGTH = 2048, 4096  # scripts/run_cpu.sh: --hdp-capacity, --seq-length
 
 
 @pytest.fixture(scope="module")

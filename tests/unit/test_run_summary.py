@@ -10,7 +10,12 @@ from megatron_hdp.report.prediction import (
     ring_attention_bytes,
     static_mesh_cp,
 )
-from megatron_hdp.report.summary import format_summary, read_metrics, run_summary
+from megatron_hdp.report.summary import (
+    format_summary,
+    read_metrics,
+    run_summary,
+    traffic_tradeoff,
+)
 from megatron_hdp.report.timeline import timeline_record
 from megatron_hdp.scheduler import plan_step
 from megatron_hdp.scheduler.plan import MicroBatch, plan_from_rank_lists
@@ -112,11 +117,16 @@ def test_formatted_summary_shows_the_numbers_with_their_labels():
         "run summary: 3 steps (iterations 11-13) on a pool of 4 ranks, balanced placement"
     )
     assert "1,500 tokens/s (6,000 tokens in 4.00 s of steps; 0.04 s more waiting" in text
-    assert "ranks/seq    mean 1.60, max 4" in text
+    assert "ranks/seq    mean 1.60, max 4 (the static mesh: 4 for every sequence)" in text
     assert "predicted by the cost model" in text and "static mesh (DP 1 x CP 4): 2.25x" in text
     assert "(estimate: measured x predicted ratio): 2.250 s per step" in text
     assert "400 B measured (400 B predicted) vs 1.0 kB predicted for the static mesh" in text
     assert "600 B (60.0%) saved" in text
+    why = lines[lines.index(next(x for x in lines if "600 B (60.0%) saved" in x)) + 1]
+    assert why == (
+        "               why: a sequence whole on one rank sends nothing; the static mesh "
+        "shards every sequence over its CP group of 4."
+    )
     assert lines[-2:] == ["  metrics      /r/metrics.jsonl", "  pictures     /r/pictures"]
     assert len(lines) <= 24  # one screen
 
@@ -253,15 +263,71 @@ def test_timeline_record_joins_measured_times_with_the_plan():
     assert math.isclose(lanes[1]["micro_batches"][1]["predicted_cost"], 0.5)
 
 
-def test_more_ring_traffic_than_the_static_mesh_is_called_more_not_negative_savings():
-    records = [
+def _more_traffic(**step) -> list[dict]:
+    """RECORDS[0] with more ring bytes than the static mesh's, and `step`'s fields."""
+    return [
         {
-            **{k: v for k, v in r.items() if "attention" not in k},
+            **{k: v for k, v in RECORDS[0].items() if "attention" not in k},
             "attention_bytes": 1500,
             "static_attention_bytes_predicted": 1000,
+            **step,
         }
-        for r in RECORDS[:1]
     ]
+
+
+def test_more_ring_traffic_than_the_static_mesh_is_called_more_not_negative_savings():
+    records = _more_traffic()
     text = format_summary(run_summary(records, pool_size=4, policy="balanced", locations=[]))
-    assert "500 B (50.0%) more (wider rings that shorten the step)" in text
+    assert "vs 1.0 kB predicted for the static mesh: 500 B (50.0%) more" in text
     assert "saved" not in text
+
+
+@pytest.mark.parametrize(
+    "ours, static, speedup",
+    [(0.2, 0.3, "1.50x"), (0.4, 0.5, "1.25x")],  # the ratio of the two predictions
+)
+def test_more_ring_traffic_is_explained_by_wider_rings_and_the_shorter_step(ours, static, speedup):
+    """One sentence under the traffic line: how wide the rings got and what they bought."""
+    records = _more_traffic(
+        static_cp_size=2,
+        max_ranks_per_sequence=4,
+        predicted_step_s=ours,
+        static_predicted_step_s=static,
+    )
+    lines = format_summary(run_summary(records, pool_size=4, policy="balanced")).splitlines()
+    at = next(k for k, line in enumerate(lines) if line.startswith("  attention "))
+    assert lines[at].endswith("500 B (50.0%) more")
+    assert lines[at + 1] == (
+        "               the trade-off: the planner widened long sequences' rings to up to 4 "
+        f"ranks (the static mesh: 2) for a step the cost model predicts {speedup} shorter."
+    )
+    assert at + 2 == len(lines)  # one sentence, the summary's last line here
+
+
+def test_more_ring_traffic_without_a_shorter_step_says_so():
+    records = _more_traffic(
+        static_cp_size=2,
+        max_ranks_per_sequence=4,
+        predicted_step_s=0.5,
+        static_predicted_step_s=0.45,
+    )
+    s = run_summary(records, pool_size=4, policy="balanced")
+    assert traffic_tradeoff(s) == (
+        "the trade-off: the planner widened long sequences' rings to up to 4 ranks (the static "
+        "mesh: 2), but the cost model predicts no shorter step (0.90x)."
+    )
+    # rings no wider than the mesh's CP group (RECORDS[0]: CP 4, widest 4) are not called wider
+    s = run_summary(_more_traffic(), pool_size=4, policy="balanced")
+    assert traffic_tradeoff(s) == (
+        "the trade-off: the planner gave sequences rings that send more than the static "
+        "mesh's CP group of 4 for a step the cost model predicts 1.50x shorter."
+    )
+
+
+def test_no_tradeoff_sentence_without_a_static_mesh_to_compare():
+    records = [{**r, "static_cp_size": None} for r in _more_traffic()]
+    s = run_summary(records, pool_size=4, policy="balanced")
+    assert traffic_tradeoff(s) is None
+    text = format_summary(s)
+    assert "trade-off" not in text and "why:" not in text
+    assert "ranks/seq    mean 3.00, max 4\n" in text + "\n"  # no static mesh to name
