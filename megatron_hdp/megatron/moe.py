@@ -36,6 +36,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_hdp.distributed.ring_comm import RingComm
+from megatron_hdp.megatron import compat
 
 _TAG_EXPERT_COUNTS = 21
 
@@ -176,7 +177,7 @@ class GlobalIndexSequentialMLP(SequentialMLP):
     an RNG state that depends on the EP size.
     """
 
-    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None, name=None):
         layer_seed = int(torch.randint(0, 2**31, ()))  # one draw, whatever the EP size
         with torch.random.fork_rng(devices=[]):
             super().__init__(0, config, submodules, pg_collection)
@@ -191,5 +192,6 @@ class GlobalIndexSequentialMLP(SequentialMLP):
                         ffn_hidden_size=self.config.moe_ffn_hidden_size,
                         is_expert=True,
                         tp_group=pg_collection.expt_tp,
+                        **compat.name_kwargs(name and f"{name}.local_experts.{local}"),
                     )
                 )
