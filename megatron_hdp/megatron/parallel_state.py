@@ -43,8 +43,25 @@ def sizes() -> dict | None:
     }
 
 
+#: Globals holding process groups that Megatron's `destroy_model_parallel` leaves set
+#: (0.16.1 to 0.19.2), with their initial values.
+_LEFT_SET_BY_DESTROY = {
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP": None,
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO": None,
+    "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS": None,
+    "_HYBRID_DP_CP_GROUPS": {},
+}
+
+
 def destroy() -> None:
-    """Forget Megatron's groups (they live in module globals)."""
+    """Forget Megatron's groups (they live in module globals), all of them.
+
+    Megatron's own destroy keeps a few groups alive; a process forked afterwards would free
+    its parent's groups when it initialises Megatron again, and crash (SIGSEGV).
+    """
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
+    for name, initial in _LEFT_SET_BY_DESTROY.items():
+        if hasattr(parallel_state, name):
+            setattr(parallel_state, name, type(initial)() if initial is not None else None)
