@@ -9,34 +9,24 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import warnings
 from datetime import timedelta
 
-#: Megatron-Core warnings with nothing to act on in these jobs, as regular expressions
-#: matched at the start of the message: optional GPU packages missing (Megatron falls back to
-#: its own implementations, e.g. on every CPU machine), and a deprecation that Megatron's own
-#: `TransformerConfig.cuda_graph_scope` default raises. Each fires once per process, at
-#: import or model set-up. Only UserWarnings raised from `megatron.*` modules match; any other
-#: warning, Megatron's or ours, is shown as usual.
-KNOWN_MEGATRON_WARNINGS: tuple[str, ...] = (
-    r"Transformer Engine and Apex are not installed\. Falling back to ",
-    r"Apex is not installed\. Falling back to Torch Norm",
-    r"full scope is deprecated\. Use empty cuda_graph_scope to capture the whole layer",
-)
+from megatron_hdp.megatron import compat
+
+#: Megatron-Core's warnings with nothing to act on in these jobs (regular expressions, per
+#: release: `megatron/compat.py`); `quiet_known_warnings` hides exactly these.
+KNOWN_MEGATRON_WARNINGS: tuple[str, ...] = compat.KNOWN_MEGATRON_WARNINGS
 
 
 def quiet_known_warnings() -> None:
-    """Hide exactly the `KNOWN_MEGATRON_WARNINGS` in this process.
+    """Hide exactly the `KNOWN_MEGATRON_WARNINGS` and `compat.KNOWN_LOG_RECORDS` here.
 
     Python's warning filters are per process and shared by all its threads, so calling this
     once before Megatron is imported covers the import-time warnings and those of threads
     started later; each process (torchrun starts every rank with a fresh interpreter) calls
     it itself. The filters go in front of any `PYTHONWARNINGS` / `-W` setting.
     """
-    for message in KNOWN_MEGATRON_WARNINGS:
-        warnings.filterwarnings(
-            "ignore", message=message, category=UserWarning, module=r"megatron\."
-        )
+    compat.hide_known_messages()
 
 
 def setup_logging(rank: int, *, level: int = logging.INFO) -> None:

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Launch pretrain_hdp.py on this machine's CPU with torchrun (gloo). No set-up step.
 #   NPROC=4 OUT=runs/x bash scripts/run_cpu.sh [pretrain_hdp.py flags...]   (later flags win)
+# VENV_DIR picks the environment (default .venv; CI's Python 3.12 lane uses .venv312).
 # Flags are validated once (--hdp-validate-only) before torchrun starts the ranks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NPROC="${NPROC:-4}"
 OUT="${OUT:-runs/cpu-$(date +%Y%m%d-%H%M%S)}"  # a new folder per run
+VENV_DIR="${VENV_DIR:-.venv}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # The data: the embedded corpus (median document 499 bytes = tokens, a heavy tail cut at
 # --seq-length) drawn by scripts/demo_corpus.json as 80% of the tokens from sequences that
@@ -30,6 +32,6 @@ ARGS=(
 )
 # Validate once, before torchrun: bad input ends here with status 2 and one line (torchrun
 # would report every rank's exit and return 1).
-WORLD_SIZE="$NPROC" .venv/bin/python pretrain_hdp.py "${ARGS[@]}" --hdp-validate-only
+WORLD_SIZE="$NPROC" "$VENV_DIR/bin/python" pretrain_hdp.py "${ARGS[@]}" --hdp-validate-only
 mkdir -p "$OUT"
-exec .venv/bin/torchrun --standalone --nproc-per-node "$NPROC" pretrain_hdp.py "${ARGS[@]}"
+exec "$VENV_DIR/bin/torchrun" --standalone --nproc-per-node "$NPROC" pretrain_hdp.py "${ARGS[@]}"

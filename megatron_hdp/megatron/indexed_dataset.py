@@ -6,12 +6,11 @@ that `megatron.core` is imported in the host layer only (architecture rule 6).
 
 from __future__ import annotations
 
-import warnings
+from megatron_hdp.megatron import compat
 
-with warnings.catch_warnings():
-    # Importing megatron.core warns four times that Transformer Engine / Apex are missing;
-    # irrelevant to data files, and noise in front of the preprocessing tool's one-line errors.
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex", category=UserWarning)
+with compat.quiet_megatron_import():
+    # Importing megatron.core warns that Transformer Engine / Apex are missing (and more, by
+    # release): irrelevant to data files, noise before the preprocessing tool's one-line errors.
     from megatron.core.datasets.indexed_dataset import (
         DType,
         IndexedDataset,

@@ -22,6 +22,7 @@ from megatron.core.transformer.transformer_layer import (
 from torch.nn import functional
 
 from megatron_hdp.distributed.layout import ParallelDims, moe_problems, pipeline_problems
+from megatron_hdp.megatron import compat
 from megatron_hdp.megatron.core_attention import HDPCoreAttention
 from megatron_hdp.megatron.moe import GlobalIndexSequentialMLP, SequenceAuxLossRouter
 from megatron_hdp.scheduler.cost import ModelShape
@@ -310,8 +311,9 @@ def hdp_layer_spec(cfg: GPTConfig) -> ModuleSpec:
     spec.module = SeededTransformerLayer
     spec.submodules.self_attention.submodules.core_attention = HDPCoreAttention
     if cfg.num_experts is not None:
-        spec.submodules.mlp.submodules.router = SequenceAuxLossRouter
-        spec.submodules.mlp.submodules.experts.module = GlobalIndexSequentialMLP
+        moe = compat.submodules_of(spec.submodules.mlp)
+        moe.router = SequenceAuxLossRouter
+        moe.experts = compat.with_module(moe.experts, GlobalIndexSequentialMLP)
     if cfg.sequence_parallel:
         spec.submodules.input_layernorm = SequenceParallelNorm
         spec.submodules.pre_mlp_layernorm = SequenceParallelNorm

@@ -36,6 +36,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_hdp.distributed.ring_comm import RingComm
+from megatron_hdp.megatron import compat
 
 _TAG_EXPERT_COUNTS = 21
 
@@ -189,7 +190,7 @@ class GlobalIndexSequentialMLP(SequentialMLP):
       and would leave out the biases of the experts on TP ranks other than 0.
     """
 
-    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None, name=None):
         layer_seed = int(torch.randint(0, 2**31, ()))  # one draw, whatever the EP size
         with torch.random.fork_rng(devices=[]):
             super().__init__(0, config, submodules, pg_collection)
@@ -204,6 +205,7 @@ class GlobalIndexSequentialMLP(SequentialMLP):
                         ffn_hidden_size=self.config.moe_ffn_hidden_size,
                         is_expert=True,
                         tp_group=pg_collection.expt_tp,
+                        **compat.name_kwargs(name and f"{name}.local_experts.{local}"),
                     )
                 )
         if self.config.add_bias_linear:

@@ -18,6 +18,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -159,7 +160,7 @@ def job_environment(cluster: Cluster, corpus_cache: Path) -> dict:
     for name in ("OUT_DIR", "DATA_PATH", "REPO_DIR"):  # the script's defaults, as submitted
         env.pop(name, None)
     env.update(
-        VENV_DIR=str(REPO / ".venv"),
+        VENV_DIR=sys.prefix,  # the environment running the tests (.venv, or CI's .venv312)
         GPUS_PER_NODE="2",  # torchrun --nproc-per-node 2; no CUDA, so the ranks use gloo
         RDZV_PORT=str(free_port()),
         OMP_NUM_THREADS="1",

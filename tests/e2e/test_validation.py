@@ -215,7 +215,7 @@ def test_validation_fails_before_torch_or_megatron_is_imported(tmp_path):
 
 
 def test_the_cpu_launcher_exits_2_with_one_line(tmp_path):
-    env = {**os.environ, "NPROC": "2", "OUT": str(tmp_path / "run")}
+    env = {**os.environ, "NPROC": "2", "OUT": str(tmp_path / "run"), "VENV_DIR": sys.prefix}
     done = subprocess.run(
         ["bash", "scripts/run_cpu.sh", "--make-vocab-size-divisible-by", "0"],
         capture_output=True,

@@ -120,12 +120,13 @@ def reference_aux_loss(model: GPTModel, seqs, coeff: float) -> float:
     Runs forward passes (training mode, gradients on, nothing accumulated).
     """
     all_tokens = sum(len(tokens) for tokens, _, _ in seqs)
-    tracker = get_moe_layer_wise_logging_tracker()
     total = 0.0
     for tokens, labels, _ in seqs:
         clear_aux_losses_tracker()
         positions = torch.arange(len(tokens)).unsqueeze(0)
         model(tokens.unsqueeze(0), positions, None, labels=labels.unsqueeze(0))
+        # Read after the forward: from megatron-core 0.17 on this is a snapshot, not the store.
+        tracker = get_moe_layer_wise_logging_tracker()
         per_layer = tracker["load_balancing_loss"]["values"]  # aux / coeff per layer
         total += float(per_layer.sum()) * coeff * len(tokens) / all_tokens
     model.zero_grad()

@@ -1,5 +1,6 @@
 """Megatron indexed datasets: round trips, corruption, atomic writes, the stdlib cache."""
 
+import builtins
 import errno
 import io
 import os
@@ -394,14 +395,16 @@ class FullDiskFile(io.FileIO):
 @pytest.mark.parametrize("fails", ["bin", "idx"])
 def test_full_disk_names_the_target_and_leaves_nothing(target, monkeypatch, fails):
     """Buffered writes fail again on close; the temporaries still go, the error names the file."""
-    from megatron.core.datasets import indexed_dataset
+    real_open = builtins.open
 
     def full_disk_open(path, mode="r", *args, **kwargs):
-        if "w" in mode and os.path.basename(path).startswith(".data.") and path.endswith(fails):
-            return io.BufferedWriter(FullDiskFile(path, "w"), buffer_size=1024)
-        return open(path, mode, *args, **kwargs)
+        name = os.fspath(path) if isinstance(path, str | os.PathLike) else ""
+        if "w" in mode and os.path.basename(name).startswith(".data.") and name.endswith(fails):
+            return io.BufferedWriter(FullDiskFile(name, "w"), buffer_size=1024)
+        return real_open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(indexed_dataset, "open", full_disk_open, raising=False)
+    # The builtin, not `indexed_dataset.open`: megatron-core 0.17+ opens through `maybe_msc`.
+    monkeypatch.setattr(builtins, "open", full_disk_open)
     before = snapshot(target.parent)
     docs = [list(range(256))] * 20 if fails == "bin" else [[1]] * 300
     with pytest.raises(OSError) as info:

@@ -6,6 +6,7 @@ References: the plan hashes written by the planner before it was columnar
 """
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -21,6 +22,11 @@ from tests.property import examples
 from tests.unit.plan_regression_cases import HASHES, compute
 
 
+@pytest.mark.skipif(
+    sys.version_info[:2] != (3, 11),
+    reason="pinned on Python 3.11: stdlib_like draws from the interpreter's own stdlib docs, and "
+    "3.12's sum() of floats rounds differently (CI's Python 3.11 lane checks these plans)",
+)
 def test_plans_are_the_ones_the_object_planner_made():
     pinned = json.loads(HASHES.read_text())
     now = compute()

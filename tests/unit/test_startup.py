@@ -1,5 +1,6 @@
 """Start-up: `--help` is fast and light; only Megatron's known warnings are hidden."""
 
+import logging
 import re
 import subprocess
 import sys
@@ -73,6 +74,16 @@ MEGATRON_MESSAGES = [
         "full scope is deprecated. Use empty cuda_graph_scope to capture the whole layer.",
         "megatron.core.transformer.transformer_config",
     ),
+    # Megatron-Core 0.17+ (as 0.19.2 raises them).
+    (
+        "full scope is deprecated. Use empty cuda_graph_modules to capture the whole layer.",
+        "megatron.core.transformer.transformer_config",
+    ),
+    (
+        "MimoModelConfig is experimental and still under active development. "
+        "The API may change without notice in future releases.",
+        "megatron.core.models.mimo.config.base_configs",
+    ),
 ]
 
 STILL_SHOWN = [
@@ -132,3 +143,62 @@ def test_nccl_ranks_bind_their_gpu_at_init_and_cpu_ranks_do_not():
     assert cpu == {"timeout": timedelta(seconds=90)}
     accepted = inspect.signature(dist.init_process_group).parameters
     assert set(gpu) <= set(accepted)
+
+
+# Log records as Megatron-Core 0.19.2 and torch's cpp_extension write them (logger, format,
+# arguments), and records of the same loggers that must still show.
+KNOWN_RECORDS = [
+    (
+        "megatron.core.models.gpt.gpt_model",
+        "GPTModel IS DEPRECATED. GPTModel is only accepting critical bug fixes, no new "
+        "features. Please reference the migration guide "
+        "`docs/user-guide/hybrid-model-migration.md` for details on how to use `HybridModel`",
+        (),
+    ),
+    (
+        "torch.utils.cpp_extension",
+        "No CUDA runtime is found, using CUDA_HOME='%s'",
+        ("/usr/local/cuda",),
+    ),
+]
+OTHER_RECORDS = [
+    ("megatron.core.models.gpt.gpt_model", "GPTModel forward saw %d tokens", (3,)),
+    ("torch.utils.cpp_extension", "Error building extension '%s'", ("planner",)),
+]
+
+
+def _logged(records) -> list[str]:
+    """The messages of `records` that reach a handler after `quiet_known_warnings`."""
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    quiet_known_warnings()
+    quiet_known_warnings()  # twice: no second filter, nothing else changes
+    handler = Keep()
+    for name, msg, args in records:
+        logger = logging.getLogger(name)
+        assert len(logger.filters) <= 1, logger.filters
+        logger.addHandler(handler)  # a logger's filters apply before its own handlers
+        try:
+            logger.warning(msg, *args)
+        finally:
+            logger.removeHandler(handler)
+    return seen
+
+
+def test_known_log_records_are_hidden_and_others_of_those_loggers_shown():
+    assert _logged(KNOWN_RECORDS) == []
+    assert _logged(OTHER_RECORDS) == [
+        "GPTModel forward saw 3 tokens",
+        "Error building extension 'planner'",
+    ]
+
+
+def test_each_known_log_record_is_a_real_one():
+    from megatron_hdp.megatron.compat import KNOWN_LOG_RECORDS
+
+    for name, start in KNOWN_LOG_RECORDS:
+        assert any(n == name and msg.startswith(start) for n, msg, _ in KNOWN_RECORDS), start
