@@ -25,7 +25,7 @@ def test_custom_loop_example_equals_pretrain_hdp(tmp_path):
     prefix = tmp_path / "docs"
     write_documents(prefix)
     common = ["--data-path", str(prefix), "--global-batch-size", "8", "--hdp-capacity", "256"]
-    per_rank = run_ranks(_body_example, 2, [*common, "--steps", "3"], timeout_s=120)
+    per_rank = run_ranks(_body_example, 2, [*common, "--steps", "3"], timeout_s=240)
     assert per_rank[0] == per_rank[1] and len(per_rank[0]) == 3
     flags = [*SHARED, *common, "--train-iters", "3", "--eval-iters", "0", "--no-progress-bar"]
     reference = [r["loss"] for r in run_pretrain(2, flags)]

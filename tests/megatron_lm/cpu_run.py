@@ -33,22 +33,18 @@ import torch
 @contextlib.contextmanager
 def megatron_lm_cpu_shims():
     """P1-P7 (`cpu_shims`) plus S1-S6 for the duration of the block."""
+    import importlib
+
     from megatron.core.datasets import utils as dataset_utils
-    from megatron.legacy import fused_kernels
     from megatron.training import arguments, initialize, training
 
     from megatron_hdp.megatron.cpu_shim import cpu_shims
 
-    saved = {
-        (training, "initialize_megatron"): training.initialize_megatron,
-        (initialize, "_initialize_distributed"): initialize._initialize_distributed,
-        (dataset_utils, "compile_helpers"): dataset_utils.compile_helpers,
-        (fused_kernels, "load"): fused_kernels.load,
-        (torch.cuda, "get_rng_state"): torch.cuda.get_rng_state,
-        (torch.cuda, "set_rng_state"): torch.cuda.set_rng_state,
-        (arguments, "get_device_arch_version"): arguments.get_device_arch_version,
-    }
-    stock_init, stock_dist = training.initialize_megatron, initialize._initialize_distributed
+    try:  # core_v0.16.1; core_v0.19.0 has no megatron.legacy (and loads no fused kernels)
+        fused_kernels = importlib.import_module("megatron.legacy.fused_kernels")
+    except ImportError:
+        fused_kernels = None
+    stock_init, stock_dist = initialize.initialize_megatron, initialize._initialize_distributed
 
     def initialize_megatron(*args, **kwargs):
         return stock_init(*args, **dict(kwargs, allow_no_cuda=True))
@@ -61,13 +57,21 @@ def megatron_lm_cpu_shims():
         finally:
             torch.cuda.device_count, torch.cuda.set_device = count, set_device
 
-    training.initialize_megatron = initialize_megatron
-    initialize._initialize_distributed = initialize_distributed
-    dataset_utils.compile_helpers = lambda: None
-    fused_kernels.load = lambda args: None
-    torch.cuda.get_rng_state = lambda device="cuda": torch.zeros(1, dtype=torch.uint8)
-    torch.cuda.set_rng_state = lambda new_state, device="cuda": None
-    arguments.get_device_arch_version = lambda: 9
+    patches = [
+        (training, "initialize_megatron", initialize_megatron),
+        (initialize, "initialize_megatron", initialize_megatron),
+        (initialize, "_initialize_distributed", initialize_distributed),
+        (dataset_utils, "compile_helpers", lambda: None),
+        (fused_kernels, "load", lambda args: None),
+        (torch.cuda, "get_rng_state", lambda device="cuda": torch.zeros(1, dtype=torch.uint8)),
+        (torch.cuda, "set_rng_state", lambda new_state, device="cuda": None),
+        (arguments, "get_device_arch_version", lambda: 9),
+    ]
+    # Patch what this tree has (core_v0.19.0 lacks some of these names).
+    patches = [p for p in patches if p[0] is not None and hasattr(p[0], p[1])]
+    saved = {(module, name): getattr(module, name) for module, name, _ in patches}
+    for module, name, value in patches:
+        setattr(module, name, value)
     try:
         with cpu_shims():
             yield
