@@ -34,9 +34,8 @@ def pack_int64(parts: Sequence[torch.Tensor | Sequence[int]]) -> tuple[torch.Ten
         else torch.tensor(p, dtype=torch.int64)
         for p in parts
     ]
-    return torch.cat(tensors) if tensors else torch.zeros(0, dtype=torch.int64), [
-        len(t) for t in tensors
-    ]
+    buffer = torch.cat(tensors) if tensors else torch.zeros(0, dtype=torch.int64)
+    return buffer, [len(t) for t in tensors]
 
 
 def unpack(buffer: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:

@@ -161,9 +161,8 @@ class LocalBatch:
             return self
         n = self.num_tokens
         mask_bits = self.loss_mask.reshape(-1).to(torch.float64).view(torch.int64)
-        offsets = [0, *itertools.accumulate(self.shard.local_doc_lengths())]
         host, lengths = pack_int64(
-            [self.tokens, self.labels, self.position_ids, mask_bits, offsets]
+            [self.tokens, self.labels, self.position_ids, mask_bits, self._offsets()]
         )
         tokens, labels, positions, mask, cu = unpack(copy(host, device), lengths)
         return dataclasses.replace(
@@ -179,8 +178,10 @@ class LocalBatch:
         """int32 offsets of the local documents, as flash-attn's varlen API expects."""
         if self.device_offsets is not None:
             return self.device_offsets
-        offsets = [0, *itertools.accumulate(self.shard.local_doc_lengths())]
-        return torch.tensor(offsets, dtype=torch.int32)
+        return torch.tensor(self._offsets(), dtype=torch.int32)
+
+    def _offsets(self) -> list[int]:
+        return [0, *itertools.accumulate(self.shard.local_doc_lengths())]
 
     def loss_tokens(self) -> float:
         """The sum of the loss mask, counted on the host when the batch was read."""

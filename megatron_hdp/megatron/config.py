@@ -97,13 +97,20 @@ def data_config(args: argparse.Namespace, world_size: int) -> DataConfig:
             args.tensor_model_parallel_size * args.pipeline_model_parallel_size
         )
         tokens = (pool_size // args.context_parallel_size) * args.seq_length
+    return batch_data_config(args, tokens_per_batch=tokens, units_per_batch=units)
+
+
+def batch_data_config(
+    args: argparse.Namespace, *, tokens_per_batch: int | None, units_per_batch: int | None
+) -> DataConfig:
+    """Data set-up from Megatron-named arguments, with the global batch already decided."""
     return DataConfig(
         blend=parse_data_path(args.data_path),
         split=parse_split(args.split),
         seq_length=args.seq_length,
         seed=args.seed,
-        tokens_per_batch=tokens,
-        units_per_batch=units,
+        tokens_per_batch=tokens_per_batch,
+        units_per_batch=units_per_batch,
         tokenizer_type=args.tokenizer_type,
         tokenizer_model=args.tokenizer_model,
         vocab_size=args.vocab_size,

@@ -92,11 +92,8 @@ def datasets_provider(train_valid_test_num_samples, vp_stage=None):
     from megatron.core import parallel_state
     from megatron.training import get_args
 
-    from megatron_hdp.data.sampler import parse_split
-    from megatron_hdp.data.spec import load_spec
-    from megatron_hdp.data.training_data import DataConfig, build_training_data
-    from megatron_hdp.megatron.arguments import parse_data_path
-    from megatron_hdp.megatron.config import device_profile
+    from megatron_hdp.data.training_data import build_training_data
+    from megatron_hdp.megatron.config import batch_data_config, device_profile
     from megatron_hdp.megatron.model import model_shape
     from megatron_hdp.megatron_lm.args import capacity, global_batch
     from megatron_hdp.megatron_lm.model import gpt_config
@@ -105,19 +102,7 @@ def datasets_provider(train_valid_test_num_samples, vp_stage=None):
     args = get_args()
     tokens, units = global_batch(args)
     data = build_training_data(
-        DataConfig(
-            blend=parse_data_path(args.data_path),
-            split=parse_split(args.split),
-            seq_length=args.seq_length,
-            seed=args.seed,
-            tokens_per_batch=tokens,
-            units_per_batch=units,
-            tokenizer_type=args.tokenizer_type,
-            tokenizer_model=args.tokenizer_model,
-            vocab_size=args.vocab_size,
-            cache_dir=args.data_cache_path,
-            spec=load_spec(args.hdp_data_spec) if args.hdp_data_spec else None,
-        )
+        batch_data_config(args, tokens_per_batch=tokens, units_per_batch=units)
     )
     cfg = gpt_config(args)
     padded = gpt_config(args, vocab_size=_padded(data.vocab_size, args)).vocab_size
