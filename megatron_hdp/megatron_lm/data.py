@@ -10,6 +10,7 @@ On a resume it continues the training loader from the position stored in the che
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 
@@ -101,15 +102,18 @@ def datasets_provider(train_valid_test_num_samples, vp_stage=None):
 
     args = get_args()
     tokens, units = global_batch(args)
-    data = build_training_data(
-        batch_data_config(args, tokens_per_batch=tokens, units_per_batch=units)
+    data = _with_megatron_vocabulary(
+        build_training_data(
+            batch_data_config(args, tokens_per_batch=tokens, units_per_batch=units)
+        ),
+        args,
     )
     cfg = gpt_config(args)
     padded = gpt_config(args, vocab_size=_padded(data.vocab_size, args)).vocab_size
     if padded != cfg.vocab_size:
         raise ValueError(
             f"the data's vocabulary ({data.vocab_size}, padded {padded}) is not Megatron-LM's "
-            f"({args.padded_vocab_size}): check --tokenizer-type and --vocab-size"
+            f"(padded {args.padded_vocab_size}): check --tokenizer-type and --vocab-size"
         )
     profile = device_profile(args.hdp_device_profile).replica(args.tensor_model_parallel_size)
     pool = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
@@ -148,6 +152,21 @@ def datasets_provider(train_valid_test_num_samples, vp_stage=None):
 
 
 datasets_provider.is_distributed = True
+
+
+def _with_megatron_vocabulary(data: TrainingData, args: argparse.Namespace) -> TrainingData:
+    """`data` whose vocabulary is the one Megatron-LM's NullTokenizer gives `--vocab-size`.
+
+    HDP's data reader counts `--vocab-size N` as N tokens plus end-of-document N (N + 1), as
+    Megatron-Core 0.16's NullTokenizer does; 0.19's counts N in all, end-of-document N - 1.
+    The tokenizer Megatron-LM built (and padded its vocabulary from) decides, so that token
+    ids are checked against the vocabulary its model has. Other tokenizers: `data` as it is.
+    """
+    if args.tokenizer_type != "NullTokenizer":
+        return data
+    from megatron.training import get_tokenizer
+
+    return dataclasses.replace(data, vocab_size=int(get_tokenizer().vocab_size))
 
 
 def _padded(vocab_size: int, args: argparse.Namespace) -> int:

@@ -1,8 +1,9 @@
 """Test-only: run Megatron-LM's training loop on a CPU (gloo), with no edit to its files.
 
-Stock Megatron-LM (core_v0.16.1) assumes CUDA in six places beyond the ones Megatron-Core's
-own layers hit (`megatron_hdp.megatron.cpu_shim`, P1-P7). `megatron_lm_cpu_shims()` patches
-them process-locally for the duration of the block
+Stock Megatron-LM (core_v0.16.1 and core_v0.19.0) assumes CUDA in six places beyond the
+ones Megatron-Core's own layers hit (`megatron_hdp.megatron.cpu_shim`, P1-P7; core_v0.19.0
+has no S4). `megatron_lm_cpu_shims()` patches them process-locally for the duration of the
+block
 (`../shared/design/megatron-lm-dropin-trial-2026-11-24.md`, part 1):
 
 - S1: `initialize_megatron` asserts CUDA unless `allow_no_cuda`, which `pretrain()` cannot

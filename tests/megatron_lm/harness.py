@@ -27,7 +27,8 @@ from tests.dist import run_ranks
 REPO = Path(__file__).resolve().parents[2]
 THIRD_PARTY = REPO.parent / "shared" / "third_party"
 
-#: The model and optimizer, under flag names both pretrain_gpt.py and pretrain_hdp.py know.
+#: The model and optimizer, under flag names both pretrain_gpt.py and pretrain_hdp.py know
+#: (`--vocab-size` as pretrain_hdp.py reads it; MEGATRON_CPU restates it for Megatron-LM).
 SHARED = [
     "--num-layers", "2",
     "--hidden-size", "64",
@@ -51,7 +52,24 @@ SHARED = [
     "--log-interval", "1",
 ]  # fmt: skip
 
-#: What a CPU run of Megatron-LM needs besides (unrelated to HDP).
+
+def megatron_vocab_size(ids: int = 257) -> int:
+    """Megatron-LM's `--vocab-size` for data of `ids` token ids whose last is end-of-document.
+
+    Megatron-Core's NullTokenizer changed its meaning: in 0.16 `--vocab-size N` is N tokens
+    plus end-of-document N (N + 1 ids, as `pretrain_hdp.py` reads it: SHARED's 256); in 0.19
+    it is N ids in all, end-of-document N - 1 (257 for the same data).
+    """
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    size = ids - (NullTokenizer(ids).vocab_size - ids)
+    tokenizer = NullTokenizer(size)
+    assert (tokenizer.vocab_size, tokenizer.eod) == (ids, ids - 1), (size, tokenizer.eod)
+    return size
+
+
+#: What a CPU run of Megatron-LM needs besides SHARED (unrelated to HDP), and last the data's
+#: vocabulary as this Megatron-Core's NullTokenizer counts it (it overrides SHARED's).
 MEGATRON_CPU = [
     "--micro-batch-size", "1",
     "--distributed-backend", "gloo",
@@ -65,11 +83,12 @@ MEGATRON_CPU = [
     "--no-persist-layer-norm",
     "--attention-dropout", "0",
     "--rerun-mode", "disabled",
+    "--vocab-size", str(megatron_vocab_size()),
 ]  # fmt: skip
 
 
 def write_documents(prefix: Path) -> None:
-    """200 documents of 20 to 700 byte tokens plus end-of-document (NullTokenizer 256)."""
+    """200 documents of 20 to 700 byte tokens plus end-of-document 256 (257 token ids)."""
     from megatron_hdp.data.indexed import write_indexed_dataset
 
     rng = np.random.default_rng(0)

@@ -78,3 +78,27 @@ def test_an_hdp_flag_without_hdp_is_refused(trees, monkeypatch, capsys, extra):
     with pytest.raises(SystemExit):
         _parse_and_validate(monkeypatch, [*BASE, *extra])
     assert f"{extra[0]} has no effect without --hdp" in capsys.readouterr().err
+
+
+def test_the_data_vocabulary_is_the_one_megatron_lm_built(trees, data, monkeypatch):
+    """NullTokenizer: the data's vocabulary under --hdp is Megatron-LM's own tokenizer's.
+
+    The documents hold ids 0..256 (end-of-document 256). Megatron-LM reads them with the
+    `--vocab-size` of its release (256 with megatron-core 0.16, 257 with 0.19, MEGATRON_CPU's
+    last flag); HDP's data reader alone counts `--vocab-size 257` as 258 ids, which 0.19's
+    tokenizer (and so its embedding) does not have.
+    """
+    from megatron.training import global_vars
+
+    from megatron_hdp.data.training_data import build_training_data
+    from megatron_hdp.megatron.config import batch_data_config
+    from megatron_hdp.megatron_lm.data import _with_megatron_vocabulary
+
+    args = _parse_and_validate(monkeypatch, [*BASE, "--hdp", "--data-path", data])
+    monkeypatch.setattr(global_vars, "_GLOBAL_TOKENIZER", None)
+    global_vars._build_tokenizer(args)  # as Megatron-LM's start-up does (sets the padding)
+    reader = build_training_data(batch_data_config(args, tokens_per_batch=None, units_per_batch=8))
+    got = _with_megatron_vocabulary(reader, args)
+    assert got.vocab_size == global_vars.get_tokenizer().vocab_size == 257
+    assert args.padded_vocab_size == 384
+    assert got.datasets is reader.datasets and got.train is reader.train

@@ -1,4 +1,7 @@
-"""Megatron-LM's own `pretrain_gpt.py` (core_v0.16.1) with `--hdp`, on 2 CPU ranks.
+"""Megatron-LM's own `pretrain_gpt.py` with `--hdp`, on 2 and 4 CPU ranks.
+
+The tree is the one for the installed megatron-core (`conftest.py`): core_v0.16.1 with
+0.16.x, core_v0.19.0 with 0.19.x; the same tests, the same expectations, for both.
 
 The patched script (and the unmodified one through the launcher) trains with HDP through
 Megatron-LM's `pretrain()`: its losses and gradient norms equal `pretrain_hdp.py`'s on the
