@@ -168,22 +168,7 @@ def _body_megatron_lm(rank, world_size, script, argv, launcher):
             raise
     finally:
         training.training_log, training.evaluate = stock_log, stock_evaluate
-        _stop_children()
     return records
-
-
-def _stop_children() -> None:
-    """Stop the processes Megatron-LM started in this rank.
-
-    Its checkpoint writer (`--save`, torch_dist format) starts a `multiprocessing` Manager
-    server (spawned); a normal exit stops it, but ranks end by `os._exit`
-    (`tests/dist.py`), which would leave it (about 0.5 GB) running after the test.
-    """
-    import multiprocessing
-
-    for child in multiprocessing.active_children():
-        child.terminate()
-        child.join(timeout=10)
 
 
 def run_megatron_lm(
