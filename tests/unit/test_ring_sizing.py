@@ -214,7 +214,7 @@ def test_width_ranges_hold_the_target_and_cost_at_most_the_slack_more_work():
 def test_sized_rings_trade_at_most_the_slack_of_minimal_rings_and_both_cores_agree(
     mix, pool, seqlens
 ):
-    # The chooser and step 8 may give up BALANCE_SLACK of predicted time for attention.
+    # The chooser and the spreading pass may give up BALANCE_SLACK of time for attention.
     sized = plan_balanced(seqlens, pool_size=pool, capacity=C, cost_model=MODEL)
     minimal = plan_balanced(seqlens, pool_size=pool, capacity=C, cost_model=MODEL, size_rings=False)
     sized.validate(pool_size=pool)
@@ -364,7 +364,9 @@ def test_a_packed_run_without_packs_is_the_single_run(core):
 
 def test_widening_what_the_last_ring_waits_for_reaches_the_ceiling(monkeypatch):
     # The planner benchmark's Byted-like small batch on 509 ranks (764 sequences): the
-    # search up to step 6 ends at 1.033 of the bound with the last ring waiting on another.
+    # descents end at 1.033 of the bound with the last ring waiting on another; widening
+    # what it waits for (rings of 286 and then 160 ranks one rank wider, the first alone
+    # slower) and descending again takes it to 1.023.
     from megatron_hdp.scheduler import ring_sizing
 
     rng = np.random.default_rng([2025, 509, list(BENCH_MIXES).index("byted_like"), 1])
@@ -375,6 +377,6 @@ def test_widening_what_the_last_ring_waits_for_reaches_the_ceiling(monkeypatch):
     bound = step_lower_bound(costs).value
     plan = plan_balanced(seqlens, pool_size=509, capacity=C, cost_model=MODEL)
     assert makespan(plan) <= (1 + TIME_CEILING) * bound
-    monkeypatch.setattr(ring_sizing, "RESCUE_SHARE", 10**9)  # no runs for step 7
+    monkeypatch.setattr(ring_sizing, "RESCUE_SHARE", 10**9)  # no runs for the last step
     before = plan_balanced(seqlens, pool_size=509, capacity=C, cost_model=MODEL)
     assert makespan(before) > (1 + TIME_CEILING) * bound
