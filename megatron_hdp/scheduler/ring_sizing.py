@@ -41,12 +41,12 @@ candidate is scored by one balance-core run (its predicted step). A candidate is
 vector in a mode: fixed widths or ranges the core chooses from (`width_ranges`), with
 short sequences packed or, on small batches (`try_singles`), each a micro-batch of its
 own. The starts are `target_widths(f T)` for each `f` of `TARGETS` (the bound's widths,
-then tighter targets, whose smaller items fill ranks better) in every mode, then the
-minimal widths. A descent grows the critical item, the one that ends last (a ring gets one
-rank more, a pack's longest sequence a ring of two), while the predicted step falls. The
-search runs the starts; descends from the fastest candidate; runs each looser start `f`
-of `LOOSER_TARGETS` and descends from it; on small batches descends from every other
-candidate, fastest first; and, while the fastest plan is above `TIME_CEILING` of the
+then tighter targets, whose smaller items fill ranks better), then the minimal widths,
+each in every mode. A descent grows the critical item, the one that ends last (a ring
+gets one rank more, a pack's longest sequence a ring of two), while the predicted step
+falls. The search runs the starts; descends from the fastest candidate; runs each
+looser start `f` of `LOOSER_TARGETS` and descends from it; on small batches descends
+from every other candidate, fastest first; and, while the fastest plan is above `TIME_CEILING` of the
 bound, widens the item its critical item waits for (of those on its ranks, the last to
 end before it starts), even where that alone is slower, and descends again. It stops
 when a candidate is accepted (within `ACCEPT` of the bound, attention as below) or after
@@ -105,7 +105,7 @@ TARGETS = (1.0, 0.7, 0.5, 0.25, 0.125, 0.85, 0.35, 0.18)
 LOOSER_TARGETS = (1.03, 1.06, 1.1, 1.2)
 #: Core runs at most, and batch size (sequences + ranks) times runs at most: 3 runs at
 #: 16,384 ranks with ~8 micro-batches per rank (the first is accepted on the benchmark's).
-SEARCH_RUNS = 49
+SEARCH_RUNS = 54
 SEARCH_BUDGET = 450_000
 #: The last step may spend this share of the runs more (none where they are under 4).
 RESCUE_SHARE = 4
@@ -523,8 +523,8 @@ def plan_ring_sizes(
             c = child
         return c
 
-    starts = [(f, r, p) for f in TARGETS for r in (False, True) for p in packings]
-    starts += [(0.0, False, p) for p in packings]  # the minimal widths
+    # Every start in every mode; f = 0 stands for the minimal widths.
+    starts = [(f, r, p) for f in (*TARGETS, 0.0) for r in (False, True) for p in packings]
     for f, ranged, singles in starts:
         if stop():
             break
