@@ -44,20 +44,20 @@ own. The starts are `target_widths(f T)` for each `f` of `TARGETS` (the bound's 
 then tighter targets, whose smaller items fill ranks better), then the minimal widths,
 each in every mode. A descent grows the critical item, the one that ends last (a ring
 gets one rank more, a pack's longest sequence a ring of two), while the predicted step
-falls. The search runs the starts; descends from the fastest candidate; runs each
-looser start `f` of `LOOSER_TARGETS` and descends from it; on small batches descends
-from every other candidate, fastest first; and, while the fastest plan is above `TIME_CEILING` of the
-bound, widens the item its critical item waits for (of those on its ranks, the last to
-end before it starts), even where that alone is slower, and descends again. It stops
-when a candidate is accepted (within `ACCEPT` of the bound, attention as below) or after
+falls. The search runs the starts; descends from the fastest candidate; runs each looser
+start `f` of `LOOSER_TARGETS` and descends from it; on small batches descends from every
+other candidate, fastest first; and, while the fastest plan is above `TIME_CEILING` of
+the bound, widens the item its critical item waits for (of those on its ranks, the last
+to end before it starts), even where that alone is slower, and descends again. It stops
+when a candidate is accepted (`ACCEPT`: within 1% of the bound, attention balanced) or after
 `min(SEARCH_RUNS, SEARCH_BUDGET / (sequences + ranks))` core runs, a quarter more
 (`RESCUE_SHARE`) for the last step; no candidate is run twice. It returns, of the
-candidates within `BALANCE_SLACK` of the fastest and `TIME_CEILING` of the bound, the one
-whose worse ratio (step over the bound, busiest rank's attention `sum(s^2) / ring size`
-over the mean, Megatron-Core's measure) is least; where that attention is more than
-`ATTENTION_ACCEPT` above the mean, `attention_spread` moves ring members off the busiest
-rank within the same time limits, and its plan replaces the choice where the sum of the
-two ratios is lower (`_spread_attention`).
+candidates within `BALANCE_SLACK` of the fastest and `TIME_CEILING` of the bound, the
+one whose worse ratio (step over the bound, busiest rank's attention `sum(s^2) / ring
+size` over the mean, Megatron-Core's measure) is least; where that attention is more
+than `ATTENTION_ACCEPT` above the mean, `attention_spread` moves ring members off the
+busiest rank within the same time limits, and its plan replaces the choice where the sum
+of the two ratios is lower (`_spread_attention`).
 """
 
 from __future__ import annotations
