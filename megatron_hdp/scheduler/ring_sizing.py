@@ -36,53 +36,28 @@ builds, share ring messages and are bounded by their compute alone).
 
 **The sizes.** `target_widths(T)` gives each sequence the fewest ranks that finish it
 within `T` (at least `k_min`); at the bound that is the allotment the bound itself uses.
-`plan_ring_sizes` then searches a few candidates with the balance core, following the one
-with the shortest predicted step (`balance.py` rule 7 for widths chosen at placement), and
-keeps, of those within `BALANCE_SLACK` of the fastest and `TIME_CEILING` of the bound, the
-one whose worse ratio (time, or attention over its mean) is least:
-
-1. fixed widths `target_widths(T_bound)`: accepted at once within 1% of the bound;
-2. on small batches (`try_singles`), the same widths with every packed sequence a
-   micro-batch of its own: the balance core then places sequences, not packs, and fills
-   ranks finely (packs are chunky when a batch holds about one per rank);
-3. widths chosen at placement, each ring between `k_min` and the widest ring whose work
-   stays within 2% of its target width's;
-4. tighter targets `f T` (`TIGHTER_TARGETS`; smaller items fill better), fixed and chosen
-   at placement, packed and (small batches) single; then the minimal widths (the plan
-   without ring sizing);
-5. from the best so far, the critical item grows: the last ring to finish gets one rank
-   more, or the longest sequence of the last pack gets a ring of two; kept while the
-   predicted step falls;
-6. with `try_singles` (small batches, or packs below capacity), looser targets `f T`
-   (`LOOSER_TARGETS`, single), each grown as in 5, then step 5 from every other
-   candidate, fastest first, while runs remain: with about one sequence per rank the
-   best plan often starts from a candidate that is not the fastest (a sequence on a wide
-   ring that fills the ranks two rings leave free);
-7. with `try_singles`, while the fastest plan is still above `TIME_CEILING` of the bound:
-   the item the last one waits for (of those on its ranks, the one ending last before it
-   starts) grows as in 5, and the growth of 5 follows from there, even where the first
-   step was slower (`RESCUE_SHARE` more runs): on a Byted-like batch of 764 sequences on
-   509 ranks, two such steps (rings of 286 and then 160 ranks one rank wider, the first
-   alone slower) take the step from 1.033 to 1.023 of the bound.
-
-8. when the chosen plan's busiest rank holds more than `ATTENTION_ACCEPT` above the mean
-   attention (`sum(s^2) / ring size`, Megatron-Core's measure), `attention_spread` moves
-   ring members off that rank (alone, or trading places with a member of another item),
-   starting from each candidate within the chooser's time limit, fastest first: within its
-   own step time, then within that limit, then within `TIME_CEILING` of the bound, and
-   never more than `BALANCE_SLACK` later than the minimal rings' plan where that was run
-   (the chooser's own allowance; stopping once the peak is within `SPREAD_ACCEPT`). A
-   result replaces the chosen plan where the sum of its two ratios (time over the bound,
-   attention over its mean) is lower. Pareto-like large batches: 8 ranks 1.099 -> 1.004
-   of the mean attention, 16 ranks 1.133 -> 1.046; Byted-like large 8: 1.030 -> 1.013.
-
-A packed run whose micro-batches each hold one sequence is also the single run of the
-same widths; that one is not run again. Steps 2-7 share a budget of core runs that
-shrinks with the batch (`SEARCH_BUDGET`), so planning 16,384 ranks costs at most three
-core runs more than the first; candidates that repeat one already run are skipped. Once
-the step time is accepted, the search goes on for attention balance only within
-`ATTENTION_BUDGET` (no run at 16,384 ranks), and only while the candidate it would
-return is more than `CHOSEN_ACCEPT` above either bound.
+`plan_ring_sizes` is a multi-start descent over per-sequence ring widths in which every
+candidate is scored by one balance-core run (its predicted step). A candidate is a width
+vector in a mode: fixed widths or ranges the core chooses from (`width_ranges`), with
+short sequences packed or, on small batches (`try_singles`), each a micro-batch of its
+own. The starts are `target_widths(f T)` for each `f` of `TARGETS` (the bound's widths,
+then tighter targets, whose smaller items fill ranks better), then the minimal widths,
+each in every mode. A descent grows the critical item, the one that ends last (a ring
+gets one rank more, a pack's longest sequence a ring of two), while the predicted step
+falls. The search runs the starts; descends from the fastest candidate; runs each looser
+start `f` of `LOOSER_TARGETS` and descends from it; on small batches descends from every
+other candidate, fastest first; and, while the fastest plan is above `TIME_CEILING` of
+the bound, widens the item its critical item waits for (of those on its ranks, the last
+to end before it starts), even where that alone is slower, and descends again. It stops
+when a candidate is accepted (`ACCEPT`: within 1% of the bound, attention balanced) or after
+`min(SEARCH_RUNS, SEARCH_BUDGET / (sequences + ranks))` core runs, a quarter more
+(`RESCUE_SHARE`) for the last step; no candidate is run twice. It returns, of the
+candidates within `BALANCE_SLACK` of the fastest and `TIME_CEILING` of the bound, the
+one whose worse ratio (step over the bound, busiest rank's attention `sum(s^2) / ring
+size` over the mean, Megatron-Core's measure) is least; where that attention is more
+than `ATTENTION_ACCEPT` above the mean, `attention_spread` moves ring members off the
+busiest rank within the same time limits, and its plan replaces the choice where the sum
+of the two ratios is lower (`_spread_attention`).
 """
 
 from __future__ import annotations
@@ -101,38 +76,38 @@ from megatron_hdp.scheduler.attention_spread import (
     spread_plans,
 )
 
-#: A plan within this share of the bound (and of the attention bound, below) is accepted
-#: without searching further.
+#: A step within this share of the bound is accepted: the search stops (with attention
+#: balanced, once a fast plan's attention is also within `ATTENTION_ACCEPT` of its mean).
 ACCEPT = 0.01
 #: The attention share accepted at once: a rank's sum of s^2 / ring size over the batch's
 #: mean (Megatron-Core's own measure of balance).
 ATTENTION_ACCEPT = 0.02
-#: Step 8 (spreading attention over ranks) goes on until the peak is within this share of
-#: the mean; Megatron-Core's scheduler reaches 1.016 of it on a Byted-like batch of 8 ranks.
+#: The spreading pass stops once the peak is within this share of the mean attention
+#: (Megatron-Core's scheduler reaches 1.016 of it on a Byted-like batch of 8 ranks).
 SPREAD_ACCEPT = 0.01
-#: Candidates within this share of the fastest, and within `TIME_CEILING` of the bound,
-#: compete on their worse ratio (time or attention) to its bound.
+#: Candidates within this share of the fastest compete on their worse ratio to its bound.
 BALANCE_SLACK = 0.02
+#: ... and within this share of the bound (the benchmark's goal); also where the last
+#: step (widening what the critical item waits for) stops.
 TIME_CEILING = 0.03
-#: The search also stops, once the step time is accepted, when the candidate it would
-#: return is within this share of both bounds (time and attention): further runs could
-#: only improve ratios already this close.
+#: Once the step is accepted, the search also stops when the candidate it would return is
+#: within this share of both bounds: further runs could only improve ratios this close.
 CHOSEN_ACCEPT = 0.025
 #: Batch size (sequences + ranks) times runs the search may spend on attention balance
 #: once the step time is accepted (none at 16,384 ranks: plan time stays as it was).
 ATTENTION_BUDGET = 32_768
 #: Widths chosen at placement may cost this much more work than the target width's.
 WORK_SLACK = 0.02
-#: Tighter targets tried (fractions of the bound), coarse steps first.
-TIGHTER_TARGETS = (0.7, 0.5, 0.25, 0.125, 0.85, 0.35, 0.18)
-#: Looser targets tried on small batches: a ring that just misses the bound on `k` ranks
+#: Start targets, fractions of the bound: the bound's widths, then tighter, coarse first.
+TARGETS = (1.0, 0.7, 0.5, 0.25, 0.125, 0.85, 0.35, 0.18)
+#: Looser starts, each descended at once: a ring that just misses the bound on `k` ranks
 #: may finish on `k - 1` a little later, freeing a rank for the rest.
 LOOSER_TARGETS = (1.03, 1.06, 1.1, 1.2)
-#: Core runs the search may spend after the first, and the batch size (sequences + ranks)
-#: times runs it may spend at most (3 runs at 16,384 ranks with ~8 micro-batches each).
-SEARCH_RUNS = 48
+#: Core runs at most, and batch size (sequences + ranks) times runs at most: 3 runs at
+#: 16,384 ranks with ~8 micro-batches per rank (the first is accepted on the benchmark's).
+SEARCH_RUNS = 54
 SEARCH_BUDGET = 450_000
-#: Step 7 may spend this share of the runs more (none where the budget allows under 4).
+#: The last step may spend this share of the runs more (none where they are under 4).
 RESCUE_SHARE = 4
 #: Widths of a sequence evaluated when searching for its target width.
 _GRID = 48
@@ -455,7 +430,7 @@ def plan_ring_sizes(
     try_singles: bool = False,
     balance_attention: bool = True,
 ):
-    """Search ring sizes with the balance core; return the best candidate.
+    """Search ring sizes with the balance core; return the chosen candidate (module doc).
 
     The candidate holds `widths`, `ranges` (None: fixed widths), `singles` (packed
     sequences were micro-batches of their own), the predicted `makespan` and `placements`
@@ -465,15 +440,9 @@ def plan_ring_sizes(
     `widths` (1 = packed), optional ranges and packing, and returns `(makespan, last,
     placements)`; `last` is the last-finishing item's (sequence indices, width), and
     `placements` are flat arrays (`balance.placement_arrays`).
-    `try_singles`: also try unpacked sequences (small batches).
-
-    The search follows the fastest candidate. The one returned is, of the candidates
-    within `BALANCE_SLACK` of the fastest, the one whose worse ratio (predicted step over
-    the bound, attention peak over the mean `sum(s^2) / N`) is least (ties: faster): a plan
-    a little slower under the cost model but with attention spread evenly over the ranks
-    is less exposed to the cost model's error on attention, where it is largest. Without
-    `balance_attention` (offloading plans: wider rings would undo the offload) the fastest
-    candidate is returned and the search stops once the step time is accepted.
+    `try_singles`: also try unpacked sequences (small batches). Without
+    `balance_attention` (offloading plans: wider rings would undo the offload) the
+    fastest candidate is returned and the search stops once the step time is accepted.
     """
     if bound is None:
         bound = step_lower_bound(costs)
@@ -528,78 +497,55 @@ def plan_ring_sizes(
             key=lambda c: (max(c.makespan / target, c.attention / attention_bound), c.makespan),
         )
 
-    best = candidate(target_widths(costs, target))
-    if done():
-        return chosen()
-    runs = min(SEARCH_RUNS, SEARCH_BUDGET // (n + costs.pool_size))
     packings = (False, True) if try_singles else (False,)
-    tries = []
-    if try_singles:
-        tries.append(lambda: candidate(best.widths, singles=True))
-    tries.append(lambda: candidate(best.widths, True, best.singles))
-    for f in TIGHTER_TARGETS:
-        for singles in packings:
-            for ranged in (False, True):
-                tries.append(
-                    lambda f=f, r=ranged, p=singles: candidate(
-                        target_widths(costs, f * target), r, p
-                    )
-                )
-    tries.append(lambda: candidate(costs.k_min.copy(), singles=best.singles))
-    spent = 0
-    for make in tries:
-        if spent >= runs or done():
+    runs = min(SEARCH_RUNS, max(1, SEARCH_BUDGET // (n + costs.pool_size)))
+    descended = set()  # candidates a descent has started from (by identity)
+
+    @functools.cache
+    def widths_for(f: float) -> np.ndarray:
+        return target_widths(costs, f * target) if f else costs.k_min.copy()
+
+    def stop() -> bool:
+        return len(tried) >= runs or done()
+
+    def widened(c: _Candidate, item) -> _Candidate | None:
+        """`c` run again with `item` (sequences, width) one rank wider (None: not run)."""
+        widths = None if item is None else _one_rank_wider(c, costs, *item)
+        return None if widths is None else candidate(widths, c.ranges is not None, c.singles)
+
+    def descend(c: _Candidate) -> _Candidate:
+        """The critical item of `c` grows while the predicted step falls; the last reached."""
+        descended.add(id(c))
+        while not stop():
+            child = widened(c, c.last)
+            if child is None or child.makespan >= c.makespan:
+                break
+            c = child
+        return c
+
+    # Every start in every mode; f = 0 stands for the minimal widths.
+    starts = [(f, r, p) for f in (*TARGETS, 0.0) for r in (False, True) for p in packings]
+    for f, ranged, singles in starts:
+        if stop():
             break
-        c = make()
-        if c is None:
-            continue
-        spent += 1
-        if c.makespan < best.makespan:
-            best = c
-    grown = set()  # candidates the growth has started from (by identity)
-
-    def widened(c: _Candidate, item: tuple) -> _Candidate | None:
-        """`c` run again with `item` (sequences, width) one step wider (None: not run)."""
-        nonlocal spent
-        widths = _one_rank_wider(c, costs, *item)
-        trial = None if widths is None else candidate(widths, c.ranges is not None, c.singles)
-        if trial is not None:
-            spent += 1
-        return trial
-
-    def grow(best: _Candidate) -> _Candidate:
-        """Grow the critical item from `best` while the predicted step falls (step 5)."""
-        grown.add(id(best))
-        while spent < runs and not done():
-            trial = widened(best, best.last)
-            if trial is None or trial.makespan >= best.makespan:
-                break
-            best = trial
-        return best
-
-    grow(best)
-    if try_singles:  # step 6
-        for f in LOOSER_TARGETS:
-            if spent >= runs or done():
-                break
-            start = candidate(target_widths(costs, f * target), singles=True)
-            if start is not None:
-                spent += 1
-                grow(start)
-        while spent < runs and not done():
-            starts = [c for c in tried if id(c) not in grown]
-            if not starts:
-                break
-            grow(min(starts, key=lambda c: c.makespan))
-        # Step 7: the last item still ends late; widen what it waits for, then grow.
-        runs += runs // RESCUE_SHARE
-        current = min(tried, key=lambda c: c.makespan)
-        while spent < runs and current.makespan > (1.0 + TIME_CEILING) * target:
-            awaited = _awaited_item(current.placements)
-            trial = None if awaited is None else widened(current, awaited)
-            if trial is None:
-                break
-            current = grow(trial)
+        candidate(widths_for(f), ranged, singles)
+    if not stop():
+        descend(min(tried, key=lambda c: c.makespan))
+    for f in LOOSER_TARGETS:
+        start = None if stop() else candidate(widths_for(f), singles=try_singles)
+        if start is not None:
+            descend(start)
+    while try_singles and not stop():
+        rest = [c for c in tried if id(c) not in descended]
+        if not rest:
+            break
+        descend(min(rest, key=lambda c: c.makespan))
+    runs += runs // RESCUE_SHARE
+    c = min(tried, key=lambda c: c.makespan)
+    while c is not None and not stop() and c.makespan > (1.0 + TIME_CEILING) * target:
+        c = widened(c, _awaited_item(c.placements))
+        if c is not None:
+            c = descend(c)
     pick = chosen()
     if attention_runs and pick.attention > (1.0 + ATTENTION_ACCEPT) * attention_bound:
         limits = (_time_limit(tried, target), (1.0 + TIME_CEILING) * target)
@@ -622,12 +568,16 @@ def _time_limit(tried, target: float) -> float:
 
 
 def _spread_attention(pick, starts, limits, target: float, attention_bound: float):
-    """Step 8: `pick`, or a plan with attention spread over more ranks, within `limits`.
+    """`pick`, or a plan with attention spread over more ranks, within `limits`.
 
-    `spread_plans` starts from the candidates `starts`, fastest first, and goes through
-    the ascending `limits`. A result replaces `pick` where the sum of its two ratios (step
-    over `target`, attention peak over `attention_bound`) is lower: a point of attention
-    is worth a point of time.
+    `spread_plans` starts from the candidates `starts` (those within the chooser's time
+    limit), fastest first, and goes through the ascending `limits`: that limit, then
+    `TIME_CEILING` of the bound, neither more than `BALANCE_SLACK` later than the minimal
+    rings' plan where that was run; it stops once the peak is within `SPREAD_ACCEPT` of
+    the mean. A result replaces `pick` where the sum of its two ratios (step over
+    `target`, attention peak over `attention_bound`) is lower: a point of attention is
+    worth a point of time. Pareto-like large batches: 8 ranks 1.099 -> 1.004 of the mean
+    attention, 16 ranks 1.133 -> 1.046; Byted-like large 8: 1.030 -> 1.013.
     """
 
     def score(peak, makespan):

@@ -1,4 +1,4 @@
-"""Spreading attention over ranks (`scheduler/attention_spread.py`, ring sizing step 8).
+"""Spreading attention over ranks (`scheduler/attention_spread.py`, ring sizing's last pass).
 
 The C++ pass against its Python specification (identical results), the result against an
 independent re-timing and the invariants it must keep, a hand-computed instance, and the
@@ -151,9 +151,9 @@ def test_item_attention_sums_squares_per_item():
     assert item_attention([3, 4, 10], [0, 2, 3], [0, 1, 2]).tolist() == [25.0, 100.0]
 
 
-def test_step_8_spreads_attention_on_the_benchmarks_pareto_batch(monkeypatch):
-    # The planner benchmark's Pareto-like batch on 8 ranks: without step 8 the plan's
-    # busiest rank holds 1.10 of the mean attention (Megatron-Core's scheduler: 1.04).
+def test_the_spreading_pass_evens_attention_on_the_benchmarks_pareto_batch(monkeypatch):
+    # The planner benchmark's Pareto-like batch on 8 ranks: without the spreading pass the
+    # plan's busiest rank holds 1.10 of the mean attention (Megatron-Core's scheduler: 1.04).
     pool = 8
     rng = np.random.default_rng([2025, pool, list(BENCH_MIXES).index("pareto_like"), 0])
     seqlens = BENCH_MIXES["pareto_like"](rng, 8 * pool * C, pool * C)

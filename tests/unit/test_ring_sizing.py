@@ -13,11 +13,14 @@ import pytest
 
 from megatron_hdp.scheduler.balance import placement_arrays
 from megatron_hdp.scheduler.cost import H100, CostModel
-from megatron_hdp.scheduler.placement import _CoreRunner, plan_balanced
+from megatron_hdp.scheduler.placement import _CoreRunner, pack_limit, plan_balanced
 from megatron_hdp.scheduler.planner import default_core, reference_core
 from megatron_hdp.scheduler.ring_sizing import (
     BALANCE_SLACK,
     CHOSEN_ACCEPT,
+    RESCUE_SHARE,
+    SEARCH_BUDGET,
+    SEARCH_RUNS,
     TIME_CEILING,
     RingCosts,
     _no_packs,
@@ -214,7 +217,7 @@ def test_width_ranges_hold_the_target_and_cost_at_most_the_slack_more_work():
 def test_sized_rings_trade_at_most_the_slack_of_minimal_rings_and_both_cores_agree(
     mix, pool, seqlens
 ):
-    # The chooser and step 8 may give up BALANCE_SLACK of predicted time for attention.
+    # The chooser and the spreading pass may give up BALANCE_SLACK of time for attention.
     sized = plan_balanced(seqlens, pool_size=pool, capacity=C, cost_model=MODEL)
     minimal = plan_balanced(seqlens, pool_size=pool, capacity=C, cost_model=MODEL, size_rings=False)
     sized.validate(pool_size=pool)
@@ -224,6 +227,44 @@ def test_sized_rings_trade_at_most_the_slack_of_minimal_rings_and_both_cores_agr
         assert need <= mb.cp_size <= max(need, sum(sized.seqlens[i] for i in mb.seq_indices))
     ref = plan_balanced(seqlens, pool_size=pool, capacity=C, cost_model=MODEL, core=reference_core)
     assert ref == sized
+
+
+def _counted_search(seqlens, pool):
+    """`plan_ring_sizes` on a batch as `plan_balanced` runs it; (its result, core calls)."""
+    s = np.asarray(seqlens, dtype=np.int64)
+    costs = costs_of(seqlens, pool)
+    bound = step_lower_bound(costs)
+    run = _CoreRunner(
+        default_core(), s, MODEL.time(costs.s, 1), costs, C, pack_limit(MODEL, C, bound.value), 0.0
+    )
+    calls = []
+
+    def counted(widths, ranges, singles):
+        calls.append((widths.tobytes(), ranges is not None, singles))
+        return run(widths, ranges, singles)
+
+    return plan_ring_sizes(costs, counted, bound=bound, try_singles=True), calls
+
+
+@pytest.mark.parametrize("mix, pool, seqlens", list(batches())[::2])
+def test_the_search_keeps_its_budget_and_runs_no_candidate_twice(mix, pool, seqlens):
+    _, calls = _counted_search(seqlens, pool)
+    runs = min(SEARCH_RUNS, SEARCH_BUDGET // (len(seqlens) + pool))
+    assert 1 <= len(calls) <= runs + runs // RESCUE_SHARE
+    assert len(set(calls)) == len(calls)
+
+
+def test_a_budget_of_three_runs_is_three_runs(monkeypatch):
+    # As at 16,384 ranks with ~8 micro-batches per rank: SEARCH_BUDGET allows 3 runs, and
+    # the last step's extra quarter rounds down to none.
+    from megatron_hdp.scheduler import ring_sizing
+
+    seqlens = first_sequences(BENCH_MIXES["pareto_like"], [16, 3], 24, 16 * C)
+    _, free = _counted_search(seqlens, 16)
+    assert len(free) > 3  # this batch's search goes on past three runs when it may
+    monkeypatch.setattr(ring_sizing, "SEARCH_BUDGET", 3 * (len(seqlens) + 16))
+    _, calls = _counted_search(seqlens, 16)
+    assert calls == free[:3]
 
 
 def test_a_long_sequence_that_sets_the_step_gets_more_ranks():
@@ -364,7 +405,9 @@ def test_a_packed_run_without_packs_is_the_single_run(core):
 
 def test_widening_what_the_last_ring_waits_for_reaches_the_ceiling(monkeypatch):
     # The planner benchmark's Byted-like small batch on 509 ranks (764 sequences): the
-    # search up to step 6 ends at 1.033 of the bound with the last ring waiting on another.
+    # descents end at 1.033 of the bound with the last ring waiting on another; widening
+    # what it waits for (rings of 286 and then 160 ranks one rank wider, the first alone
+    # slower) and descending again takes it to 1.023.
     from megatron_hdp.scheduler import ring_sizing
 
     rng = np.random.default_rng([2025, 509, list(BENCH_MIXES).index("byted_like"), 1])
@@ -375,6 +418,6 @@ def test_widening_what_the_last_ring_waits_for_reaches_the_ceiling(monkeypatch):
     bound = step_lower_bound(costs).value
     plan = plan_balanced(seqlens, pool_size=509, capacity=C, cost_model=MODEL)
     assert makespan(plan) <= (1 + TIME_CEILING) * bound
-    monkeypatch.setattr(ring_sizing, "RESCUE_SHARE", 10**9)  # no runs for step 7
+    monkeypatch.setattr(ring_sizing, "RESCUE_SHARE", 10**9)  # no runs for the last step
     before = plan_balanced(seqlens, pool_size=509, capacity=C, cost_model=MODEL)
     assert makespan(before) > (1 + TIME_CEILING) * bound
