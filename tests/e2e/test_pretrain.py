@@ -10,7 +10,7 @@ import torch
 
 from megatron_hdp.sharding import rank_token_counts
 from tests.dist import run_ranks
-from tests.e2e.harness import REPO, SMALL_MODEL, _body_main, run_pretrain
+from tests.e2e.harness import REPO, SMALL_MODEL, _body_main, run_pretrain, saved_tensors
 
 
 def default_corpus_args(cache, *, capacity, iters=6, extra=()):
@@ -197,11 +197,13 @@ def test_resume_equals_uninterrupted(corpus_cache, tmp_path, distributed_optimiz
         [s["loss"] for s in straight], rel=1e-6
     )
     assert [s["lr"] for s in first + second] == pytest.approx([s["lr"] for s in straight])
-    a = torch.load(straight_dir / "iter_0000005" / "common.pt", weights_only=False)["model"]
-    b = torch.load(resumed_dir / "iter_0000005" / "common.pt", weights_only=False)["model"]
+    a = saved_tensors(straight_dir / "iter_0000005")  # model and optimizer state
+    b = saved_tensors(resumed_dir / "iter_0000005")
+    assert a.keys() == b.keys() and any(k.startswith("optimizer.") for k in a)
     for name, value in a.items():
-        if torch.is_tensor(value):
-            torch.testing.assert_close(b[name], value, rtol=1e-6, atol=1e-7, msg=name)
+        if distributed_optimizer and name.startswith("optimizer."):
+            continue  # flat bucket buffers whose padding is uninitialised memory
+        torch.testing.assert_close(b[name], value, rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_offloading_run_gives_the_same_losses(corpus_cache, tmp_path):
