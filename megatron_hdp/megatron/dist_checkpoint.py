@@ -27,6 +27,7 @@ optimizer's `dp_reshardable` state over the pool size only, `fully_reshardable` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import random
 from dataclasses import dataclass
@@ -299,7 +300,8 @@ def read(
     loaded = dist_checkpointing.load(sd, str(folder))
     engine.model.load_state_dict(loaded["model"], strict=True)
     if load_optimizer:
-        with torch.no_grad():  # fp32 main parameters are views of the model's leaves
+        # no_grad: fp32 main parameters are views of the model's leaves
+        with torch.no_grad(), _steps_kept_on_load():
             engine.optimizer.load_state_dict(loaded["optimizer"])
         if engine.optimizer_is_distributed:
             _restore_steps(engine.optimizer, loaded["optimizer"])
@@ -336,6 +338,33 @@ def _allocate_optimizer_state(optimizer) -> None:
         for group in torch_optimizer.param_groups:
             for p in group["params"]:
                 torch_optimizer.state[p]["step"] = torch.tensor(0.0)
+
+
+@contextlib.contextmanager
+def _steps_kept_on_load():
+    """Within the block, the distributed optimizer's parameter-state load keeps `step`.
+
+    Without Transformer Engine or Apex, each parameter's torch Adam state holds a `step`,
+    which the `fully_reshardable` checkpoint's canonical state (param, exp_avg, exp_avg_sq)
+    does not: Megatron-Core's `_set_main_param_and_optimizer_states` then fails with
+    KeyError 'step'. The current step is passed through (`_restore_steps` sets it after).
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        if "step" not in tensors:
+            current = self._get_main_param_and_optimizer_states(model_param)
+            if "step" in current:
+                tensors = {**tensors, "step": current["step"]}
+        return original(self, model_param, tensors)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+    try:
+        yield
+    finally:
+        DistributedOptimizer._set_main_param_and_optimizer_states = original
 
 
 def _saved_steps(tree) -> set:

@@ -264,3 +264,25 @@ def test_a_run_that_never_offloads_says_so(corpus_cache, tmp_path):
     reason = records[-1]["offload_reason"]
     assert reason.startswith("no ring can shrink") or total == 0, records
     assert lines[-1] == f"--hdp-offload never offloaded in 2 steps ({total} rings): {reason}"
+
+
+def test_a_distributed_optimizer_checkpoint_resumes_at_another_pool_size(corpus_cache, tmp_path):
+    """Saved by a pool of 2 with the distributed optimizer (dp_reshardable, Megatron-LM's
+    default) after step 3, resumed by a pool of 3 (Megatron reshards the optimizer state
+    over the pool on load): steps 4-5 give the losses of an uninterrupted pool-2 run (HDP is
+    exact at any pool size)."""
+    extra = ["--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--min-lr", "1e-4"]
+    extra.append("--use-distributed-optimizer")
+    ckpt = tmp_path / "ckpt"
+
+    def run(ranks, more):
+        args = default_corpus_args(corpus_cache, capacity=256, iters=5, extra=extra + more)
+        return run_pretrain(ranks, args)
+
+    reference = run(2, [])
+    first = run(2, ["--save", str(ckpt), "--exit-interval", "3"])
+    second = run(3, ["--load", str(ckpt)])
+    assert [s["iteration"] for s in first + second] == [1, 2, 3, 4, 5]
+    assert [s["loss"] for s in first + second] == pytest.approx(
+        [s["loss"] for s in reference], rel=1e-5
+    )
