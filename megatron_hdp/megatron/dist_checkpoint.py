@@ -208,6 +208,7 @@ def write(
     """
     layout = Layout.of(engine)
     metadata = sharded_metadata(engine, fully_reshardable=fully_reshardable)
+    _allocate_optimizer_state(engine.optimizer)  # before the first step it has none
     sd = state_dict(
         engine,
         metadata,
@@ -301,6 +302,8 @@ def read(
     engine.model.load_state_dict(loaded["model"], strict=True)
     if load_optimizer:
         # no_grad: fp32 main parameters are views of the model's leaves
+        if not engine.optimizer_is_distributed:
+            _step_zero_where_missing(loaded["optimizer"])
         with torch.no_grad(), _steps_kept_on_load():
             engine.optimizer.load_state_dict(loaded["optimizer"])
         if engine.optimizer_is_distributed:
@@ -323,12 +326,13 @@ def read(
 
 
 def _allocate_optimizer_state(optimizer) -> None:
-    """Give a fresh distributed optimizer's torch Adam its state (zeros, step 0).
+    """Give a fresh optimizer's torch Adam the state its first step would create.
 
-    Without Transformer Engine or Apex (every CPU machine) the distributed optimizer's
-    `state_dict()`, which its loading `sharded_state_dict` calls, reads each parameter's
-    torch `step` and fails on an optimizer that has not stepped yet. The load then
-    overwrites all of it (`step` from the checkpoint's parameter groups).
+    Zeros and step 0, as torch's Adam initialises them lazily, so this changes no update.
+    A checkpoint saved before the first step then holds the optimizer state a load asks
+    for; and without Transformer Engine or Apex (every CPU machine) the distributed
+    optimizer's `state_dict()`, which its loading `sharded_state_dict` calls, reads each
+    parameter's torch `step` and fails without it. A load overwrites all of it.
     """
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         torch_optimizer = inner.optimizer
@@ -402,3 +406,40 @@ def _restore_steps(optimizer, loaded: dict) -> None:
         for state in inner.optimizer.state.values():
             if "step" in state:
                 state["step"] = torch.tensor(step, dtype=torch.float32)
+
+
+def _step_zero_where_missing(tree) -> None:
+    """Step 0 for a torch optimizer state saved before its first step.
+
+    Megatron-Core's non-distributed optimizer saves the parameters' common Adam step only
+    when it is not 0 (`if step:`), and its load then hands torch's Adam states without
+    `step`, which torch refuses. Step 0 is what the missing entry meant.
+    """
+    if isinstance(tree, dict):
+        state = tree.get("state")
+        if isinstance(state, dict) and "param_groups" in tree and "common_step" not in state:
+            if state and all(isinstance(v, dict) and "step" not in v for v in state.values()):
+                state["common_step"] = torch.tensor(0.0)
+        for value in tree.values():
+            _step_zero_where_missing(value)
+    elif isinstance(tree, list | tuple):
+        for value in tree:
+            _step_zero_where_missing(value)
+
+
+def close_writer_processes() -> None:
+    """Stop the helper process Megatron's checkpoint writer started in this process.
+
+    `dist_checkpointing`'s file writer keeps its results queue in a multiprocessing
+    manager, a spawned server process (~200 MB) started at the first save and kept for
+    later ones. A process that ends without running its exit handlers (a forked test
+    rank, a killed job) would leave it behind; call this when done saving. Local.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue = getattr(filesystem_async, "_results_queue", None)
+    manager = getattr(queue, "_manager", None)
+    if manager is not None:
+        manager.shutdown()
+    if queue is not None:
+        filesystem_async._results_queue = None

@@ -43,6 +43,7 @@ from megatron_hdp.megatron.checkpoint import (
     save_checkpoint,
 )
 from megatron_hdp.megatron.config import device_profile, model_config, optim_config
+from megatron_hdp.megatron.dist_checkpoint import close_writer_processes
 from megatron_hdp.megatron.engine import Engine, build_engine, offload_manager
 from megatron_hdp.megatron.model import model_shape
 from megatron_hdp.megatron.resume_checks import scheduler_override
@@ -303,6 +304,7 @@ class Trainer:
         The sampler is rewound to the last batch trained (batches prepared ahead are
         dropped), so a later save or step continues exactly there.
         """
+        close_writer_processes()
         if self.feed is not None:
             state = self.feed.state_dict()
             self.feed.close()

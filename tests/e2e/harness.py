@@ -91,6 +91,9 @@ def tiny_engine():
         try:
             yield build_engine(cfg, OptimConfig())
         finally:
+            from megatron_hdp.megatron.dist_checkpoint import close_writer_processes
+
+            close_writer_processes()
             layout.destroy()
 
 
