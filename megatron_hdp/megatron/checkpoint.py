@@ -32,12 +32,14 @@ import argparse
 import json
 import logging
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from megatron_hdp.checkpoint_files import (
     META,
@@ -78,6 +80,21 @@ def _cause(err: BaseException) -> str:
         return f"{err.strerror} ({err.filename})" if err.filename else err.strerror
     lines = str(err).strip().splitlines()
     return f"{type(err).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def _os_error(err: BaseException) -> BaseException:
+    """The OSError inside a wrapped write failure, where one can be recovered.
+
+    Megatron's writer reports a worker's failure as `RuntimeError("Worker failure: <the
+    OSError>")`; gathered from another rank, the chained OSError is gone, its text is not.
+    """
+    while isinstance(err, RuntimeError) and isinstance(err.__cause__, OSError):
+        err = err.__cause__
+    if isinstance(err, RuntimeError):
+        found = re.search(r"\[Errno (\d+)\] ([^:]+): '([^']*)'", str(err))
+        if found:
+            return OSError(int(found[1]), found[2], found[3])
+    return err
 
 
 def _report(error: BaseException | None, rank: int) -> tuple[int, BaseException] | None:
@@ -130,6 +147,7 @@ def _raise_if_any_failed(
     mine = _report(error, dist.get_global_rank(group, rank))
     if mine is not None:
         failing, err = mine
+        err = _os_error(err)
         cause = err.args[0] if isinstance(err, ValueError) else _cause(err)
         if isinstance(err, OSError) and err.errno is not None:
             cause += _free_space(root)
@@ -337,8 +355,8 @@ def save_checkpoint(
                 "schedule": engine.scheduler.state_dict(),
             }
             _write_text(partial / META, json.dumps(meta) + "\n")
-    except Exception as err:  # noqa: BLE001 - any write failure, reported on every rank
-        error = err
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - any write failure
+        error = err  # reported on every rank below
     _raise_if_any_failed(error, group, device, root, state.iteration)
 
     def publish() -> None:
@@ -402,7 +420,7 @@ class AsyncSaves:
         except CheckpointSaveError:
             self.pending = None
             raise
-        except Exception as err:  # noqa: BLE001 - the background write's failure
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - the background write's
             self.pending = None
             _raise_if_any_failed(err, self.group, self.device, root, iteration)
             raise
