@@ -286,3 +286,26 @@ def test_a_distributed_optimizer_checkpoint_resumes_at_another_pool_size(corpus_
     assert [s["loss"] for s in first + second] == pytest.approx(
         [s["loss"] for s in reference], rel=1e-5
     )
+
+
+def test_an_async_saved_checkpoint_resumes_exactly(corpus_cache, tmp_path):
+    """--async-save: the sharded writes run in the background; the job publishes the last
+    checkpoint before it exits, and resuming it gives the uninterrupted run's losses."""
+    extra = ["--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--min-lr", "1e-4"]
+    ckpt = tmp_path / "ckpt"
+
+    def run(more):
+        args = default_corpus_args(corpus_cache, capacity=256, iters=5, extra=extra + more)
+        return run_pretrain(2, args)
+
+    reference = run([])
+    first = run(
+        ["--save", str(ckpt), "--save-interval", "1", "--exit-interval", "3", "--async-save"]
+    )
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert sorted(p.name for p in ckpt.glob("iter_*")) == [f"iter_000000{i}" for i in (1, 2, 3)]
+    second = run(["--load", str(ckpt)])
+    assert [s["iteration"] for s in first + second] == [1, 2, 3, 4, 5]
+    assert [s["loss"] for s in first + second] == pytest.approx(
+        [s["loss"] for s in reference], rel=1e-6
+    )
