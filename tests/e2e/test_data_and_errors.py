@@ -365,8 +365,11 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(
     tmp_path, world_size, failing_rank, where
 ):
     """Every rank stops with the same line naming the failing rank and the cause."""
+    from megatron_hdp.megatron.compat import core_version
     from tests.dist import run_ranks
 
+    if where == "common" and core_version() >= (0, 17):
+        pytest.skip("from megatron-core 0.17 on the common part is a sharded object (no common.pt)")
     results = run_ranks(
         _body_crash_while_saving, world_size, str(tmp_path), failing_rank, where, timeout_s=60
     )
@@ -377,6 +380,9 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(
     assert message.endswith("; the latest checkpoint there is still iteration 1")
     if where == "common":
         assert "RuntimeError: [enforce fail at inline_container.cc:664]" in message
+    elif where == "write" and core_version() >= (0, 17):
+        # 0.17+'s writer reports a worker's failure by its type alone
+        assert "OSError" in message
     else:
         assert "No space left on device (" in message and " MiB free there" in message
     for _, iteration, data_state, names in results:
