@@ -99,6 +99,7 @@ def _prepare(parser, args, world_size: int):
                 data_setup=data.train.setup(),
                 prefixes=data.prefixes,
                 streams=data.streams,
+                finetune=args.finetune,
             )
     except ValueError as err:
         _say(parser, 2, f"error: {err}")

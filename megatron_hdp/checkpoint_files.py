@@ -12,6 +12,8 @@ from pathlib import Path
 
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "meta.json"
+#: Written last by Megatron's `dist_checkpointing` into a complete checkpoint folder.
+DIST_METADATA = "metadata.json"
 
 
 def iteration_dir(root: str | Path, iteration: int) -> Path:
@@ -30,14 +32,27 @@ def latest_iteration(root: str | Path) -> int:
         raise ValueError(f"{tracker} does not hold an iteration number: {text!r}")
     iteration = int(text)
     folder = iteration_dir(root, iteration)
-    if not (folder / "common.pt").exists() or not (folder / META).exists():
+    distributed = (folder / DIST_METADATA).exists()
+    legacy = (folder / "common.pt").exists() and (folder / META).exists()
+    if not (distributed or legacy):
         raise ValueError(f"{tracker} names iteration {iteration}, but {folder} is incomplete")
     return iteration
 
 
 def read_meta(root: str | Path) -> dict:
-    """The small description of the latest checkpoint (world size, optimizer kind)."""
-    return json.loads((iteration_dir(root, latest_iteration(root)) / META).read_text())
+    """The small description of the latest checkpoint (world size, optimizer kind).
+
+    A checkpoint in Megatron's distributed format that holds no `meta.json` was written by
+    Megatron-LM itself: its description is then only `{"iteration", "format",
+    "megatron_lm": True}`.
+    """
+    iteration = latest_iteration(root)
+    folder = iteration_dir(root, iteration)
+    if not (folder / META).exists():
+        return {"iteration": iteration, "format": "torch_dist", "megatron_lm": True}
+    meta = json.loads((folder / META).read_text())
+    meta.setdefault("format", "torch_dist" if (folder / DIST_METADATA).exists() else "torch")
+    return meta
 
 
 def fsync_path(path: str | Path) -> None:

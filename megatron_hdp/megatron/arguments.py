@@ -47,7 +47,6 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--vocab-file": "give --tokenizer-type and --tokenizer-model",
     "--merge-file": "give --tokenizer-type HuggingFaceTokenizer --tokenizer-model",
     "--use-mcore-models": "always Megatron-Core here",
-    "--ckpt-format": "checkpoints are torch.save files (see docs/checkpoints.md)",
     "--fp8-format": "fp8 needs Transformer Engine on GPU, not supported",
     "--optimizer": "only Adam(W) is supported",
 }
@@ -368,6 +367,36 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--load", default=None, help="checkpoint directory to resume from")
     g.add_argument(
         "--save-interval", type=int, default=None, help="steps between checkpoints (and at end)"
+    )
+    g.add_argument(
+        "--ckpt-format",
+        choices=("torch_dist", "torch"),
+        default="torch_dist",
+        help="checkpoint format --save writes: torch_dist, Megatron's distributed format "
+        "(Megatron-LM's layout and state dict; reshards over TP, PP and pool size on load). "
+        "'torch' (the earlier per-rank torch.save files) is refused: folders in it are still "
+        "read by --load, found by their files (docs/checkpoints.md)",
+    )
+    g.add_argument(
+        "--async-save",
+        action="store_true",
+        help="write checkpoints in the background (Megatron-Core's asynchronous save); the "
+        "checkpoint becomes the latest once every rank's writes are done, and the job waits "
+        "for the last one before it exits",
+    )
+    g.add_argument(
+        "--dist-ckpt-optim-fully-reshardable",
+        action="store_true",
+        help="with --use-distributed-optimizer: save the optimizer state in Megatron's "
+        "fully_reshardable form (loads at any TP, PP and pool size; gathered over the pool at "
+        "each save) instead of dp_reshardable (loads at another pool size, same TP and PP)",
+    )
+    g.add_argument(
+        "--finetune",
+        action="store_true",
+        help="with --load: take the checkpoint's model weights only, and start at iteration "
+        "0 with a fresh optimizer, schedule, RNG and data position (as Megatron-LM's "
+        "--finetune)",
     )
     g.add_argument(
         "--exit-interval",

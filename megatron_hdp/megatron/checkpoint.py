@@ -1,50 +1,45 @@
-"""Atomic, resumable checkpoints of an HDP job (torch.save files; host layer).
+"""Atomic, resumable checkpoints of an HDP job in Megatron's distributed format (host layer).
 
-Layout, compatible in spirit with Megatron-LM's:
+Layout, Megatron-LM's own (`--ckpt-format torch_dist`):
 
     <dir>/latest_checkpointed_iteration.txt     the newest complete checkpoint
-    <dir>/iter_0000100/common.pt                model, optimizer, LR schedule, data position,
-                                                iteration, arguments (written by rank 0)
-    <dir>/iter_0000100/model_tp<t>.pt           with tensor parallelism: TP rank t's model and
-                                                optimizer shards (t >= 1; written by rank t)
-    <dir>/iter_0000100/model_pp<s>_tp<t>.pt     with pipeline parallelism: stage s's shards
-                                                (all but stage 0 / TP rank 0, in common.pt)
-    <dir>/iter_0000100/meta.json                world size and optimizer kind (for checks)
-    <dir>/iter_0000100/rng_rank<r>.pt           every rank's RNG states (Python, NumPy, torch,
-                                                CUDA and Megatron's CUDA RNG tracker)
-    <dir>/iter_0000100/optim_rank<r>.pt         this rank's optimizer shard: Adam state and fp32
-                                                main parameters (--use-distributed-optimizer)
+    <dir>/iter_0000100/                         `dist_checkpointing`'s files (torch_dist
+                                                backend: `.metadata`, `__<rank>_<n>.distcp`,
+                                                `common.pt` with 0.16, `metadata.json`),
+                                                the state dict `dist_checkpoint.py` describes
+    <dir>/iter_0000100/meta.json                ours: run id, world size, layout, optimizer
+                                                kind, LR schedule, model shape, data set-up
+                                                (read by the start-up checks without torch)
 
 All ranks write into one folder, so `<dir>` must be on a filesystem every rank sees (as
-with Megatron-LM).
+with Megatron-LM). Folders of the earlier per-rank torch.save format are still read
+(`legacy_checkpoint.py`); only this format is written.
 
-Atomicity: everything is written (and fsync'ed) into `iter_XXXXXXX.partial`; once every
-rank has finished, rank 0 renames the folder to `iter_XXXXXXX` and then replaces the
-tracker file with `os.replace`. A crash or a failed write on any rank leaves the previous
-checkpoint as the latest; the failure is raised on every rank (no rank is left waiting),
-and stale `.partial` folders are removed by the next save.
+Atomicity: everything is written into `iter_XXXXXXX.partial`; once every rank has finished,
+rank 0 renames the folder to `iter_XXXXXXX` and then replaces the tracker file with
+`os.replace`. A crash or a failed write on any rank leaves the previous checkpoint as the
+latest; the failure is raised on every rank (no rank is left waiting), and stale `.partial`
+folders are removed by the next save. With `--async-save` the sharded writes run in the
+background (Megatron-Core's `AsyncCallsQueue`) and the rename and tracker update are the
+save's last finalisation step, so the same holds.
 
-`group` holds every rank of the job. The model is replicated on every HDP replica (DP
-semantics), so one copy is saved: one shard per (stage, TP rank), from the first replica. With the
-distributed optimizer every rank saves its own shard, so a resume needs the same number of
-ranks. (Megatron-Core 0.16.1's gather-to-rank-0 format drops torch AdamW's per-parameter
-`step`, which breaks Adam's bias correction on resume, so it is not used.)
+`group` holds every rank of the job.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
-import random
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import tensor_parallel
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from megatron_hdp.checkpoint_files import (
     META,
@@ -55,7 +50,9 @@ from megatron_hdp.checkpoint_files import (
     read_meta,
 )
 from megatron_hdp.errors import CheckpointSaveError, NonFiniteError
+from megatron_hdp.megatron import compat, dist_checkpoint
 from megatron_hdp.megatron.engine import Engine
+from megatron_hdp.megatron.legacy_checkpoint import is_legacy_checkpoint, load_legacy
 
 logger = logging.getLogger(__name__)
 
@@ -69,87 +66,6 @@ class TrainingState:
     consumed_tokens: int = 0
 
 
-def tracker_states() -> dict | None:
-    """Megatron's model-parallel CUDA RNG tracker states (copies), or None if it has none.
-
-    As Megatron-LM's `get_rng_state` saves them (`rng_tracker_states`): sequence-parallel
-    dropout and expert initialisation draw from these named states, not from the default
-    CUDA generator. The tracker is seeded only on CUDA (`engine.build_engine`); on a CPU run
-    it is empty and nothing is saved.
-    """
-    states = tensor_parallel.get_cuda_rng_tracker().get_states()
-    return {name: _copy(state) for name, state in states.items()} or None
-
-
-def set_tracker_states(states: dict | None) -> None:
-    """Give Megatron's CUDA RNG tracker `states` (from `tracker_states`); None: leave it.
-
-    A checkpoint written before the tracker states were saved has none, and resumes as
-    before (the tracker keeps the states `build_engine` seeded).
-    """
-    if states:
-        tensor_parallel.get_cuda_rng_tracker().set_states(
-            {name: _copy(state) for name, state in states.items()}
-        )
-
-
-def _copy(state):
-    """A copy of one tracker state (generators of a CUDA-graph-safe tracker stay as they are)."""
-    return state.clone() if torch.is_tensor(state) else state
-
-
-def _rng_state() -> dict:
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "cuda_tracker": tracker_states(),
-    }
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    set_tracker_states(state.get("cuda_tracker"))
-
-
-def _write(path: Path, obj) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _shard_optimizers(optimizer) -> list:
-    """The distributed optimizers inside Megatron's (possibly chained) optimizer."""
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def _optimizer_shard_state(optimizer) -> dict:
-    shards = _shard_optimizers(optimizer)
-    return {
-        "inner": [o.optimizer.state_dict() for o in shards],
-        "main_params": [
-            [p.detach().clone() for g in o.optimizer.param_groups for p in g["params"]]
-            for o in shards
-        ],
-    }
-
-
-def _load_optimizer_shard_state(optimizer, state: dict) -> None:
-    shards = _shard_optimizers(optimizer)
-    for o, inner, params in zip(shards, state["inner"], state["main_params"], strict=True):
-        o.optimizer.load_state_dict(inner)
-        with torch.no_grad():
-            mine = [p for g in o.optimizer.param_groups for p in g["params"]]
-            for dst, src in zip(mine, params, strict=True):
-                dst.copy_(src)
-
-
 def _all_ok(ok: bool, group: dist.ProcessGroup, device: torch.device) -> bool:
     flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=device)
     dist.all_reduce(flag, group=group)
@@ -158,10 +74,45 @@ def _all_ok(ok: bool, group: dist.ProcessGroup, device: torch.device) -> bool:
 
 def _cause(err: BaseException) -> str:
     """One line for a failed write: the OS's reason and the file, or the error's first line."""
+    while isinstance(err, RuntimeError) and isinstance(err.__cause__, OSError):
+        err = err.__cause__  # dist_checkpointing's writer wraps the worker's error
     if isinstance(err, OSError) and err.strerror:
         return f"{err.strerror} ({err.filename})" if err.filename else err.strerror
     lines = str(err).strip().splitlines()
     return f"{type(err).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def _os_error(err: BaseException) -> BaseException:
+    """The OSError inside a wrapped write failure, where one can be recovered.
+
+    Megatron's writer reports a worker's failure as `RuntimeError("Worker failure: <the
+    OSError>")`; gathered from another rank, the chained OSError is gone, its text is not.
+    """
+    while isinstance(err, RuntimeError) and isinstance(err.__cause__, OSError):
+        err = err.__cause__
+    if isinstance(err, RuntimeError):
+        found = re.search(r"\[Errno (\d+)\] ([^:]+): '([^']*)'", str(err))
+        if found:
+            return OSError(int(found[1]), found[2], found[3])
+    return err
+
+
+def _report(error: BaseException | None, rank: int) -> tuple[int, BaseException] | None:
+    """(failing rank, its error) as far as this rank knows; None if it knows of none.
+
+    `dist_checkpointing`'s collective write raises a `CheckpointException` on every rank
+    when any rank's write failed, but only the coordinator's holds the failures (by rank).
+    """
+    if error is None:
+        return None
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict):
+        if not failures:
+            return None  # a follower of the collective failure: the coordinator reports it
+        failing = min(failures)
+        wrapped = failures[failing]
+        return failing, wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    return rank, error
 
 
 def _still_latest(root: Path) -> str:
@@ -190,21 +141,23 @@ def _raise_if_any_failed(
     The message is the cause on the lowest failing rank: every rank stops with one line
     that names it, instead of one rank's traceback and the others' "connection closed".
     """
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    first = torch.tensor([rank if error is not None else world], dtype=torch.int64, device=device)
-    dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
-    failed = int(first.item())
-    if failed == world:
+    if _all_ok(error is None, group, device):
         return
-    cause = [None]
-    if rank == failed:
-        cause = [error.args[0] if isinstance(error, ValueError) else _cause(error)]
-        if isinstance(error, OSError) and error.errno is not None:
-            cause[0] += _free_space(root)
-    src = dist.get_global_rank(group, failed)
-    dist.broadcast_object_list(cause, src=src, group=group, device=device)
+    rank = dist.get_rank(group)
+    mine = _report(error, dist.get_global_rank(group, rank))
+    if mine is not None:
+        failing, err = mine
+        err = _os_error(err)
+        cause = err.args[0] if isinstance(err, ValueError) else _cause(err)
+        if isinstance(err, OSError) and err.errno is not None:
+            cause += _free_space(root)
+        mine = (failing, cause)
+    reports: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, mine, group=group)
+    known = sorted(r for r in reports if r is not None)
+    failing, cause = known[0] if known else ("?", "the collective write failed")
     raise CheckpointSaveError(
-        f"could not save iteration {iteration} to {root}: rank {failed}: {cause[0]}; "
+        f"could not save iteration {iteration} to {root}: rank {failing}: {cause}; "
         f"{_still_latest(root)}"
     ) from error
 
@@ -249,6 +202,77 @@ def _prepare_folder(
     partial.mkdir()
 
 
+def _plain(value) -> bool:
+    """Whether `value` is a plain value (what a checkpoint's `args` may hold)."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return True
+    if isinstance(value, list | tuple):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    return False
+
+
+def checkpoint_args(
+    engine: Engine, world_size: int, args: argparse.Namespace | None = None
+) -> argparse.Namespace:
+    """The `args` entry of a checkpoint: Megatron-LM's argument names and meanings.
+
+    This job's flags (Megatron-LM's names already) plus what Megatron-LM's load reads
+    (`check_checkpoint_args`, `load_checkpoint`, `--use-checkpoint-args`) from the model
+    the engine really built: the padded vocabulary, the layout (`world_size`,
+    `data_parallel_size` = the pool), the format. Megatron-LM counts samples, HDP counts
+    tokens: `consumed_train_samples` is 0 and our data position is in the `hdp` entry.
+    """
+    cfg = engine.cfg
+    out = {k: v for k, v in vars(args).items() if _plain(v)} if args is not None else {}
+    heads = cfg.num_attention_heads
+    out.update(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size or 4 * cfg.hidden_size,
+        num_attention_heads=heads,
+        kv_channels=cfg.hidden_size // heads,
+        group_query_attention=cfg.num_query_groups is not None,
+        num_query_groups=cfg.num_query_groups or heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        position_embedding_type=cfg.position_embedding_type,
+        add_position_embedding=True,  # Megatron-LM's default; RoPE models ignore it
+        rotary_base=cfg.rotary_base,
+        normalization=cfg.normalization,
+        swiglu=cfg.swiglu,
+        add_bias_linear=cfg.add_bias_linear,
+        untie_embeddings_and_output_weights=not cfg.tie_embeddings,
+        padded_vocab_size=cfg.vocab_size,
+        init_method_std=cfg.init_method_std,
+        hidden_dropout=cfg.hidden_dropout,
+        attention_dropout=0.0,
+        bf16=cfg.params_dtype == "bfloat16",
+        fp16=False,
+        tensor_model_parallel_size=engine.tp_size,
+        pipeline_model_parallel_size=engine.pp_size,
+        expert_model_parallel_size=cfg.expert_model_parallel_size,
+        num_experts=cfg.num_experts,
+        moe_router_topk=cfg.moe_router_topk,
+        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
+        sequence_parallel=cfg.sequence_parallel,
+        context_parallel_size=1,
+        world_size=world_size,
+        data_parallel_size=world_size // (engine.tp_size * engine.pp_size),
+        use_distributed_optimizer=engine.optimizer_is_distributed,
+        ckpt_format="torch_dist",
+        use_dist_ckpt=True,
+        ckpt_fully_parallel_save=False,
+        no_save_optim=False,
+        no_save_rng=False,
+        data_parallel_random_init=False,
+        consumed_train_samples=0,
+        skipped_train_samples=0,
+        consumed_valid_samples=0,
+    )
+    return argparse.Namespace(**out)
+
+
 def save_checkpoint(
     root: str | Path,
     engine: Engine,
@@ -256,27 +280,36 @@ def save_checkpoint(
     *,
     group: dist.ProcessGroup,
     device: torch.device | None = None,
-    extra: dict | None = None,
+    args: argparse.Namespace | None = None,
     meta_extra: dict | None = None,
     discard_existing: bool = False,
+    fully_reshardable: bool = False,
+    async_saves: AsyncSaves | None = None,
 ) -> Path:
     """Collective over `group`: write the checkpoint of `state.iteration` atomically.
 
-    Returns the checkpoint folder. `extra` (e.g. the arguments) is stored in `common.pt`,
-    `meta_extra` (small, JSON) in `meta.json`, where start-up checks read it without
-    loading the model. `discard_existing` deletes the folder's earlier checkpoints first;
-    otherwise a save that would move the tracker backwards, or (with a `run_id` in
-    `meta_extra`) overwrite the checkpoints of another run, is refused.
+    Returns the checkpoint folder. `args` (the job's flags) goes into the checkpoint's
+    `args` (`checkpoint_args`), `meta_extra` (small, JSON) into `meta.json`, where start-up
+    checks read it without loading the model. `discard_existing` deletes the folder's
+    earlier checkpoints first; otherwise a save that would move the tracker backwards, or
+    (with a `run_id` in `meta_extra`) overwrite the checkpoints of another run, is refused.
+    `fully_reshardable`: the distributed optimizer's state in Megatron's
+    `fully_reshardable` form (loads at any TP and PP; gathered over the pool on save)
+    instead of `dp_reshardable` (loads at another pool size only). With `async_saves` the
+    sharded writes run in the background; the checkpoint is published (renamed, named in
+    the tracker) when `async_saves.finalize` finds them done.
 
-    Raises (on every rank, nothing written): `NonFiniteError` if any rank's parameters are
-    not finite; `CheckpointSaveError` naming the rank and the cause if any rank failed to
-    prepare, write or publish its part (a full disk, a refused folder).
+    Raises (on every rank, nothing published): `NonFiniteError` if any rank's parameters
+    are not finite; `CheckpointSaveError` naming the rank and the cause if any rank failed
+    to prepare, write or publish its part (a full disk, a refused folder).
     """
     device = device or torch.device("cpu")
     root = Path(root)
     rank = dist.get_rank(group)
     final = iteration_dir(root, state.iteration)
     partial = final.with_name(final.name + ".partial")
+    if async_saves is not None:
+        async_saves.finalize(blocking=True)  # one save in flight; the tracker moves in order
     if not _all_ok(_parameters_finite(engine), group, device):
         raise NonFiniteError(
             f"refusing to save iteration {state.iteration} to {root}: the parameters are not "
@@ -290,54 +323,116 @@ def save_checkpoint(
         except (OSError, ValueError) as err:
             error = err
     _raise_if_any_failed(error, group, device, root, state.iteration)
+    hdp = {"data_state": state.data_state, "consumed_tokens": state.consumed_tokens}
+    request = None
     try:
-        if engine.optimizer_is_distributed:
-            _write(partial / f"optim_rank{rank}.pt", _optimizer_shard_state(engine.optimizer))
-        _write(partial / f"rng_rank{rank}.pt", _rng_state())
-        if engine.replica == 0 and rank != 0:  # the first replica's other shards
-            _write(
-                partial / engine.shard_name,
-                {
-                    "model": engine.model.module.state_dict(),
-                    "optimizer": engine.optimizer.state_dict(),
-                },
+        with compat.deferred_common_save_errors() as common_errors:
+            request = dist_checkpoint.write(
+                partial,
+                engine,
+                iteration=state.iteration,
+                args=checkpoint_args(engine, dist.get_world_size(group), args),
+                hdp=hdp,
+                fully_reshardable=fully_reshardable,
+                async_save=async_saves is not None,
             )
+        if common_errors:
+            raise common_errors[0]
         if rank == 0:
-            _write(
-                partial / "common.pt",
-                {
-                    "iteration": state.iteration,
-                    "consumed_tokens": state.consumed_tokens,
-                    "data_state": state.data_state,
-                    "model": engine.model.module.state_dict(),
-                    "optimizer": engine.optimizer.state_dict(),
-                    "scheduler": engine.scheduler.state_dict(),
-                    "extra": extra or {},
-                },
-            )
             meta = {
                 **(meta_extra or {}),
+                "format": "torch_dist",
                 "iteration": state.iteration,
                 "world_size": dist.get_world_size(group),
                 "tensor_model_parallel_size": engine.tp_size,
                 "pipeline_model_parallel_size": engine.pp_size,
                 "distributed_optimizer": engine.optimizer_is_distributed,
+                "distrib_optim_sharding_type": (
+                    dist_checkpoint.sharding_type(fully_reshardable)
+                    if engine.optimizer_is_distributed
+                    else None
+                ),
                 "schedule": engine.scheduler.state_dict(),
             }
-            (partial / META).write_text(json.dumps(meta) + "\n")
-            fsync_path(partial / META)
-    except (OSError, RuntimeError) as err:  # torch.save reports a full disk as RuntimeError
-        error = err
+            _write_text(partial / META, json.dumps(meta) + "\n")
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - any write failure
+        error = err  # reported on every rank below
     _raise_if_any_failed(error, group, device, root, state.iteration)
-    if rank == 0:
-        try:
-            _publish(root, partial, final, state.iteration)
-        except OSError as err:
-            error = err
-    _raise_if_any_failed(error, group, device, root, state.iteration)
-    if rank == 0:
-        logger.info("saved checkpoint %s", final)
+
+    def publish() -> None:
+        """Collective: rank 0 renames the folder and names it in the tracker."""
+        failure = None
+        if rank == 0:
+            try:
+                _publish(root, partial, final, state.iteration)
+            except OSError as err:
+                failure = err
+        _raise_if_any_failed(failure, group, device, root, state.iteration)
+        if rank == 0:
+            logger.info("saved checkpoint %s", final)
+
+    if request is None:
+        publish()
+    else:
+        request.add_finalize_fn(publish)
+        async_saves.schedule(request, root=root, iteration=state.iteration)
     return final
+
+
+def _write_text(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class AsyncSaves:
+    """`--async-save`: Megatron-Core's `AsyncCallsQueue`, one checkpoint in flight at a time.
+
+    The sharded writes of a save run in a forked process; `finalize` (collective over the
+    job) completes those that are done (all of them with `blocking=True`): `metadata.json`,
+    then our rename and tracker update. Call it once per step and before the job ends.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device):
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self.queue = AsyncCallsQueue(persistent=False)
+        self.group, self.device = group, device
+        self.pending: tuple[Path, int] | None = None
+
+    def schedule(self, request, *, root: Path, iteration: int) -> None:
+        """Start the background writes of a save (`save_checkpoint` calls it)."""
+        self.queue.schedule_async_request(request)
+        self.pending = (root, iteration)
+
+    def finalize(self, *, blocking: bool = False) -> None:
+        """Collective: publish the pending save if its writes are done (wait: `blocking`).
+
+        Raises `CheckpointSaveError` on every rank if its writes failed (the previous
+        checkpoint stays the latest).
+        """
+        if self.pending is None:
+            return
+        root, iteration = self.pending
+        try:
+            self.queue.maybe_finalize_async_calls(blocking=blocking)
+        except CheckpointSaveError:
+            self.pending = None
+            raise
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - the background write's
+            self.pending = None
+            _raise_if_any_failed(err, self.group, self.device, root, iteration)
+            raise
+        if self.queue.get_num_unfinalized_calls() == 0:
+            self.pending = None
+
+    def close(self) -> None:
+        """Collective: wait for the pending save, publish it, stop the queue."""
+        try:
+            self.finalize(blocking=True)
+        finally:
+            self.queue.close()
 
 
 def _publish(root: Path, partial: Path, final: Path, iteration: int) -> None:
@@ -364,48 +459,43 @@ def _publish(root: Path, partial: Path, final: Path, iteration: int) -> None:
 
 
 def load_checkpoint(
-    root: str | Path, engine: Engine, *, group: dist.ProcessGroup
+    root: str | Path,
+    engine: Engine,
+    *,
+    group: dist.ProcessGroup,
+    load_optimizer: bool = True,
+    load_rng: bool = True,
 ) -> tuple[TrainingState, dict]:
     """Collective over `group`: restore model, optimizer, schedule and RNG; return the state.
 
-    Returns `(training_state, extra)`. Raises ValueError for a missing or incomplete
-    checkpoint, or one written by a pool of another size with the distributed optimizer.
+    Reads the latest checkpoint in `root` in either format: Megatron's distributed one
+    (resharded to this job's TP, PP and pool size where Megatron can) or the earlier
+    per-rank torch format (same layout only). `load_optimizer=False` loads the weights
+    alone (no optimizer state, schedule or RNG). Returns `(training_state, extra)`, extra
+    holding the checkpoint's `args` as a dict. Raises ValueError for a missing, incomplete
+    or unloadable checkpoint.
     """
     root = Path(root)
     iteration = latest_iteration(root)
     folder = iteration_dir(root, iteration)
-    meta = json.loads((folder / META).read_text())
-    if engine.optimizer_is_distributed and meta["world_size"] != dist.get_world_size(group):
-        raise ValueError(
-            f"{folder} was written by {meta['world_size']} ranks with the distributed "
-            f"optimizer; this job has {dist.get_world_size(group)}"
+    if is_legacy_checkpoint(folder):
+        common = load_legacy(folder, engine, group=group)
+        logger.info("loaded checkpoint %s (iteration %d)", folder, iteration)
+        state = TrainingState(
+            iteration=iteration,
+            data_state=common["data_state"],
+            consumed_tokens=common.get("consumed_tokens", 0),
         )
-    for what, mine in (
-        ("tensor_model_parallel_size", engine.tp_size),
-        ("pipeline_model_parallel_size", engine.pp_size),
-    ):
-        saved = meta.get(what, 1)
-        if saved != mine:
-            raise ValueError(f"{folder} was written with {what} {saved}; this job has {mine}")
-    common = torch.load(folder / "common.pt", map_location="cpu", weights_only=False)
-    rank = dist.get_rank(group)
-    shard = common
-    if engine.tp_rank > 0 or engine.stage > 0:
-        shard = torch.load(folder / engine.shard_name, map_location="cpu", weights_only=False)
-    engine.model.module.load_state_dict(shard["model"])
-    engine.optimizer.reload_model_params()
-    engine.optimizer.load_state_dict(shard["optimizer"])
-    if engine.optimizer_is_distributed:
-        own = torch.load(folder / f"optim_rank{rank}.pt", map_location="cpu", weights_only=False)
-        _load_optimizer_shard_state(engine.optimizer, own)
-    engine.scheduler.load_state_dict(common["scheduler"])
-    rng_file = folder / f"rng_rank{rank}.pt"
-    if rng_file.exists():
-        _set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False))
-    logger.info("loaded checkpoint %s (iteration %d)", folder, iteration)
-    state = TrainingState(
-        iteration=iteration,
-        data_state=common["data_state"],
-        consumed_tokens=common.get("consumed_tokens", 0),
+        return state, common.get("extra", {})
+    loaded = dist_checkpoint.read(
+        folder, engine, load_optimizer=load_optimizer, load_rng=load_rng and load_optimizer
     )
-    return state, common.get("extra", {})
+    hdp = loaded.get("hdp") or {}
+    logger.info("loaded checkpoint %s (iteration %d)", folder, loaded["iteration"])
+    state = TrainingState(
+        iteration=loaded["iteration"],
+        data_state=hdp.get("data_state"),
+        consumed_tokens=hdp.get("consumed_tokens", 0),
+    )
+    ckpt_args = loaded.get("args")
+    return state, {"args": vars(ckpt_args) if ckpt_args is not None else {}}

@@ -152,3 +152,86 @@ def name_kwargs(name: str | None) -> dict[str, str]:
     take no such argument, and their parents pass none (`name` is then None).
     """
     return {} if name is None else {"name": name}
+
+
+def core_version() -> tuple[int, int]:
+    """The installed megatron-core's (major, minor)."""
+    from megatron.core import package_info
+
+    major, minor = package_info.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def megatron_rng_sharded_object(
+    states: list,
+    *,
+    pp: tuple[int, int],
+    tp: tuple[int, int],
+    dp: tuple[int, int],
+    expert_parallel: bool,
+) -> Any:
+    """Megatron-LM's `rng_state` ShardedObject (its `get_rng_state` for torch_dist).
+
+    `pp`, `tp`, `dp`: (size, rank). Megatron-LM with core 0.16 shards the RNG states of a
+    job with expert parallelism over DP too (key shape (PP, TP, DP), one copy per rank);
+    from 0.17 on it always shards them over (PP, TP), replicated over DP. Each release's
+    Megatron-LM reads only its own form, so we write the installed release's.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    if expert_parallel and core_version() < (0, 17):
+        return ShardedObject(
+            "rng_state", states, (pp[0], tp[0], dp[0]), (pp[1], tp[1], dp[1]), replica_id=0
+        )
+    return ShardedObject("rng_state", states, (pp[0], tp[0]), (pp[1], tp[1]), replica_id=dp[1])
+
+
+def fully_reshardable_formats() -> set[str]:
+    """The distributed optimizer's sharding types that reshard over TP and PP (0.16-0.19)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return set(DistributedOptimizer.checkpoint_fully_reshardable_formats)
+
+
+def async_save_kwargs(async_save: bool) -> dict:
+    """`dist_checkpointing.save`'s extra keywords for an asynchronous save.
+
+    From 0.17 on, `save` defaults to NVIDIA Resiliency Extension's asynchronous writer
+    (`async_strategy="nvrx"`); Megatron-Core's own (`"mcore"`, the only one in 0.16) needs
+    no extra package.
+    """
+    if async_save and core_version() >= (0, 17):
+        return {"async_strategy": "mcore"}
+    return {}
+
+
+@contextlib.contextmanager
+def deferred_common_save_errors() -> Iterator[list]:
+    """Within the block, a failed write of `common.pt` is kept in the yielded list, not raised.
+
+    Megatron-Core 0.16's `dist_checkpointing.save` has rank 0 write `common.pt` (torch.save)
+    before the collective sharded write: raised there, the failure would stop rank 0 alone
+    while the other ranks wait in the collective. Kept, the save goes on and the caller
+    reports it on every rank afterwards. From 0.17 on the common part is one of the sharded
+    objects, whose failures the collective write already reports on every rank.
+    """
+    from megatron.core.dist_checkpointing.strategies import common
+
+    errors: list = []
+    strategy = getattr(common, "TorchCommonSaveStrategy", None)
+    if strategy is None:
+        yield errors
+        return
+    original = strategy.save_common
+
+    def save_common(self, common_state_dict, checkpoint_dir):
+        try:
+            original(self, common_state_dict, checkpoint_dir)
+        except (OSError, RuntimeError) as err:  # torch.save reports a full disk as RuntimeError
+            errors.append(err)
+
+    strategy.save_common = save_common
+    try:
+        yield errors
+    finally:
+        strategy.save_common = original

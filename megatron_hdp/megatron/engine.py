@@ -121,13 +121,6 @@ class Engine:
         return self.cfg.pipeline_model_parallel_size
 
     @property
-    def shard_name(self) -> str:
-        """The checkpoint file of this rank's model shard (its stage and TP rank)."""
-        if self.pp_size == 1:
-            return f"model_tp{self.tp_rank}.pt"
-        return f"model_pp{self.stage}_tp{self.tp_rank}.pt"
-
-    @property
     def is_first_stage(self) -> bool:
         """This rank embeds the tokens (pipeline stage 0)."""
         return self.stage == 0

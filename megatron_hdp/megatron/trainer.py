@@ -36,8 +36,14 @@ from megatron_hdp.megatron.arguments import (
     capacity_of,
     uses_static_mesh,
 )
-from megatron_hdp.megatron.checkpoint import TrainingState, load_checkpoint, save_checkpoint
+from megatron_hdp.megatron.checkpoint import (
+    AsyncSaves,
+    TrainingState,
+    load_checkpoint,
+    save_checkpoint,
+)
 from megatron_hdp.megatron.config import device_profile, model_config, optim_config
+from megatron_hdp.megatron.dist_checkpoint import close_writer_processes
 from megatron_hdp.megatron.engine import Engine, build_engine, offload_manager
 from megatron_hdp.megatron.model import model_shape
 from megatron_hdp.megatron.resume_checks import scheduler_override
@@ -104,7 +110,7 @@ class Trainer:
         self.capacity = capacity_of(args)
         self.policy = "static" if uses_static_mesh(args) else args.hdp_placement
         cfg = model_config(args, data.vocab_size)
-        self._resume_meta = read_meta(args.load) if args.load else None
+        self._resume_meta = read_meta(args.load) if args.load and not args.finetune else None
         override = scheduler_override(args, self._resume_meta)
         optim = optim_config(args, override_scheduler=override)
         self.engine: Engine = build_engine(cfg, optim, seed=args.seed)
@@ -141,6 +147,9 @@ class Trainer:
         self.watchdog: StallWatchdog | None = None
         # Validation refuses the flag together with resuming from --save itself.
         self._discard_on_save = bool(args.hdp_overwrite_checkpoints)
+        self.async_saves = (
+            AsyncSaves(runtime.all_ranks, runtime.device) if args.async_save and args.save else None
+        )
         self._writer = None
         self.report = RunReporter(
             args,
@@ -174,18 +183,31 @@ class Trainer:
 
     def resume(self) -> None:
         """Collective: restore everything from `--load`."""
+        if self.args.finetune:
+            load_checkpoint(
+                self.args.load, self.engine, group=self.runtime.all_ranks, load_optimizer=False
+            )
+            return  # the weights alone: iteration 0, fresh optimizer, schedule and data
         state, _ = load_checkpoint(self.args.load, self.engine, group=self.runtime.all_ranks)
         saved_data = state.data_state
+        self.iteration = state.iteration
+        self.consumed_tokens = state.consumed_tokens
+        self.run_id = self._resume_meta.get("run_id") or self.run_id
+        if saved_data is None:  # a checkpoint of Megatron-LM's own
+            if self.rank == 0:
+                logger.warning(
+                    "--load %s: the checkpoint holds no HDP data position (written by "
+                    "Megatron-LM): the data starts from its first batch",
+                    self.args.load,
+                )
+            return
         if saved_data.get("prefixes") != self.data.prefixes:
             raise ValueError(
                 f"the checkpoint was trained on {saved_data.get('prefixes')}, this run reads "
                 f"{self.data.prefixes}"
             )
-        self.iteration = state.iteration
-        self.consumed_tokens = state.consumed_tokens
         self.close()
         self.data.train.load_state_dict(saved_data["sampler"])
-        self.run_id = self._resume_meta.get("run_id") or self.run_id
 
     def _data_state(self) -> dict:
         """The sampler state after the last batch trained (not the ones prefetched)."""
@@ -205,7 +227,7 @@ class Trainer:
             state,
             group=self.runtime.all_ranks,
             device=self.runtime.device,
-            extra={"args": vars(self.args)},
+            args=self.args,
             meta_extra={
                 "run_id": self.run_id,
                 "train_iters": self.args.train_iters,
@@ -213,6 +235,8 @@ class Trainer:
                 "data": {"prefixes": self.data.prefixes, "setup": self.data.train.setup()},
             },
             discard_existing=self._discard_on_save,
+            fully_reshardable=self.args.dist_ckpt_optim_fully_reshardable,
+            async_saves=self.async_saves,
         )
         self._discard_on_save = False
         self.last_saved = self.iteration
@@ -280,6 +304,7 @@ class Trainer:
         The sampler is rewound to the last batch trained (batches prepared ahead are
         dropped), so a later save or step continues exactly there.
         """
+        close_writer_processes()
         if self.feed is not None:
             state = self.feed.state_dict()
             self.feed.close()
@@ -458,6 +483,8 @@ class Trainer:
                 metrics = open(args.hdp_metrics_file, "a")  # noqa: SIM115 - closed below
         while self.iteration < args.train_iters:
             result, plan, stats, elapsed, units, data_wait, predictions = self.step()
+            if self.async_saves is not None:
+                self.async_saves.finalize()  # publish a finished background save
             self._check_finite(result)
             record = {
                 "iteration": self.iteration,
@@ -534,6 +561,9 @@ class Trainer:
                 break
             if self.stop_signal is not None and self._stop_requested():
                 break
+        if self.async_saves is not None:
+            self.async_saves.close()  # the last save is complete and published before exit
+            self.async_saves = None
         if self._writer is not None:
             self._writer.close()
         if metrics is not None:

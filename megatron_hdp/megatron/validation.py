@@ -481,6 +481,7 @@ def _check_training(args: argparse.Namespace) -> None:
         )
     if args.save_interval is not None and args.save is None:
         raise ValueError("--save-interval needs --save")
+    _check_checkpoint_flags(args)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ValueError(
             "give --override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler, not both"
@@ -490,6 +491,25 @@ def _check_training(args: argparse.Namespace) -> None:
             "--hdp-skip-nonfinite-steps needs --check-for-nan-in-loss-and-grad (the default)"
         )
     _check_grad_sync(args)
+
+
+def _check_checkpoint_flags(args: argparse.Namespace) -> None:
+    """The checkpoint-format flags (Megatron-LM's names)."""
+    if args.ckpt_format == "torch":
+        raise ValueError(
+            "--ckpt-format torch: the per-rank torch.save format is no longer written; "
+            "checkpoints are written in torch_dist (Megatron's distributed format), and "
+            "folders in the torch format are still read by --load (found by their files)"
+        )
+    if args.async_save and args.save is None:
+        raise ValueError("--async-save needs --save")
+    if args.dist_ckpt_optim_fully_reshardable and not args.use_distributed_optimizer:
+        raise ValueError(
+            "--dist-ckpt-optim-fully-reshardable needs --use-distributed-optimizer (it sets "
+            "how the distributed optimizer's state is saved)"
+        )
+    if args.finetune and args.load is None and args.hdp_load_if_exists is None:
+        raise ValueError("--finetune needs --load (the checkpoint whose weights to start from)")
 
 
 def _check_grad_sync(args: argparse.Namespace) -> None:
@@ -611,6 +631,50 @@ def _check_files_complete(load: str) -> None:
             )
 
 
+def _check_optimizer_resume(args: argparse.Namespace, meta: dict, world_size: int) -> None:
+    """ValueError if the checkpoint's optimizer state cannot be loaded at this layout.
+
+    Megatron's distributed format reshards the model and a non-distributed optimizer over
+    TP, PP and pool size, the distributed optimizer's `dp_reshardable` state over the pool
+    size only; the per-rank torch format reshards nothing.
+    """
+    saved = meta.get("distributed_optimizer")
+    if saved is None:
+        return  # a checkpoint of Megatron-LM's own: its args are checked at load
+    if saved != args.use_distributed_optimizer:
+        raise ValueError(
+            f"--load {args.load}: written with use_distributed_optimizer={saved}; resume with "
+            "the same setting (or --finetune for its weights alone)"
+        )
+    layout = (
+        meta.get("tensor_model_parallel_size", 1),
+        meta.get("pipeline_model_parallel_size", 1),
+    )
+    mine = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    if meta.get("format") != "torch_dist":
+        if saved and meta["world_size"] != world_size:
+            raise ValueError(
+                f"--load {args.load}: written by {meta['world_size']} ranks with the "
+                f"distributed optimizer in the per-rank torch format, which does not "
+                f"reshard; resume it on {meta['world_size']} ranks, not {world_size}"
+            )
+        if layout != mine:
+            raise ValueError(
+                f"--load {args.load}: written at TP x PP {layout[0]} x {layout[1]} in the "
+                f"per-rank torch format, which does not reshard; this job has {mine[0]} x "
+                f"{mine[1]} (resume at the old layout once: its next save is in torch_dist)"
+            )
+        return
+    sharding = meta.get("distrib_optim_sharding_type")
+    if saved and layout != mine and sharding == "dp_reshardable":
+        raise ValueError(
+            f"--load {args.load}: the distributed optimizer's state was saved dp_reshardable, "
+            f"which loads at another pool size but not at another TP x PP ({layout[0]} x "
+            f"{layout[1]} -> {mine[0]} x {mine[1]}); save it with "
+            "--dist-ckpt-optim-fully-reshardable, or give --finetune for the weights alone"
+        )
+
+
 def _check_resume(args: argparse.Namespace, world_size: int) -> dict | None:
     """The `--load` checkpoint's meta (None for a fresh start), after checking it fits."""
     if args.load is not None and args.hdp_load_if_exists is not None:
@@ -625,18 +689,9 @@ def _check_resume(args: argparse.Namespace, world_size: int) -> dict | None:
         except ValueError as err:
             raise ValueError(f"--load {args.load}: {err}") from None
         _check_files_complete(args.load)
-        if meta["distributed_optimizer"] != args.use_distributed_optimizer:
-            raise ValueError(
-                f"--load {args.load}: written with use_distributed_optimizer="
-                f"{meta['distributed_optimizer']}; resume with the same setting"
-            )
-        if meta["distributed_optimizer"] and meta["world_size"] != world_size:
-            raise ValueError(
-                f"--load {args.load}: written by {meta['world_size']} ranks with the "
-                f"distributed optimizer; resume it on {meta['world_size']} ranks, not "
-                f"{world_size}"
-            )
-        check_schedule(args, meta, flag)
+        if not args.finetune:
+            _check_optimizer_resume(args, meta, world_size)
+            check_schedule(args, meta, flag)
     check_save_folder(args, meta)
     return meta
 
@@ -685,6 +740,12 @@ MODEL_FIELDS_BEFORE_THEY_EXISTED = {
 }
 #: Model settings that change no parameter, so a resume may change them.
 MAY_CHANGE_ON_RESUME = ("sequence_parallel", "moe_aux_loss_coeff", "moe_token_dispatcher_type")
+#: The layout, which a checkpoint in Megatron's distributed format reshards on load.
+RESHARDED_ON_LOAD = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "expert_model_parallel_size",
+)
 
 
 def _shares(saved: list[float], now: list[float], streams: list[str]) -> str:
@@ -738,6 +799,7 @@ def check_resume_matches(
     data_setup: dict,
     prefixes: list[str],
     streams: list[str] | None = None,
+    finetune: bool = False,
 ) -> None:
     """ValueError naming what differs between this run and the checkpoint it resumes.
 
@@ -748,18 +810,22 @@ def check_resume_matches(
         data_setup: This run's training sampler set-up (`TokenBudgetSampler.setup()`).
         prefixes: This run's dataset prefixes.
         streams: This run's sampler streams (names a changed blend by source and bucket).
+        finetune: `--finetune` (the weights alone): the data may differ.
     """
     saved_model = meta.get("model")
     if saved_model is not None:
         saved_model = {**MODEL_FIELDS_BEFORE_THEY_EXISTED, **saved_model}
-        model = {k: v for k, v in model.items() if k not in MAY_CHANGE_ON_RESUME}
+        may_change = MAY_CHANGE_ON_RESUME
+        if meta.get("format") == "torch_dist":
+            may_change += RESHARDED_ON_LOAD
+        model = {k: v for k, v in model.items() if k not in may_change}
         changed = [key for key in model if saved_model.get(key) != model[key]]
         if changed:
             detail = ", ".join(
                 f"{_model_flag(k)}: {saved_model.get(k)!r} -> {model[k]!r}" for k in changed
             )
             raise ValueError(f"--load {load}: the model differs from the checkpoint's ({detail})")
-    saved_data = meta.get("data")
+    saved_data = None if finetune else meta.get("data")
     if saved_data is not None:
         if saved_data["prefixes"] != prefixes:
             raise ValueError(

@@ -91,6 +91,9 @@ def tiny_engine():
         try:
             yield build_engine(cfg, OptimConfig())
         finally:
+            from megatron_hdp.megatron.dist_checkpoint import close_writer_processes
+
+            close_writer_processes()
             layout.destroy()
 
 
@@ -106,3 +109,25 @@ def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
         str(REPO / "pretrain_hdp.py"),
         *argv,
     ]
+
+
+def saved_tensors(folder) -> dict:
+    """Every global tensor of a torch_dist checkpoint folder, by key (no process group).
+
+    Read through torch's own `dcp_to_torch_save`, not our loader: model weights under
+    Megatron's `sharded_state_dict` keys, optimizer state under `optimizer.*`.
+    """
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(str(folder), f"{tmp}/all.pt")
+        every = torch.load(f"{tmp}/all.pt", weights_only=False)
+    return {k: v for k, v in every.items() if torch.is_tensor(v)}
+
+
+def saved_model(folder) -> dict:
+    """The model weights of a torch_dist checkpoint folder (`saved_tensors` less optimizer)."""
+    return {k: v for k, v in saved_tensors(folder).items() if not k.startswith("optimizer.")}

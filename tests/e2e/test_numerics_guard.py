@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_hdp.checkpoint_files import latest_iteration
-from tests.e2e.harness import corpus_args, run_pretrain
+from tests.e2e.harness import corpus_args, run_pretrain, saved_model
 
 
 def job_args(cache, *, lr="1e6", iters=6, extra=()):
@@ -15,8 +15,7 @@ def job_args(cache, *, lr="1e6", iters=6, extra=()):
 
 
 def saved_parameters(folder):
-    common = folder / f"iter_{latest_iteration(folder):07d}" / "common.pt"
-    return torch.load(common, weights_only=False)["model"]
+    return saved_model(folder / f"iter_{latest_iteration(folder):07d}")
 
 
 def assert_finite(state):

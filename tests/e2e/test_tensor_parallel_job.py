@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_hdp.checkpoint_files import latest_iteration
-from tests.e2e.harness import REPO, corpus_args, run_pretrain, torchrun_command
+from tests.e2e.harness import REPO, corpus_args, run_pretrain, saved_model, torchrun_command
 
 TP2 = ["--tensor-model-parallel-size", "2"]
 
@@ -32,12 +32,10 @@ def test_tp2_replicas_train_like_tp1_and_resume_exactly(corpus_cache, tmp_path):
     second = run_pretrain(4, job_args(corpus_cache, extra=[*extra, "--load", str(resumed_dir)]))
     assert [s["iteration"] for s in first + second] == [1, 2, 3, 4]
     assert [s["loss"] for s in first + second] == pytest.approx([s["loss"] for s in tp2], rel=1e-6)
-    for name in ("common.pt", "model_tp1.pt"):  # both TP shards, from the first replica
-        a = torch.load(straight_dir / "iter_0000004" / name, weights_only=False)["model"]
-        b = torch.load(resumed_dir / "iter_0000004" / name, weights_only=False)["model"]
-        for key, value in a.items():
-            if torch.is_tensor(value):
-                torch.testing.assert_close(b[key], value, rtol=1e-6, atol=1e-7, msg=key)
+    a, b = saved_model(straight_dir / "iter_0000004"), saved_model(resumed_dir / "iter_0000004")
+    assert a.keys() == b.keys()
+    for key, value in a.items():  # both TP shards, as global tensors
+        torch.testing.assert_close(b[key], value, rtol=1e-6, atol=1e-7, msg=key)
 
 
 def test_sequence_parallel_gives_the_same_losses(corpus_cache):
@@ -46,17 +44,50 @@ def test_sequence_parallel_gives_the_same_losses(corpus_cache):
     assert [s["loss"] for s in sp] == pytest.approx([s["loss"] for s in plain], rel=1e-5)
 
 
-def test_a_resume_with_another_tp_size_is_refused(corpus_cache, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_a_tp2_checkpoint_resumes_at_tp1_with_the_losses_of_tp1(
+    corpus_cache, tmp_path, distributed_optimizer
+):
+    """Saved at TP 2 x pool 2 after step 2, resumed at TP 1 x pool 2 (Megatron reshards the
+    model and the optimizer on load): steps 3-4 give the losses of an uninterrupted TP 1 run
+    of the same batches from the same weights (the layouts are exact, so TP 1 reaches the
+    TP 2 run's state). The vocabulary pads to 512 in both layouts."""
+    pad = ["--make-vocab-size-divisible-by", "256"]
+    extra = [*pad]
+    if distributed_optimizer:
+        extra += ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"]
+    ckpt = tmp_path / "ckpt"
+    reference = run_pretrain(2, job_args(corpus_cache, extra=extra))
+    first = run_pretrain(
+        4,
+        job_args(
+            corpus_cache,
+            extra=[*extra, "--tensor-model-parallel-size", "2", "--save", str(ckpt)]
+            + ["--exit-interval", "2", "--make-vocab-size-divisible-by", "128"],
+        ),
+    )
+    second = run_pretrain(2, job_args(corpus_cache, extra=[*extra, "--load", str(ckpt)]))
+    assert [s["iteration"] for s in first + second] == [1, 2, 3, 4]
+    assert [s["loss"] for s in first + second] == pytest.approx(
+        [s["loss"] for s in reference], rel=1e-5
+    )
+
+
+def test_a_dp_reshardable_optimizer_at_another_tp_size_is_refused_by_name(
+    corpus_cache, tmp_path, monkeypatch, capsys
+):
     import pretrain_hdp
 
     ckpt = tmp_path / "ckpt"
-    extra = ["--save", str(ckpt), "--exit-interval", "1"]
+    extra = ["--use-distributed-optimizer", "--save", str(ckpt), "--exit-interval", "1"]
     run_pretrain(4, job_args(corpus_cache, iters=2, extra=[*TP2, *extra]))
-    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = ["--use-distributed-optimizer", "--load", str(ckpt), "--make-vocab-size-divisible-by"]
     with pytest.raises(SystemExit) as exit_info:
-        pretrain_hdp.main(job_args(corpus_cache, iters=2, extra=["--load", str(ckpt)]))
+        pretrain_hdp.main(job_args(corpus_cache, iters=2, extra=[*argv, "256"]))
     assert exit_info.value.code == 2
-    assert "--tensor-model-parallel-size: 2 -> 1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "saved dp_reshardable" in err and "--dist-ckpt-optim-fully-reshardable" in err
 
 
 def test_tp2_through_torchrun(corpus_cache, tmp_path):
@@ -66,4 +97,4 @@ def test_tp2_through_torchrun(corpus_cache, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr.count("iter 2/2") == 1  # one rank logs
     assert latest_iteration(ckpt) == 2
-    assert sorted(p.name for p in (ckpt / "iter_0000002").glob("model_tp*.pt")) == ["model_tp1.pt"]
+    assert (ckpt / "iter_0000002" / "metadata.json").exists()  # dist_checkpointing's
