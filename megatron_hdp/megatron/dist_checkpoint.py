@@ -440,6 +440,9 @@ def close_writer_processes() -> None:
     queue = getattr(filesystem_async, "_results_queue", None)
     manager = getattr(queue, "_manager", None)
     if manager is not None:
-        manager.shutdown()
+        try:
+            manager.shutdown()
+        except (OSError, EOFError):  # it died already (a signal to the whole job)
+            pass
     if queue is not None:
         filesystem_async._results_queue = None

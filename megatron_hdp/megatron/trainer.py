@@ -399,6 +399,9 @@ class Trainer:
         if name is None:
             return False
         if self.args.save and self.last_saved != self.iteration:
+            # The signal reached every process of the job, the checkpoint writer's helper
+            # process too: start the save with a fresh one.
+            close_writer_processes()
             self.save()
         if self.rank == 0:
             logger.warning(
