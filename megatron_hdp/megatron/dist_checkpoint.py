@@ -160,6 +160,35 @@ def _rng_objects(layout: Layout, states: dict) -> dict:
     }
 
 
+#: The schedule's step counts, which Megatron-LM keeps in samples (its scheduler steps by
+#: the global batch size every iteration) and this job in iterations.
+SCHEDULE_COUNTS = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
+
+
+def samples_per_iteration(args) -> int:
+    """Megatron-LM's scheduler increment per iteration for a run of `args`.
+
+    That is its global batch size; 1 when the batch is a token budget, for which Megatron-LM
+    has no sample count.
+    """
+    return int(getattr(args, "global_batch_size", None) or 1)
+
+
+def schedule_in_samples(state: dict, args) -> dict:
+    """Our schedule state (iterations) in Megatron-LM's units, for a checkpoint of `args`."""
+    n = samples_per_iteration(args)
+    return {k: v * n if k in SCHEDULE_COUNTS and v is not None else v for k, v in state.items()}
+
+
+def schedule_in_iterations(state: dict, ckpt_args) -> dict:
+    """A checkpoint's schedule state (Megatron-LM's samples) in iterations, this job's unit."""
+    n = samples_per_iteration(ckpt_args)
+    return {
+        k: (v // n if v % n == 0 else v / n) if k in SCHEDULE_COUNTS and v is not None else v
+        for k, v in state.items()
+    }
+
+
 def state_dict(
     engine: Engine,
     metadata: dict,
@@ -182,7 +211,7 @@ def state_dict(
         out["optimizer"] = engine.optimizer.sharded_state_dict(
             out["model"], is_loading=is_loading, metadata=metadata
         )
-        out["opt_param_scheduler"] = engine.scheduler.state_dict()
+        out["opt_param_scheduler"] = schedule_in_samples(engine.scheduler.state_dict(), args)
     if rng:
         out.update(rng)
     if hdp is not None:
@@ -308,7 +337,9 @@ def read(
             engine.optimizer.load_state_dict(loaded["optimizer"])
         if engine.optimizer_is_distributed:
             _restore_steps(engine.optimizer, loaded["optimizer"])
-        engine.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        engine.scheduler.load_state_dict(
+            schedule_in_iterations(loaded["opt_param_scheduler"], ckpt_args)
+        )
     else:
         engine.optimizer.reload_model_params()
     if rng is not None:

@@ -136,15 +136,9 @@ def datasets_provider(train_valid_test_num_samples, vp_stage=None):
 
     train = loader(data.train, TrainBatches, prefixes=data.prefixes)
     if args.load and args.iteration > 0 and not args.finetune:
-        path = _state_path(args)
-        if not os.path.exists(path):
-            raise ValueError(
-                f"--hdp: the checkpoint of iteration {args.iteration} in {args.load} has no "
-                f"HDP data position ({path}); it was not saved by an --hdp run"
-            )
-        state = torch.load(path, weights_only=False)["dataloader_state_dict"]
+        state, where = _saved_data_position(args)
         train.restore_state(state)
-        logger.info("HDP data position restored from %s", path)
+        logger.info("HDP data position restored from %s", where)
     valid = None
     if data.fresh_valid_sampler() is not None and args.eval_iters > 0:
         valid = ValidBatches(data, args.eval_iters, lambda s: loader(s, depth=0))
@@ -152,6 +146,31 @@ def datasets_provider(train_valid_test_num_samples, vp_stage=None):
 
 
 datasets_provider.is_distributed = True
+
+
+def _saved_data_position(args: argparse.Namespace) -> tuple[dict, str]:
+    """The data position of the checkpoint `--load` resumes, and where it was found.
+
+    An `--hdp` run of Megatron-LM keeps it in Megatron-LM's data-loader file; pretrain_hdp.py
+    in the `hdp` entry of the checkpoint's common state. Reads local files only.
+    """
+    from megatron.training.checkpointing import get_checkpoint_name
+
+    from megatron_hdp.megatron.dist_checkpoint import is_dist_checkpoint, read_common
+
+    path = _state_path(args)
+    if os.path.exists(path):
+        return torch.load(path, weights_only=False)["dataloader_state_dict"], path
+    folder = get_checkpoint_name(args.load, args.iteration, return_base_dir=True)
+    if is_dist_checkpoint(folder):
+        data_state = (read_common(folder).get("hdp") or {}).get("data_state")
+        if data_state is not None:
+            return data_state, f"{folder} (written by pretrain_hdp.py)"
+    raise ValueError(
+        f"--hdp: the checkpoint of iteration {args.iteration} in {args.load} has no HDP data "
+        f"position ({path}); it was not saved by an --hdp run or pretrain_hdp.py (load it with "
+        "--finetune to start the data from its first batch)"
+    )
 
 
 def _with_megatron_vocabulary(data: TrainingData, args: argparse.Namespace) -> TrainingData:
