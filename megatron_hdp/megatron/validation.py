@@ -791,6 +791,32 @@ def _model_flag(field: str) -> str:
     return _MODEL_FLAGS.get(field) or flag(field)
 
 
+def megatron_lm_model(load: str) -> dict | None:
+    """The model shape of the latest checkpoint Megatron-LM wrote in `load`, by our fields.
+
+    From the `args` it stores (Megatron-LM's names); None if it stores none. Reads the
+    checkpoint's common part only (no tensors); local.
+    """
+    from megatron_hdp.megatron.dist_checkpoint import read_common
+
+    ckpt = read_common(iteration_dir(load, latest_iteration(load))).get("args")
+    if ckpt is None:
+        return None
+    heads = ckpt.num_attention_heads
+    return {
+        "num_layers": ckpt.num_layers,
+        "hidden_size": ckpt.hidden_size,
+        "num_attention_heads": heads,
+        "num_query_groups": ckpt.num_query_groups if ckpt.group_query_attention else None,
+        "ffn_hidden_size": ckpt.ffn_hidden_size,
+        "vocab_size": ckpt.padded_vocab_size,
+        "swiglu": bool(ckpt.swiglu),
+        "add_bias_linear": bool(ckpt.add_bias_linear),
+        "tie_embeddings": not ckpt.untie_embeddings_and_output_weights,
+        "num_experts": getattr(ckpt, "num_experts", None),
+    }
+
+
 def check_resume_matches(
     meta: dict,
     *,
@@ -813,6 +839,9 @@ def check_resume_matches(
         finetune: `--finetune` (the weights alone): the data may differ.
     """
     saved_model = meta.get("model")
+    if saved_model is None and meta.get("megatron_lm"):
+        saved_model = megatron_lm_model(load)
+        model = {k: v for k, v in model.items() if k in (saved_model or {})}
     if saved_model is not None:
         saved_model = {**MODEL_FIELDS_BEFORE_THEY_EXISTED, **saved_model}
         may_change = MAY_CHANGE_ON_RESUME

@@ -83,6 +83,32 @@ def test_a_megatron_lm_checkpoint_continues_in_hdp(trees, data, tmp_path, layout
     _close([r["grad_norm"] for r in got], _norms(want))
 
 
+def test_a_megatron_lm_checkpoint_of_another_shape_is_refused_by_name(
+    trees, data, tmp_path, monkeypatch, capsys
+):
+    """Before any process group: the shape stock Megatron-LM stored in its `args` is checked
+    against this run's model, and the difference is named by flag."""
+    import torch.distributed as dist
+
+    import pretrain_hdp
+
+    stock, _ = trees
+    ckpt = str(tmp_path / "megatron_lm")
+    base = [*SHARED, "--data-path", data, "--train-iters", "1", "--global-batch-size", "2"]
+    run_megatron_lm(
+        stock / "pretrain_gpt.py",
+        2,
+        [*base, *MEGATRON_CPU, *QUIET, "--save", ckpt, "--save-interval", "1"],
+    )
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    wider = [*base, "--hdp-capacity", "256", *QUIET, "--load", ckpt, "--finetune"]
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain_hdp.main([*wider, "--ffn-hidden-size", "192", "--no-progress-bar"])
+    assert exit_info.value.code != 0
+    assert "--ffn-hidden-size: 128 -> 192" in capsys.readouterr().err
+    assert not dist.is_initialized()
+
+
 def test_an_hdp_checkpoint_resumes_in_megatron_lm(trees, data, tmp_path):
     """pretrain_hdp.py trains two steps and saves; Megatron-LM's pretrain_gpt.py --hdp
     resumes it in full (model, optimizer, schedule, data position) and its steps 3 and 4
