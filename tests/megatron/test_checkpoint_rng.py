@@ -63,7 +63,9 @@ def _body_round_trip(rank, world_size, folder):
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_tracker_states_round_trip_per_rank(tmp_path, world_size):
-    for restored, untouched in run_ranks(_body_round_trip, world_size, str(tmp_path), timeout_s=60):
+    for restored, untouched in run_ranks(
+        _body_round_trip, world_size, str(tmp_path), timeout_s=180
+    ):
         assert restored, "load_checkpoint did not give the tracker this rank's saved states"
         assert untouched, "the saved states share storage with the live tracker"
 
@@ -186,7 +188,7 @@ def _body_fork_resumes(rank, world_size, folder):
 def test_dropout_draws_after_a_resume_continue_the_uninterrupted_sequence(tmp_path):
     """The tracker's own add/fork with the GPU generator replaced by a CPU one: the draws of
     a resumed job are those the uninterrupted job made, not a fresh seed's."""
-    results = run_ranks(_body_fork_resumes, 2, str(tmp_path), timeout_s=60)
+    results = run_ranks(_body_fork_resumes, 2, str(tmp_path), timeout_s=180)
     for before, straight, resumed, fresh in results:
         for a, b in zip(straight, resumed, strict=True):
             assert torch.equal(a, b)
