@@ -98,7 +98,7 @@ def _body_old_checkpoint(rank, world_size, folder):
 
 def test_a_checkpoint_of_the_old_per_rank_format_still_resumes(tmp_path):
     for iteration, data_state, kept, torch_restored in run_ranks(
-        _body_old_checkpoint, 2, str(tmp_path), timeout_s=60
+        _body_old_checkpoint, 2, str(tmp_path), timeout_s=180
     ):
         assert (iteration, data_state) == (3, {"at": 3})
         assert kept, "an old checkpoint without tracker states leaves the tracker alone"
