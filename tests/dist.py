@@ -7,6 +7,7 @@ and re-raises the failing rank's traceback.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import pickle
@@ -14,6 +15,7 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing.managers import SyncManager
 
 import torch
 import torch.distributed as dist
@@ -22,6 +24,11 @@ COLLECTIVE_TIMEOUT_S = 60
 
 
 def _child(rank, world_size, folder, fn, args):
+    # Nothing inherited is ever collected here: an object whose destructor joins threads
+    # (a process group the parent dropped in a reference cycle joins gloo's workers) would
+    # wait forever in this copy, which has no threads but its main one.
+    gc.freeze()
+    _fork_checkpoint_writer_queue()
     code = 0
     try:
         torch.set_num_threads(1)
@@ -43,6 +50,32 @@ def _child(rank, world_size, folder, fn, args):
     os.replace(f"{folder}/rank{rank}.tmp", f"{folder}/rank{rank}.pkl")
     _stop_children()
     os._exit(code)
+
+
+def _fork_checkpoint_writer_queue() -> None:
+    """Give Megatron's checkpoint writer its results queue in a forked manager (test only).
+
+    `dist_checkpointing`'s file writer keeps the queue through which its write workers
+    report in a `multiprocessing` manager server that it starts with the spawn method, at
+    this rank's first save: a fresh interpreter that imports torch, 4-6 s of the 2 cores per
+    rank and test. These ranks were forked from a parent without CUDA, so a forked server
+    does the same job at once. The writer itself, its workers and its files are Megatron's.
+    """
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        return
+
+    def results_queue(mp_mode: str = "spawn"):  # the signature of 0.19 (0.16: none)
+        if filesystem_async._results_queue is None:
+            manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+            manager.start(initializer=gc.freeze)  # the same reason as in _child
+            filesystem_async._results_queue = manager.Queue()
+        return filesystem_async._results_queue
+
+    for name in ("_get_write_results_queue", "get_write_results_queue"):  # 0.16, 0.19
+        if hasattr(filesystem_async, name):
+            setattr(filesystem_async, name, results_queue)
 
 
 def _stop_children() -> None:
@@ -81,6 +114,7 @@ def _describe_failures(folder, procs, timed_out, timeout_s):
 def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` forked gloo ranks; return results."""
     ctx = multiprocessing.get_context("fork")
+    gc.collect()  # the parent's garbage dies here, where its threads still run
     with tempfile.TemporaryDirectory() as folder:
         procs = [
             ctx.Process(target=_child, args=(r, world_size, folder, fn, args))

@@ -63,9 +63,7 @@ def _body_round_trip(rank, world_size, folder):
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_tracker_states_round_trip_per_rank(tmp_path, world_size):
-    for restored, untouched in run_ranks(
-        _body_round_trip, world_size, str(tmp_path), timeout_s=180
-    ):
+    for restored, untouched in run_ranks(_body_round_trip, world_size, str(tmp_path), timeout_s=60):
         assert restored, "load_checkpoint did not give the tracker this rank's saved states"
         assert untouched, "the saved states share storage with the live tracker"
 
@@ -98,7 +96,7 @@ def _body_old_checkpoint(rank, world_size, folder):
 
 def test_a_checkpoint_of_the_old_per_rank_format_still_resumes(tmp_path):
     for iteration, data_state, kept, torch_restored in run_ranks(
-        _body_old_checkpoint, 2, str(tmp_path), timeout_s=180
+        _body_old_checkpoint, 2, str(tmp_path), timeout_s=60
     ):
         assert (iteration, data_state) == (3, {"at": 3})
         assert kept, "an old checkpoint without tracker states leaves the tracker alone"
@@ -188,7 +186,7 @@ def _body_fork_resumes(rank, world_size, folder):
 def test_dropout_draws_after_a_resume_continue_the_uninterrupted_sequence(tmp_path):
     """The tracker's own add/fork with the GPU generator replaced by a CPU one: the draws of
     a resumed job are those the uninterrupted job made, not a fresh seed's."""
-    results = run_ranks(_body_fork_resumes, 2, str(tmp_path), timeout_s=180)
+    results = run_ranks(_body_fork_resumes, 2, str(tmp_path), timeout_s=60)
     for before, straight, resumed, fresh in results:
         for a, b in zip(straight, resumed, strict=True):
             assert torch.equal(a, b)
