@@ -28,6 +28,7 @@ import zipfile
 from pathlib import Path
 
 from megatron_hdp.checkpoint_files import TRACKER, iteration_dir, latest_iteration, read_meta
+from megatron_hdp.checkpoint_shards import INDEX, short_shards
 from megatron_hdp.data.sampler import parse_split
 from megatron_hdp.data.service.address import (
     address_origin,
@@ -616,19 +617,26 @@ def _check_paths(args: argparse.Namespace) -> None:
 
 
 def _check_files_complete(load: str) -> None:
-    """ValueError naming a `.pt` file of the latest checkpoint that is cut short.
+    """ValueError naming a file of the latest checkpoint that is cut short.
 
     torch.save writes zip archives; a truncated one has no central directory at its end,
-    which `zipfile` finds by reading the last bytes only.
+    which `zipfile` finds by reading the last bytes only. The shard files of the
+    distributed format must hold what the folder's index says they hold.
     """
     folder = iteration_dir(load, latest_iteration(load))
+    advice = f"resume from an earlier checkpoint by pointing the tracker {TRACKER} at it"
     for path in sorted(folder.glob("*.pt")):
         if not zipfile.is_zipfile(path):
             raise ValueError(
                 f"--load {load}: {path.relative_to(load)} is not a complete torch file "
-                "(truncated or damaged); resume from an earlier checkpoint by pointing the "
-                f"tracker {TRACKER} at it"
+                f"(truncated or damaged); {advice}"
             )
+    for name, needed, have in short_shards(folder):
+        found = "is missing" if have is None else f"holds {have:,} bytes"
+        raise ValueError(
+            f"--load {load}: {(folder / name).relative_to(load)} {found}, its index "
+            f"{INDEX} says {needed:,} (truncated); {advice}"
+        )
 
 
 def _check_optimizer_resume(args: argparse.Namespace, meta: dict, world_size: int) -> None:

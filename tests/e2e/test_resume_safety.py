@@ -251,10 +251,25 @@ def test_a_checkpoint_from_before_tensor_parallelism_still_resumes(
 def test_a_truncated_checkpoint_file_is_refused_before_start_up(
     corpus_cache, checkpoint, monkeypatch, capsys
 ):
-    """Before: torch.load failed after the process group started, with a traceback."""
-    common = iteration_dir(checkpoint, 4) / "common.pt"
-    common.write_bytes(common.read_bytes()[: common.stat().st_size // 2])
+    """Before: the load failed after the process group started, with a traceback.
+
+    Each file cut in half in turn: the largest tensor shard (torch's `.distcp`, both
+    megatron-core lines) and, where the release writes one, `common.pt` (0.16).
+    """
+    folder = iteration_dir(checkpoint, 4)
+    shard = max(folder.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    size = shard.stat().st_size
+    cases = [(shard, f"{shard.name} holds {size // 2:,} bytes, its index .metadata says {size:,}")]
+    if (folder / "common.pt").exists():
+        cases.append((folder / "common.pt", "common.pt is not a complete torch file"))
     argv = job_args(corpus_cache, iters=6, extra=["--load", str(checkpoint)])
-    code, err = exit_of([*argv, "--lr-decay-iters", "4"], monkeypatch, capsys)
-    assert code == 2
-    assert f"--load {checkpoint}: iter_0000004/common.pt is not a complete torch file" in err
+    for path, says in cases:
+        whole = path.read_bytes()
+        path.write_bytes(whole[: len(whole) // 2])
+        code, err = exit_of([*argv, "--lr-decay-iters", "4"], monkeypatch, capsys)
+        assert code == 2
+        assert f"--load {checkpoint}: iter_0000004/{says}" in err
+        path.write_bytes(whole)
+    import pretrain_hdp  # whole again: accepted
+
+    assert pretrain_hdp.main([*argv, "--lr-decay-iters", "4", "--hdp-validate-only"]) == []
