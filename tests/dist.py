@@ -7,10 +7,12 @@ and re-raises the failing rank's traceback.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import multiprocessing
 import os
 import pickle
+import signal
 import tempfile
 import time
 import traceback
@@ -69,13 +71,22 @@ def _fork_checkpoint_writer_queue() -> None:
     def results_queue(mp_mode: str = "spawn"):  # the signature of 0.19 (0.16: none)
         if filesystem_async._results_queue is None:
             manager = SyncManager(ctx=multiprocessing.get_context("fork"))
-            manager.start(initializer=gc.freeze)  # the same reason as in _child
+            manager.start(initializer=_serve_while_the_rank_lives)
             filesystem_async._results_queue = manager.Queue()
         return filesystem_async._results_queue
 
     for name in ("_get_write_results_queue", "get_write_results_queue"):  # 0.16, 0.19
         if hasattr(filesystem_async, name):
             setattr(filesystem_async, name, results_queue)
+
+
+def _serve_while_the_rank_lives() -> None:
+    """In a rank's forked manager server: collect nothing inherited (as in `_child`), and
+    end with the rank, however it ends (Ray's `_Exit`, a kill): an orphaned server would
+    hold the test run's output pipes open."""
+    gc.freeze()
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _stop_children() -> None:

@@ -4,10 +4,11 @@ When the Ray head stops mid-run (or the node's raylet dies), Ray's core worker i
 rank ends the process at once (`_Exit(1)` in C++): no Python exception, handler or `atexit`
 runs, so the job would stop with no word of its own. Each rank that joins a Ray cluster
 therefore starts a sentinel: a plain Python process that reads a pipe from the rank until
-it closes. A rank that leaves normally writes `done` first; if the pipe closes without it
-and the cluster's address no longer answers, the sentinel writes one line to the rank's
-stderr naming the address and the latest checkpoint. It stays silent when the rank ended
-for another reason (the cluster still answers): that rank says why itself.
+it closes or the rank is gone (a process the rank forked, such as a checkpoint writer's
+helper, holds the pipe open after it). A rank that leaves normally writes `done` first;
+otherwise, if the cluster's address no longer answers, the sentinel writes one line to
+the rank's stderr naming the address and the latest checkpoint. It stays silent when the
+rank ended for another reason (the cluster still answers): that rank says why itself.
 """
 
 from __future__ import annotations
@@ -20,9 +21,15 @@ import sys
 DONE = b"done"
 
 _SCRIPT = r"""
-import os, socket, sys, time
-address, save, prog = sys.argv[1], sys.argv[2], sys.argv[3]
-data = sys.stdin.buffer.read()
+import os, select, socket, sys, time
+address, save, prog, rank_pid = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+data = b""
+while os.getppid() == rank_pid:  # a forked helper of the rank may keep the pipe open
+    if select.select([sys.stdin], [], [], 0.5)[0]:
+        chunk = os.read(sys.stdin.fileno(), 64)
+        if not chunk:
+            break
+        data += chunk
 if data.endswith(b"done"):
     sys.exit(0)
 host, _, port = address.rpartition(":")
@@ -51,7 +58,7 @@ class Sentinel:
 
     def __init__(self, address: str, *, save: str | None, prog: str = "pretrain_hdp.py"):
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", _SCRIPT, address, save or "", prog],
+            [sys.executable, "-c", _SCRIPT, address, save or "", prog, str(os.getpid())],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             close_fds=True,
