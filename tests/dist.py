@@ -30,9 +30,9 @@ def _child(rank, world_size, folder, fn, args):
     # (a process group the parent dropped in a reference cycle joins gloo's workers) would
     # wait forever in this copy, which has no threads but its main one.
     gc.freeze()
-    _fork_checkpoint_writer_queue()
     code = 0
     try:
+        _fork_checkpoint_writer_queue()
         torch.set_num_threads(1)
         dist.init_process_group(
             "gloo",
