@@ -32,6 +32,6 @@ ARGS=(
 )
 # Validate once, before torchrun: bad input ends here with status 2 and one line (torchrun
 # would report every rank's exit and return 1).
-WORLD_SIZE="$NPROC" "$VENV_DIR/bin/python" pretrain_hdp.py "${ARGS[@]}" --hdp-validate-only
+WORLD_SIZE="$NPROC" LOCAL_WORLD_SIZE="$NPROC" "$VENV_DIR/bin/python" pretrain_hdp.py "${ARGS[@]}" --hdp-validate-only
 mkdir -p "$OUT"
 exec "$VENV_DIR/bin/torchrun" --standalone --nproc-per-node "$NPROC" pretrain_hdp.py "${ARGS[@]}"

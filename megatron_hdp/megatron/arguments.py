@@ -446,8 +446,10 @@ def add_hdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="host memory for offloaded activations per process (one device): with "
         "--hdp-offload each process allocates exactly this once at start-up, pinned on GPU, "
-        "and the planner offloads at most this (default: the device profile's; a TP replica "
-        "has TP times this)",
+        "and the planner offloads at most this (default: 50%% of the machine's available "
+        "memory over its LOCAL_WORLD_SIZE processes, the smallest over the job's machines; "
+        "refused before start-up when the processes of one machine would take more than 80%% "
+        "of its available memory; a TP replica has TP times this)",
     )
     g.add_argument(
         "--hdp-device-profile",

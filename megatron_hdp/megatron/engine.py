@@ -24,6 +24,7 @@ from megatron_hdp.megatron.model import (
     model_parallel_dims,
     transformer_config,
 )
+from megatron_hdp.offload.host_budget import HostBudget, host_budget
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,6 +203,27 @@ def build_engine(cfg: GPTConfig, optim: OptimConfig, *, seed: int = 1234) -> Eng
         replica=dims.replica_of(rank),
         grad_sync=grad_sync,
     )
+
+
+def agreed_host_budget(
+    flag_gb: float | None, group: dist.ProcessGroup, device: torch.device
+) -> HostBudget:
+    """Collective over `group`: the offload pool size every process of the job uses.
+
+    With `--hdp-host-memory-gb` that value; without it each process works out the default
+    share of its own machine's available memory (`offload.host_budget`), and the job takes
+    the smallest: the planner prices offloading with this number, and its plans must be
+    the same on every rank.
+    """
+    budget = host_budget(flag_gb)
+    if flag_gb is not None:
+        return budget
+    smallest = torch.tensor([budget.nbytes], dtype=torch.int64, device=device)
+    dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=group)
+    nbytes = int(smallest.item())
+    if nbytes == budget.nbytes:
+        return budget
+    return HostBudget(nbytes, budget.why + " (the smallest over the job's machines)")
 
 
 def offload_manager(

@@ -44,7 +44,12 @@ from megatron_hdp.megatron.checkpoint import (
 )
 from megatron_hdp.megatron.config import device_profile, model_config, optim_config
 from megatron_hdp.megatron.dist_checkpoint import close_writer_processes
-from megatron_hdp.megatron.engine import Engine, build_engine, offload_manager
+from megatron_hdp.megatron.engine import (
+    Engine,
+    agreed_host_budget,
+    build_engine,
+    offload_manager,
+)
 from megatron_hdp.megatron.model import model_shape
 from megatron_hdp.megatron.resume_checks import scheduler_override
 from megatron_hdp.megatron.run_report import RunReporter
@@ -54,6 +59,7 @@ from megatron_hdp.megatron.step import (
     evaluate,
     train_step,
 )
+from megatron_hdp.offload.host_budget import size_text
 from megatron_hdp.report.offload import offload_line
 from megatron_hdp.scheduler import StepPlan, plan_step
 from megatron_hdp.scheduler.cost import CostModel
@@ -115,7 +121,11 @@ class Trainer:
         optim = optim_config(args, override_scheduler=override)
         self.engine: Engine = build_engine(cfg, optim, seed=args.seed)
         profile = device_profile(args.hdp_device_profile)
-        if args.hdp_host_memory_gb is not None:  # per process (device), like the profile
+        host = None
+        if args.hdp_offload:  # per process (device), like the profile; collective
+            host = agreed_host_budget(args.hdp_host_memory_gb, runtime.all_ranks, runtime.device)
+            profile = dataclasses.replace(profile, host_memory_bytes=host.nbytes)
+        elif args.hdp_host_memory_gb is not None:
             profile = dataclasses.replace(profile, host_memory_bytes=args.hdp_host_memory_gb * 1e9)
         # The planner prices HDP ranks: a replica of TP devices (DeviceProfile.replica); with
         # PP, a pipeline whose 1F1B timeline the PP-Balance planner builds from these costs.
@@ -127,6 +137,13 @@ class Trainer:
                 self.engine, profile.host_memory_bytes / self.engine.tp_size, runtime.device
             )
             if self.rank == 0:
+                logger.info(
+                    "--hdp-offload: each process holds a host pool of %s for offloaded "
+                    "activations, allocated once%s (%s)",
+                    size_text(host.nbytes),
+                    ", pinned" if runtime.device.type == "cuda" else " (not pinned on CPU)",
+                    host.why,
+                )
                 logger.info(
                     "--hdp-offload: each step the planner offloads a long sequence's ring only "
                     "where that shortens the predicted step by >= 1%% against widening the ring "

@@ -49,6 +49,11 @@ from megatron_hdp.megatron.resume_checks import (
     check_save_folder,
     check_schedule,
 )
+from megatron_hdp.offload.host_budget import (
+    available_memory_bytes,
+    budget_problem,
+    local_processes,
+)
 from megatron_hdp.scheduler.cost import PROFILES, DeviceProfile
 
 __all__ = [
@@ -266,6 +271,23 @@ def _check_model_fits(args: argparse.Namespace) -> None:
     )
 
 
+def _check_offload_memory(args: argparse.Namespace) -> None:
+    """ValueError when this machine's offload pools would not fit its available memory.
+
+    Every device (the pool is allocated on CPU runs too); the processes of this machine are
+    torchrun's `LOCAL_WORLD_SIZE` (`scripts/run_cpu.sh` and the SLURM script set it for
+    `--hdp-validate-only`). Without `--hdp-host-memory-gb` the default share fits by
+    construction.
+    """
+    if not args.hdp_offload or args.hdp_host_memory_gb is None:
+        return
+    problem = budget_problem(
+        args.hdp_host_memory_gb, local=local_processes(), available=available_memory_bytes()
+    )
+    if problem is not None:
+        raise ValueError(problem)
+
+
 def _check_experts(args: argparse.Namespace, world_size: int) -> None:
     """The layout owner's MoE rules, reported with flag names."""
     if args.num_experts is None:
@@ -351,6 +373,7 @@ def _check_layout(args: argparse.Namespace, world_size: int, *, here: bool = Tru
     _check_pipeline(args)
     if here:
         _check_model_fits(args)
+        _check_offload_memory(args)
     if args.sequence_parallel and args.hidden_dropout:
         raise ValueError(
             f"--sequence-parallel with --hidden-dropout {args.hidden_dropout} is not supported "

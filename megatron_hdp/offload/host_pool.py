@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import bisect
 import logging
-import os
 import weakref
 from collections import deque
 from typing import Protocol
 
 import torch
+
+from megatron_hdp.offload.host_budget import available_memory_bytes, pin_problem
 
 logger = logging.getLogger(__name__)
 
@@ -65,33 +66,6 @@ class Block:
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGNMENT) * ALIGNMENT
-
-
-def physical_memory_bytes() -> int | None:
-    """This machine's physical memory in bytes (None where the OS does not say)."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, OSError, ValueError):
-        return None
-
-
-def local_processes() -> int:
-    """Processes of this job on this machine (torchrun's LOCAL_WORLD_SIZE; 1 without it)."""
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
-
-
-def pinned_pool_problem(nbytes: int, local: int, physical: int | None) -> str | None:
-    """Why `local` pinned pools of `nbytes` cannot fit `physical` bytes of memory, or None."""
-    if physical is None or nbytes * local <= physical:
-        return None
-    return (
-        f"{local} processes on this machine would each pin a host pool of {nbytes} bytes, "
-        f"{nbytes * local} in all, more than its {physical} bytes of physical memory; lower "
-        "--hdp-host-memory-gb"
-    )
 
 
 def _register(ptr: int, nbytes: int) -> None:
@@ -168,7 +142,7 @@ class HostBufferPool:
     def _allocate_slab(self, nbytes: int) -> torch.Tensor:
         """The pool's one host allocation (pinned when `self.pinned`)."""
         if self.pinned:  # pinned pages are resident; unpinned ones only once written
-            problem = pinned_pool_problem(nbytes, local_processes(), physical_memory_bytes())
+            problem = pin_problem(nbytes, available_memory_bytes())
             if problem is not None:
                 raise RuntimeError(problem)
         try:

@@ -264,6 +264,17 @@ def test_a_run_that_never_offloads_says_so(corpus_cache, tmp_path):
     reason = records[-1]["offload_reason"]
     assert reason.startswith("no ring can shrink") or total == 0, records
     assert lines[-1] == f"--hdp-offload never offloaded in 2 steps ({total} rings): {reason}"
+    # No --hdp-host-memory-gb: the pool is half the available memory over the local ranks
+    # (LOCAL_WORLD_SIZE: 1 for these forked ranks; the smallest any rank saw), logged once.
+    pool = re.search(
+        r"each process holds a host pool of ([\d.]+) GiB for offloaded activations, allocated "
+        r"once \(not pinned on CPU\) \(default: 50% of the ([\d.]+) GiB available on this "
+        r"machine, shared by (\d+) local process",
+        log.read_text(),
+    )
+    assert pool, log.read_text()[-3000:]
+    share = float(pool.group(2)) / 2 / int(pool.group(3))
+    assert float(pool.group(1)) == pytest.approx(share, abs=0.06)
 
 
 def test_a_distributed_optimizer_checkpoint_resumes_at_another_pool_size(corpus_cache, tmp_path):

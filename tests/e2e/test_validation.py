@@ -40,6 +40,10 @@ BAD = [
     (["--num-query-groups", "0"], "--num-query-groups must be > 0, got 0"),
     (["--init-method-std", "0"], "--init-method-std must be > 0, got 0.0"),
     (["--hdp-host-memory-gb", "nan"], "--hdp-host-memory-gb nan: must be a finite number"),
+    (
+        ["--hdp-offload", "--hdp-host-memory-gb", "1e6"],
+        "--hdp-host-memory-gb 1e+06: 1 process on this machine would take 931322.6 GiB",
+    ),
     (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes must be > 0"),
     (["--hdp-stall-report-seconds", "900"], "--hdp-stall-report-seconds 900.0 must be below"),
     (["--lr-warmup-iters", "3"], "--lr-warmup-iters 3 must be below --train-iters 3"),
@@ -197,6 +201,25 @@ def test_bad_flags_exit_2_with_one_line_before_start_up(
     err = capsys.readouterr().err
     assert message.replace("{t}", str(tmp_path)) in err
     assert err.count("\n") == 1 and err.startswith("pretrain_hdp.py: error: ")
+    assert not dist.is_initialized()
+
+
+def test_offload_pools_of_all_local_ranks_must_fit_available_memory_in_validate_only(
+    tmp_path, monkeypatch, capsys
+):
+    """4 local ranks of 8 GB on a machine with 23 GiB available (the reliability sweep)."""
+    import pretrain_hdp
+    from megatron_hdp.megatron import validation
+
+    monkeypatch.setattr(validation, "available_memory_bytes", lambda: 23 * 2**30)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    flags = ["--hdp-offload", "--hdp-host-memory-gb", "8", "--hdp-validate-only"]
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain_hdp.main(job_args(tmp_path / "cache", flags))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--hdp-host-memory-gb 8: 4 processes on this machine would take 29.8 GiB" in err
     assert not dist.is_initialized()
 
 

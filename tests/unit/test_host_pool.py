@@ -241,23 +241,19 @@ def test_a_slab_the_host_cannot_hold_is_refused_clearly(monkeypatch):
         HostBufferPool(4096, pin=False)
 
 
-def test_pinned_pools_of_one_machine_must_fit_its_memory():
-    from megatron_hdp.offload.host_pool import pinned_pool_problem
+def test_only_a_pinned_pool_is_held_to_the_memory_available_when_it_pins(monkeypatch):
+    """Unpinned pages cost memory only once an offload writes them (CPU runs); pinned ones now.
 
-    assert pinned_pool_problem(128 * 10**9, 8, 2 * 10**12) is None
-    assert pinned_pool_problem(128 * 10**9, 8, None) is None  # the OS does not say
-    problem = pinned_pool_problem(128 * 10**9, 8, 10**12)
-    assert problem == (
-        "8 processes on this machine would each pin a host pool of 128000000000 bytes, "
-        "1024000000000 in all, more than its 1000000000000 bytes of physical memory; lower "
-        "--hdp-host-memory-gb"
-    )
+    A pinned pool must leave 2 GiB available at the moment it pins (the machine's other
+    processes may have pinned theirs already).
+    """
+    from megatron_hdp.offload import host_pool
 
-
-def test_only_a_pinned_pool_is_held_to_physical_memory(monkeypatch):
-    """Unpinned pages cost memory only once an offload writes them (CPU runs); pinned ones now."""
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "10000000")
+    monkeypatch.setattr(host_pool, "available_memory_bytes", lambda: 2 * 2**30 + (1 << 20) - 1)
     pool = HostBufferPool(1 << 20, pin=False)
     assert pool.nbytes == 1 << 20
-    with pytest.raises(RuntimeError, match="10000000 processes on this machine would each pin"):
+    with pytest.raises(RuntimeError, match=r"host pool of 1\.0 MiB would leave less than 2\.0 GiB"):
         HostBufferPool(1 << 20, pin=True)  # refused before anything is allocated or pinned
+    monkeypatch.setattr(host_pool, "available_memory_bytes", lambda: 2 * 2**30 + (1 << 20))
+    with pytest.raises(RuntimeError, match="needs CUDA"):  # the guard passed: pinning is next
+        HostBufferPool(1 << 20, pin=True)

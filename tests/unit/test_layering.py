@@ -18,7 +18,15 @@ HOST = ("megatron/", "megatron_lm/")
 #: and the ring attention function (ops), which builds its ring's communicator.
 DISTRIBUTED = ("distributed/", "megatron/", "megatron_lm/", "launch.py", "attention/ring.py")
 #: The pure layer: stdlib and numpy only (the planner, the simulator, the advisor).
-PURE = ("scheduler/", "sim/", "advise/", "sharding.py", "data/sampler.py", "data/spec.py")
+PURE = (
+    "scheduler/",
+    "sim/",
+    "advise/",
+    "sharding.py",
+    "data/sampler.py",
+    "data/spec.py",
+    "offload/host_budget.py",
+)
 
 
 def imports(source: str) -> list[tuple[int, str]]:
