@@ -62,3 +62,34 @@ def fsync_path(path: str | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+#: Below this much free space a failed write is put down to a full disk.
+LOW_DISK_BYTES = 256 * 2**20
+
+
+def hidden_write_causes(folder: str | Path) -> str:
+    """What on this machine stops writes into `folder` for reasons an error may not name.
+
+    torch's zip writer turns ENOSPC and EFBIG into `enforce fail at inline_container.cc:
+    ... unexpected pos`, which names neither; after a failed save this looks for a full
+    disk (less than `LOW_DISK_BYTES` or 1% of it free) and a file-size limit (`ulimit -f`).
+    Returns `''`, or `'; probably ...'` to append to the error's line.
+    """
+    import resource
+    import shutil
+
+    notes = []
+    try:
+        usage = shutil.disk_usage(folder)
+    except OSError:
+        usage = None
+    if usage is not None and usage.free < max(LOW_DISK_BYTES, usage.total // 100):
+        notes.append(
+            f"no space left on the device: {usage.free / 2**20:.0f} MiB free of "
+            f"{usage.total / 2**30:.1f} GiB there"
+        )
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if soft != resource.RLIM_INFINITY:
+        notes.append(f"this process may write files of at most {soft} bytes (ulimit -f)")
+    return f"; probably {' and '.join(notes)}" if notes else ""

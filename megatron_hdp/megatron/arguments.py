@@ -530,7 +530,8 @@ def add_hdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--hdp-overwrite-checkpoints",
         action="store_true",
         help="allow a run that does not resume from --save to start there although the folder "
-        "holds another run's checkpoints: they are deleted at this run's first save",
+        "holds another run's checkpoints: they are deleted once this run's first checkpoint is "
+        "published (a crash before that leaves them)",
     )
     g.add_argument(
         "--hdp-stall-report-seconds",

@@ -45,6 +45,7 @@ from megatron_hdp.checkpoint_files import (
     META,
     TRACKER,
     fsync_path,
+    hidden_write_causes,
     iteration_dir,
     latest_iteration,
     read_meta,
@@ -151,6 +152,8 @@ def _raise_if_any_failed(
         cause = err.args[0] if isinstance(err, ValueError) else _cause(err)
         if isinstance(err, OSError) and err.errno is not None:
             cause += _free_space(root)
+        elif not isinstance(err, ValueError):  # the zip writer hides ENOSPC and EFBIG
+            cause += hidden_write_causes(root if root.exists() else root.parent)
         mine = (failing, cause)
     reports: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(reports, mine, group=group)
@@ -166,15 +169,24 @@ def _parameters_finite(engine: Engine) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in engine.model.module.parameters())
 
 
-def _discard_checkpoints(root: Path) -> None:
-    """Delete the tracker first (so it never names a missing folder), then every iter_*."""
-    tracker = root / TRACKER
-    if tracker.exists():
-        os.remove(tracker)
+def _discard_others(root: Path, kept: Path) -> None:
+    """Rank 0, once `kept` is published: delete every other checkpoint folder in `root`.
+
+    `--hdp-overwrite-checkpoints`: the earlier run's checkpoints go only after this run's
+    first one is complete and named in the tracker, so a crash before that leaves them.
+    """
+    others = [folder for folder in root.glob("iter_*") if folder != kept]
+    for folder in others:
+        shutil.rmtree(folder, ignore_errors=True)
+    if others:
         fsync_path(root)
-    for folder in root.glob("iter_*"):
-        shutil.rmtree(folder)
-    logger.warning("deleted the earlier checkpoints in %s (--hdp-overwrite-checkpoints)", root)
+        logger.warning(
+            "deleted the %d earlier checkpoint folder(s) in %s now that iteration %s is "
+            "published (--hdp-overwrite-checkpoints)",
+            len(others),
+            root,
+            kept.name.removeprefix("iter_").lstrip("0") or "0",
+        )
 
 
 def _prepare_folder(
@@ -182,9 +194,7 @@ def _prepare_folder(
 ) -> None:
     """Rank 0: make the folder, drop stale partial saves, refuse another run's or an older one."""
     root.mkdir(parents=True, exist_ok=True)
-    if discard_existing:
-        _discard_checkpoints(root)
-    elif (root / TRACKER).exists():
+    if not discard_existing and (root / TRACKER).exists():
         latest = latest_iteration(root)
         if latest > iteration:
             raise ValueError(
@@ -291,7 +301,8 @@ def save_checkpoint(
     Returns the checkpoint folder. `args` (the job's flags) goes into the checkpoint's
     `args` (`checkpoint_args`), `meta_extra` (small, JSON) into `meta.json`, where start-up
     checks read it without loading the model. `discard_existing` deletes the folder's
-    earlier checkpoints first; otherwise a save that would move the tracker backwards, or
+    earlier checkpoints once this one is published (a failed save leaves them); otherwise
+    a save that would move the tracker backwards, or
     (with a `run_id` in `meta_extra`) overwrite the checkpoints of another run, is refused.
     `fully_reshardable`: the distributed optimizer's state in Megatron's
     `fully_reshardable` form (loads at any TP and PP; gathered over the pool on save)
@@ -365,6 +376,8 @@ def save_checkpoint(
         if rank == 0:
             try:
                 _publish(root, partial, final, state.iteration)
+                if discard_existing:
+                    _discard_others(root, final)
             except OSError as err:
                 failure = err
         _raise_if_any_failed(failure, group, device, root, state.iteration)

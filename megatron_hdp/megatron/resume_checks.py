@@ -172,6 +172,6 @@ def check_save_folder(args: argparse.Namespace, loaded_meta: dict | None) -> Non
     raise ValueError(
         f"--save {save} already holds checkpoints of another run ({where}), and this run "
         f"{started}: writing there would overwrite them. Resume that run with --load {save}, "
-        "choose an empty folder, or give --hdp-overwrite-checkpoints to delete them at the "
-        "first save"
+        "choose an empty folder, or give --hdp-overwrite-checkpoints to delete them once "
+        "this run's first checkpoint is published"
     )

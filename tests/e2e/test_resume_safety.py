@@ -134,6 +134,28 @@ def test_overwrite_flag_replaces_the_old_run(corpus_cache, checkpoint):
     assert meta["run_id"] != old_run
 
 
+def test_overwrite_flag_keeps_the_old_run_until_its_own_first_checkpoint_is_published(
+    corpus_cache, checkpoint, monkeypatch
+):
+    """A crash in the new run's first save (here: its shards cannot be written) leaves the
+    old run's checkpoints and tracker as they were; the reliability sweep's T3 lost them."""
+    from megatron_hdp.megatron import dist_checkpoint
+
+    before = sorted(p.name for p in checkpoint.iterdir())
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(dist_checkpoint, "write", disk_full)  # the forked ranks inherit it
+    extra = ["--save", str(checkpoint), "--hdp-overwrite-checkpoints"]
+    with pytest.raises(AssertionError, match="could not save iteration 2"):
+        run_pretrain(2, job_args(corpus_cache, iters=2, extra=extra))
+    # Only the failed save's `.partial` folder is new (the next save clears it).
+    after = sorted(p.name for p in checkpoint.iterdir() if not p.name.endswith(".partial"))
+    assert after == before
+    assert latest_iteration(checkpoint) == 4
+
+
 def test_a_resume_with_another_model_is_refused_before_start_up(
     corpus_cache, checkpoint, monkeypatch, capsys
 ):
