@@ -237,6 +237,7 @@ def _flash_attn_4_module():
         mask_mod=None, aux_tensors=None, aux_scalars=None, block_sparse_tensors=None,
         dlse=None, learnable_sink=None,
     ):  # fmt: skip
+        module.calls.append(("_flash_attn_bwd", {"deterministic": deterministic}))
         grads = [torch.empty_like(t) for t in (q, k, v)]
         _fake_backward(dout, q, k, v, out, lse, *grads, cu_seqlens_q, cu_seqlens_k,
                        softmax_scale, causal)  # fmt: skip
@@ -244,6 +245,7 @@ def _flash_attn_4_module():
 
     module = types.ModuleType("flash_attn.cute.interface")
     module._flash_attn_fwd, module._flash_attn_bwd = _flash_attn_fwd, _flash_attn_bwd
+    module.calls = []
     return module
 
 
@@ -283,3 +285,53 @@ def test_flash_attn_4_adapter_takes_the_real_signature_and_equals_the_math_kerne
     assert "starts with ('q', 'k', 'v', 'dout', 'out', 'lse')" in flash_attn_4.signature_problem(
         renamed
     )
+
+
+@pytest.mark.parametrize("name", ["flash_attn_4", "torch_flash_fa4"])
+@pytest.mark.parametrize("head_dim", [160, 192, 200])
+def test_fa4_refuses_blackwell_head_dims_it_asserts_on(name, head_dim):
+    """flash-attention cute/interface.py `_validate_head_dims`: sm100 takes 8-128, or the
+    (q, v) pairs (192, 128) and (256, 256); the ring's v has q's head dim."""
+    with pytest.raises(ValueError, match=rf"Blackwell\) takes head dims 8-128.*got \({head_dim}, "):
+        resolve(name, B200, head_dim=head_dim)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fa4_takes_blackwells_head_dims_and_any_of_hoppers(head_dim, monkeypatch):
+    from megatron_hdp.attention.kernels import device, flash_attn_4
+
+    monkeypatch.setattr(flash_attn_4, "_interface", _flash_attn_4_module)
+    assert resolve("flash_attn_4", B200, head_dim=head_dim) == "flash_attn_4"
+    assert resolve("flash_attn_4", H100, head_dim=160) == "flash_attn_4"
+    assert device.fa4_limits(B200, dtype=BF16, head_dim=head_dim) is None
+    assert device.fa4_limits(B200, dtype=BF16, head_dim=192, head_dim_v=128) is None
+    reason = registry.get_kernel("torch_flash_fa4").unavailable_reason(
+        B200, dtype=BF16, head_dim=head_dim
+    )
+    assert "head dims" not in reason  # refused only for the package or torch's switch here
+
+
+@pytest.fixture
+def deterministic_mode():
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_flash_attn_4_backward_follows_torchs_deterministic_mode(
+    deterministic, monkeypatch, request
+):
+    from megatron_hdp.attention.kernels import flash_attn_4
+
+    if deterministic:
+        request.getfixturevalue("deterministic_mode")
+    fake = _flash_attn_4_module()
+    monkeypatch.setattr(flash_attn_4, "_interface", lambda: fake)
+    q, k, v = (torch.randn(6, h, 8) for h in (4, 2, 2))
+    blocks = VarlenBlocks.build((2, 4), (2, 4), causal=True, device=torch.device("cpu"))
+    kernel = registry.get_kernel("flash_attn_4")
+    out, lse = kernel.forward(q, k, v, blocks, scale=0.3)
+    kernel.backward(torch.randn_like(q), q, k, v, out, lse, blocks, scale=0.3)
+    assert fake.calls == [("_flash_attn_bwd", {"deterministic": deterministic})]
