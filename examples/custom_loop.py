@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
+from megatron_hdp.attention.kernels.registry import job_kernel
 from megatron_hdp.data.sampler import parse_split
 from megatron_hdp.data.training_data import DataConfig, build_training_data
 from megatron_hdp.launch import init_distributed, megatron_device_context
@@ -111,7 +112,8 @@ def main(argv: list[str] | None = None) -> list[float]:
                 group=layout.pool_group,
                 job_group=layout.world_group,
                 device=device,
-                backend="auto" if device.type == "cuda" else "torch",
+                # The job's kernel for this device ("auto" alone is refused off the CPU).
+                backend=job_kernel("auto", device, dtype=cfg.dtype, head_dim=cfg.head_dim),
             )
             schedule = hdp_forward_backward(runtime, cfg)
             batches = HDPDataIterator(

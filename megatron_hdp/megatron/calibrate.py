@@ -30,8 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_hdp.attention.kernels.device import DeviceFacts
-from megatron_hdp.attention.kernels.registry import resolve_kernel
+from megatron_hdp.attention.kernels.registry import job_kernel
 from megatron_hdp.data.batching import InMemoryTokens, gather_local_batch
 from megatron_hdp.distributed.layout import ParallelDims
 from megatron_hdp.megatron.cpu_shim import maybe_cpu_shims
@@ -79,13 +78,15 @@ def time_lengths(
     repeats: int,
     *,
     device: torch.device = CPU_DEVICE,
-    backend: str = "torch",
+    backend: str = "auto",
 ) -> list[float]:
     """Median forward+backward seconds of one sequence per length (collective-free, 1 rank).
 
     The batches go to `device` (where `build_engine` puts the model) and attend with the
-    kernel `backend`, so a GPU calibration times the flash kernel the job would run.
+    kernel `backend`, resolved for the device as the job resolves it (`job_kernel`), so a
+    GPU calibration times the flash kernel the job would run, never a CPU kernel.
     """
+    backend = job_kernel(backend, device, dtype=cfg.dtype, head_dim=cfg.head_dim)
     engine = build_engine(cfg, OptimConfig())
     runtime = StepRuntime(group=dist.group.WORLD, device=device, backend=backend)
     gen = torch.Generator().manual_seed(0)
@@ -163,9 +164,7 @@ def main(argv=None) -> int:
     )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        backend = resolve_kernel(
-            "auto", DeviceFacts.of(device), dtype=cfg.dtype, head_dim=cfg.head_dim
-        )
+        backend = job_kernel("auto", device, dtype=cfg.dtype, head_dim=cfg.head_dim)
     except ValueError as err:
         logger.error("calibrate: error: %s", err)
         return 2
@@ -196,6 +195,7 @@ def main(argv=None) -> int:
         "profile": json.loads(profile.to_json()),
         "model": dataclasses.asdict(cfg),
         "lengths": args.lengths,
+        "kernel": backend,
         "measured_s": seconds,
         "predicted_s": [model.time(n, 1) for n in args.lengths],
     }

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.distributed import finalize_model_grads
 
+from megatron_hdp.attention.kernels.registry import step_kernel
 from megatron_hdp.attention.ring import build_ring_spec
 from megatron_hdp.attention.rope import RotaryTable
 from megatron_hdp.data.batching import LocalBatch, TokenSource, read_local
@@ -40,7 +41,10 @@ class StepRuntime:
     Attributes:
         group: The HDP pool's process group: ring traffic, and it must hold the same
             ranks as the data-parallel group the model's gradients are synced over.
-        backend: Attention block kernel (`attention.backends`).
+        backend: Attention kernel (`attention.kernels.registry`). "auto", the default, is
+            the CPU kernel `torch` on a CPU device; on any other device the job's resolved
+            kernel must be given (`registry.job_kernel`), else construction raises
+            ValueError: a CUDA runtime never falls back to a CPU kernel.
         device: Where micro-batch tensors go.
         stats: Counters of attention traffic sent from this rank.
         check_plans: All-gather plan digests every step and fail on disagreement (debug).
@@ -58,7 +62,7 @@ class StepRuntime:
     """
 
     group: dist.ProcessGroup
-    backend: str = "torch"
+    backend: str = "auto"
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     stats: CommStats = field(default_factory=CommStats)
     check_plans: bool = False
@@ -67,6 +71,11 @@ class StepRuntime:
     progress: Callable[[str], None] | None = None
     job_group: dist.ProcessGroup | None = None
     pipeline_group: dist.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        """Resolve "auto" for the device, or refuse a kernel that cannot run there."""
+        self.device = torch.device(self.device)
+        self.backend = step_kernel(self.backend, self.device)
 
     @property
     def all_ranks(self) -> dist.ProcessGroup:

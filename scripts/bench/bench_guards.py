@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_hdp.attention.kernels.registry import CHOICES, job_kernel
 from megatron_hdp.data.batching import InMemoryTokens
 from megatron_hdp.distributed.layout import ParallelDims
 from megatron_hdp.distributed.stop_signal import StopSignal
@@ -48,6 +49,13 @@ def parse_args(argv=None):
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument(
+        "--hdp-attention-backend",
+        choices=CHOICES,
+        default="auto",
+        help="attention kernel, resolved for the device as the job resolves it",
+    )
+    p.add_argument("--bf16", action="store_true", help="bfloat16 (GPU flash kernels need it)")
     args = p.parse_args(argv)
     if args.steps < 5:
         p.error(f"--steps must be >= 5 for a median, got {args.steps}")
@@ -74,7 +82,9 @@ def main(argv=None) -> None:
         num_attention_heads=8,
         num_query_groups=2,
         vocab_size=256,
+        params_dtype="bfloat16" if args.bf16 else "float32",
     )
+    kernel = job_kernel(args.hdp_attention_backend, device, dtype=cfg.dtype, head_dim=cfg.head_dim)
     lengths = batch_lengths(args.tokens, args.capacity, world, args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     docs = [torch.randint(0, 256, (n + 1,), generator=gen) for n in lengths]
@@ -90,7 +100,10 @@ def main(argv=None) -> None:
                 order = ["plain", "guarded"] if step % 2 else ["guarded", "plain"]
                 for variant in order:
                     runtime = StepRuntime(
-                        group=dist.group.WORLD, device=device, check_nonfinite=variant == "guarded"
+                        group=dist.group.WORLD,
+                        device=device,
+                        backend=kernel,
+                        check_nonfinite=variant == "guarded",
                     )
                     dist.barrier()
                     start = time.perf_counter()
@@ -106,7 +119,7 @@ def main(argv=None) -> None:
     if rank == 0:
         medians = {k: statistics.median(v) for k, v in times.items()}
         result = {
-            "config": {**vars(args), "out": str(args.out), "world_size": world},
+            "config": {**vars(args), "out": str(args.out), "world_size": world, "kernel": kernel},
             "environment": environment(),
             "step_seconds_median": medians,
             "step_seconds": times,

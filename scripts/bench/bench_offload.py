@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_hdp.attention.kernels.registry import CHOICES, job_kernel
 from megatron_hdp.data.batching import InMemoryTokens
 from megatron_hdp.distributed.layout import ParallelDims
 from megatron_hdp.launch import init_distributed, megatron_device_context, setup_logging
@@ -62,6 +63,13 @@ def parse_args(argv=None):
         default=4.0,
         help="host pool of each rank's copy engine, allocated (pinned on GPU) per ratio",
     )
+    p.add_argument(
+        "--hdp-attention-backend",
+        choices=CHOICES,
+        default="auto",
+        help="attention kernel, resolved for the device as the job resolves it",
+    )
+    p.add_argument("--bf16", action="store_true", help="bfloat16 (GPU flash kernels need it)")
     return p.parse_args(argv)
 
 
@@ -81,22 +89,16 @@ def planner_rank_counts() -> list[dict]:
     ]
 
 
-def measure(args, device) -> list[dict]:
+def measure(args, device, kernel: str) -> list[dict]:
     """Collective over the 2-rank world: one ring micro-batch per ratio, manager statistics."""
-    cfg = GPTConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=4,
-        num_query_groups=2,
-        vocab_size=256,
-    )
+    cfg = model_config(args)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (args.seq_length + 1,), generator=gen)
     source = InMemoryTokens([ids[:-1]], [ids[1:]])
     rows = []
     for ratio in args.ratios:
         engine = build_engine(cfg, OptimConfig(), seed=1)
-        runtime = StepRuntime(group=dist.group.WORLD, device=device)
+        runtime = StepRuntime(group=dist.group.WORLD, device=device, backend=kernel)
         runtime.offload = offload_manager(engine, args.host_memory_gb * 1e9, device)
         plan = plan_from_rank_lists(
             [args.seq_length],
@@ -123,15 +125,29 @@ def measure(args, device) -> list[dict]:
     return rows
 
 
+def model_config(args) -> GPTConfig:
+    """The measured model."""
+    return GPTConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=256,
+        params_dtype="bfloat16" if args.bf16 else "float32",
+    )
+
+
 def main(argv=None):
     args = parse_args(argv)
     device = init_distributed()
+    cfg = model_config(args)
+    kernel = job_kernel(args.hdp_attention_backend, device, dtype=cfg.dtype, head_dim=cfg.head_dim)
     rank = dist.get_rank()
     setup_logging(rank)
     with megatron_device_context():
         layout = ParallelDims.of_world().initialize()
         try:
-            rows = measure(args, device)
+            rows = measure(args, device, kernel)
         finally:
             layout.destroy()
     if rank == 0:
@@ -147,7 +163,7 @@ def main(argv=None):
             ) / row["peak_resident_bytes"]
         report = {
             "benchmark": "offload",
-            "config": {**vars(args), "out": str(args.out)},
+            "config": {**vars(args), "out": str(args.out), "kernel": kernel},
             "environment": environment(),
             "planner_rank_counts_7b_h100_c8k": planner_rank_counts(),
             "measured_ring_of_2_rank0": rows,

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_hdp.attention.kernels.registry import CHOICES, job_kernel
 from megatron_hdp.data.batching import InMemoryTokens
 from megatron_hdp.distributed.layout import ParallelDims
 from megatron_hdp.launch import init_distributed, megatron_device_context, setup_logging
@@ -52,16 +53,23 @@ def parse_args(argv=None):
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--host-memory-gb", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument(
+        "--hdp-attention-backend",
+        choices=CHOICES,
+        default="auto",
+        help="attention kernel, resolved for the device as the job resolves it",
+    )
+    p.add_argument("--bf16", action="store_true", help="bfloat16 (GPU flash kernels need it)")
     return p.parse_args(argv)
 
 
 class Variant:
     """One plan's engine and measurements."""
 
-    def __init__(self, name, plan, cfg, args, device, offload: bool):
+    def __init__(self, name, plan, cfg, args, device, kernel: str, offload: bool):
         self.name, self.plan = name, plan
         self.engine = build_engine(cfg, OptimConfig(lr=1e-3), seed=args.seed)
-        self.runtime = StepRuntime(group=dist.group.WORLD, device=device)
+        self.runtime = StepRuntime(group=dist.group.WORLD, device=device, backend=kernel)
         if offload:
             self.runtime.offload = offload_manager(
                 self.engine, args.host_memory_gb * 1e9, device, min_offload_bytes=0
@@ -107,7 +115,9 @@ def main(argv=None):
         num_attention_heads=8,
         num_query_groups=2,
         vocab_size=256,
+        params_dtype="bfloat16" if args.bf16 else "float32",
     )
+    kernel = job_kernel(args.hdp_attention_backend, device, dtype=cfg.dtype, head_dim=cfg.head_dim)
     lengths = [pool * args.capacity] * args.long
     gen = torch.Generator().manual_seed(args.seed)
     ids = [torch.randint(0, 256, (n + 1,), generator=gen) for n in lengths]
@@ -120,8 +130,8 @@ def main(argv=None):
         layout = ParallelDims.of_world().initialize()
         try:
             runs = [
-                Variant("without_offload", plain_plan, cfg, args, device, offload=False),
-                Variant("with_offload", offload_plan, cfg, args, device, offload=True),
+                Variant("without_offload", plain_plan, cfg, args, device, kernel, offload=False),
+                Variant("with_offload", offload_plan, cfg, args, device, kernel, offload=True),
             ]
             for step in range(args.warmup_steps + args.steps):
                 shift = step % len(runs)
@@ -137,7 +147,13 @@ def main(argv=None):
         )
         report = {
             "benchmark": "offload_choice_cpu",
-            "config": {**vars(args), "out": str(args.out), "pool_size": pool, "lengths": lengths},
+            "config": {
+                **vars(args),
+                "out": str(args.out),
+                "pool_size": pool,
+                "lengths": lengths,
+                "kernel": kernel,
+            },
             "environment": environment(),
             "decision": offload_plan.offload_decision.message(),
             "runs": results,

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_hdp.attention.kernels.registry import CHOICES, job_kernel
 from megatron_hdp.data.batching import InMemoryTokens
 from megatron_hdp.distributed.layout import ParallelDims
 from megatron_hdp.launch import init_distributed, megatron_device_context, setup_logging
@@ -70,6 +71,13 @@ def parse_args(argv=None):
         default=1,
         help="TP ranks per HDP replica: the pool is world / TP replicas",
     )
+    p.add_argument(
+        "--hdp-attention-backend",
+        choices=CHOICES,
+        default="auto",
+        help="attention kernel, resolved for the device as the job resolves it",
+    )
+    p.add_argument("--bf16", action="store_true", help="bfloat16 (GPU flash kernels need it)")
     args = p.parse_args(argv)
     if args.steps < 5:
         p.error(f"--steps must be >= 5 for a median, got {args.steps}")
@@ -163,7 +171,9 @@ def main(argv=None):
         num_query_groups=args.num_query_groups,
         vocab_size=256,
         tensor_model_parallel_size=tp,
+        params_dtype="bfloat16" if args.bf16 else "float32",
     )
+    kernel = job_kernel(args.hdp_attention_backend, device, dtype=cfg.dtype, head_dim=cfg.head_dim)
     lengths = mixed_lengths(pool_size, args.capacity, args.short_tokens, args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     ids = [torch.randint(0, 256, (n + 1,), generator=gen) for n in lengths]
@@ -171,7 +181,7 @@ def main(argv=None):
     with megatron_device_context():
         layout = ParallelDims.of_world(tensor_model_parallel_size=tp).initialize()
         try:
-            runtime = StepRuntime(group=layout.pool_group, device=device)
+            runtime = StepRuntime(group=layout.pool_group, device=device, backend=kernel)
             profile = device_profile(args.device_profile).replica(tp)
             cost_model = CostModel(model_shape(cfg), profile)
             runs = [
@@ -195,7 +205,12 @@ def main(argv=None):
         )
         report = {
             "benchmark": "placements",
-            "config": {**vars(args), "out": str(args.out), "pool_size": pool_size},
+            "config": {
+                **vars(args),
+                "out": str(args.out),
+                "pool_size": pool_size,
+                "kernel": kernel,
+            },
             "environment": environment(),
             "global_batch": {
                 "num_sequences": len(lengths),

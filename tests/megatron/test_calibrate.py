@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 import torch
@@ -39,3 +40,4 @@ def test_cpu_calibration_times_every_length_and_writes_a_profile(tmp_path, monke
     status = calibrate.main(["--out", str(out), "--lengths", "64", "128", "256", "--repeats", "1"])
     assert status == 0 and out.exists() and out.with_suffix(".fit.json").exists()
     assert timed[0][0] == [64, 128, 256] and all(s > 0 for s in timed[0][1])
+    assert json.loads(out.with_suffix(".fit.json").read_text())["kernel"] == "torch"

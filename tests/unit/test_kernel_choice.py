@@ -1,17 +1,14 @@
 """Kernel choice before start-up, and the GPU adapters against the real libraries' signatures.
 
 GPUs are described with `DeviceFacts` (what a CUDA device would report), so every rule runs
-here on CPU. The flash-attn fakes copy the exact signatures of flash-attn v2.6.3 and v2.8.3
-(`flash_attn/flash_attn_interface.py` at those tags; 2.7.x has 2.8.3's): 2.8.3's are
-`torch.library.custom_op`s as upstream defines them with torch >= 2.4.
+here on CPU. The flash-attn 2.6-2.8 adapter is tested against each release's fake in
+test_flash_attn_adapter.py; the FA4 fake here copies `flash_attn.cute.interface`'s entry points.
 """
 
 from __future__ import annotations
 
-import inspect
 import sys
 import types
-from typing import Optional
 
 import pytest
 import torch
@@ -182,7 +179,7 @@ def test_choosing_fa3_activates_it_once_process_wide(monkeypatch):
     assert resolve("torch_flash", H100) == "torch_flash" and activated == ["FA3"]
 
 
-# --- flash-attn 2.6 and 2.8 -----------------------------------------------------------------
+# --- the math kernel behind the FA4 fake (flash-attn 2.6-2.8: test_flash_attn_adapter.py) -----
 
 
 def _math_varlen(q, k, v, cu_q, cu_k, causal, scale):
@@ -204,174 +201,6 @@ def _fake_backward(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, scale, causa
     for target, value in zip((dq, dk, dv), got, strict=True):
         target.copy_(value)
     return torch.zeros(q.shape[1], q.shape[0])
-
-
-def _flash_attn_263():
-    """flash-attn v2.6.3: plain functions, the window as one tuple."""
-
-    def _flash_attn_varlen_forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-        softmax_scale, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-        return_softmax=False, block_table=None, leftpad_k=None, seqused_k=None,
-    ):  # fmt: skip
-        assert window_size == (-1, -1) and dropout_p == 0.0
-        return _fake_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
-
-    def _flash_attn_varlen_backward(
-        dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-        max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-        deterministic, rng_state=None,
-    ):  # fmt: skip
-        assert window_size == (-1, -1) and softcap == 0.0 and alibi_slopes is None
-        _fake_backward(
-            dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-            softmax_scale, causal,
-        )  # fmt: skip
-        return dq, dk, dv, torch.zeros(q.shape[1], q.shape[0])
-
-    return types.SimpleNamespace(
-        _flash_attn_varlen_forward=_flash_attn_varlen_forward,
-        _flash_attn_varlen_backward=_flash_attn_varlen_backward,
-    )
-
-
-_FA283 = None
-
-
-def _flash_attn_283():
-    """flash-attn v2.8.3: `torch.library.custom_op`s with upstream's exact signatures.
-
-    Upstream registers them for `device_types="cuda"`; these fakes run on CPU instead, and
-    live in their own namespace so that they never shadow a real installation.
-    """
-    global _FA283
-    if _FA283 is not None:
-        return _FA283
-
-    @torch.library.custom_op("hdp_fake_fa283::_flash_attn_varlen_forward", mutates_args=())
-    def _flash_attn_varlen_forward(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        dropout_p: float,
-        softmax_scale: float,
-        causal: bool,
-        window_size_left: int = -1,
-        window_size_right: int = -1,
-        softcap: float = 0.0,
-        alibi_slopes: Optional[torch.Tensor] = None,  # noqa: UP045 (upstream's spelling)
-        return_softmax: bool = False,
-        block_table: Optional[torch.Tensor] = None,  # noqa: UP045
-        leftpad_k: Optional[torch.Tensor] = None,  # noqa: UP045
-        seqused_k: Optional[torch.Tensor] = None,  # noqa: UP045
-        zero_tensors: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _fake_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
-
-    @torch.library.custom_op(
-        "hdp_fake_fa283::_flash_attn_varlen_backward", mutates_args=("dq", "dk", "dv")
-    )
-    def _flash_attn_varlen_backward(
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        softmax_lse: torch.Tensor,
-        dq: Optional[torch.Tensor],  # noqa: UP045
-        dk: Optional[torch.Tensor],  # noqa: UP045
-        dv: Optional[torch.Tensor],  # noqa: UP045
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        dropout_p: float,
-        softmax_scale: float,
-        causal: bool,
-        window_size_left: int,
-        window_size_right: int,
-        softcap: float,
-        alibi_slopes: Optional[torch.Tensor],  # noqa: UP045
-        deterministic: bool,
-        rng_state: Optional[torch.Tensor] = None,  # noqa: UP045
-        zero_tensors: bool = False,
-    ) -> torch.Tensor:
-        assert (window_size_left, window_size_right) == (-1, -1)
-        return _fake_backward(
-            dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-            softmax_scale, causal,
-        )  # fmt: skip
-
-    _FA283 = types.SimpleNamespace(
-        _flash_attn_varlen_forward=_flash_attn_varlen_forward,
-        _flash_attn_varlen_backward=_flash_attn_varlen_backward,
-    )
-    return _FA283
-
-
-def test_custom_ops_hide_their_signature_from_inspect():
-    """Why the adapter reads the op schema: this is what refused 2.7/2.8 before."""
-    fake = _flash_attn_283()
-    assert str(inspect.signature(fake._flash_attn_varlen_forward)) == "(*args, **kwargs)"
-    assert "window_size_left" in flash_attn_adapter.parameter_names(
-        fake._flash_attn_varlen_backward
-    )
-
-
-@pytest.mark.parametrize("version", ["2.6.3", "2.8.3"])
-def test_flash_attn_adapter_takes_both_releases_and_equals_the_math_kernel(version, monkeypatch):
-    fake = _flash_attn_263() if version == "2.6.3" else _flash_attn_283()
-    assert flash_attn_adapter.signature_problem(fake) is None
-    monkeypatch.setattr(flash_attn_adapter, "_interface", lambda: fake)
-    assert resolve("auto", DeviceFacts("cuda", "x", (8, 0), flash_built=False)) == "flash_attn"
-
-    gen = torch.Generator().manual_seed(3)
-    lengths_q, lengths_k = (3, 6, 1), (5, 2, 4)
-    q = torch.randn(sum(lengths_q), 4, 8, generator=gen)
-    k = torch.randn(sum(lengths_k), 2, 8, generator=gen)
-    v = torch.randn(sum(lengths_k), 2, 8, generator=gen)
-    dout = torch.randn_like(q)
-    blocks = VarlenBlocks.build(lengths_q, lengths_k, causal=False, device=torch.device("cpu"))
-    kernel, reference = registry.get_kernel("flash_attn"), registry.get_kernel("math")
-    out, lse = kernel.forward(q, k, v, blocks, scale=0.25)
-    want_out, want_lse = reference.forward(q, k, v, blocks, scale=0.25)
-    torch.testing.assert_close(out, want_out)
-    torch.testing.assert_close(lse, want_lse)
-    got = kernel.backward(dout, q, k, v, out, lse, blocks, scale=0.25)
-    want = reference.backward(dout, q, k, v, want_out, want_lse, blocks, scale=0.25)
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b)
-
-
-def test_flash_attn_signature_check_names_what_is_missing():
-    def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                softmax_scale, causal):  # fmt: skip
-        pass
-
-    def backward_without_window(
-        dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-        max_seqlen_k, dropout_p, softmax_scale, causal, softcap, alibi_slopes, deterministic,
-    ):  # fmt: skip
-        pass
-
-    def old_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k):
-        pass
-
-    fake = types.SimpleNamespace(
-        _flash_attn_varlen_forward=forward, _flash_attn_varlen_backward=old_backward
-    )
-    problem = flash_attn_adapter.signature_problem(fake)
-    assert "_flash_attn_varlen_backward lacks arguments" in problem and "max_seqlen_q" in problem
-    fake._flash_attn_varlen_backward = backward_without_window
-    assert "window_size_left/window_size_right (2.7+) or window_size (2.6)" in (
-        flash_attn_adapter.signature_problem(fake)
-    )
-    fake.__dict__.pop("_flash_attn_varlen_backward")
-    assert "has no _flash_attn_varlen_backward" in flash_attn_adapter.signature_problem(fake)
 
 
 # --- flash-attn-4 ------------------------------------------------------------------------------
@@ -408,6 +237,7 @@ def _flash_attn_4_module():
         mask_mod=None, aux_tensors=None, aux_scalars=None, block_sparse_tensors=None,
         dlse=None, learnable_sink=None,
     ):  # fmt: skip
+        module.calls.append(("_flash_attn_bwd", {"deterministic": deterministic}))
         grads = [torch.empty_like(t) for t in (q, k, v)]
         _fake_backward(dout, q, k, v, out, lse, *grads, cu_seqlens_q, cu_seqlens_k,
                        softmax_scale, causal)  # fmt: skip
@@ -415,6 +245,7 @@ def _flash_attn_4_module():
 
     module = types.ModuleType("flash_attn.cute.interface")
     module._flash_attn_fwd, module._flash_attn_bwd = _flash_attn_fwd, _flash_attn_bwd
+    module.calls = []
     return module
 
 
@@ -454,3 +285,53 @@ def test_flash_attn_4_adapter_takes_the_real_signature_and_equals_the_math_kerne
     assert "starts with ('q', 'k', 'v', 'dout', 'out', 'lse')" in flash_attn_4.signature_problem(
         renamed
     )
+
+
+@pytest.mark.parametrize("name", ["flash_attn_4", "torch_flash_fa4"])
+@pytest.mark.parametrize("head_dim", [160, 192, 200])
+def test_fa4_refuses_blackwell_head_dims_it_asserts_on(name, head_dim):
+    """flash-attention cute/interface.py `_validate_head_dims`: sm100 takes 8-128, or the
+    (q, v) pairs (192, 128) and (256, 256); the ring's v has q's head dim."""
+    with pytest.raises(ValueError, match=rf"Blackwell\) takes head dims 8-128.*got \({head_dim}, "):
+        resolve(name, B200, head_dim=head_dim)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fa4_takes_blackwells_head_dims_and_any_of_hoppers(head_dim, monkeypatch):
+    from megatron_hdp.attention.kernels import device, flash_attn_4
+
+    monkeypatch.setattr(flash_attn_4, "_interface", _flash_attn_4_module)
+    assert resolve("flash_attn_4", B200, head_dim=head_dim) == "flash_attn_4"
+    assert resolve("flash_attn_4", H100, head_dim=160) == "flash_attn_4"
+    assert device.fa4_limits(B200, dtype=BF16, head_dim=head_dim) is None
+    assert device.fa4_limits(B200, dtype=BF16, head_dim=192, head_dim_v=128) is None
+    reason = registry.get_kernel("torch_flash_fa4").unavailable_reason(
+        B200, dtype=BF16, head_dim=head_dim
+    )
+    assert "head dims" not in reason  # refused only for the package or torch's switch here
+
+
+@pytest.fixture
+def deterministic_mode():
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_flash_attn_4_backward_follows_torchs_deterministic_mode(
+    deterministic, monkeypatch, request
+):
+    from megatron_hdp.attention.kernels import flash_attn_4
+
+    if deterministic:
+        request.getfixturevalue("deterministic_mode")
+    fake = _flash_attn_4_module()
+    monkeypatch.setattr(flash_attn_4, "_interface", lambda: fake)
+    q, k, v = (torch.randn(6, h, 8) for h in (4, 2, 2))
+    blocks = VarlenBlocks.build((2, 4), (2, 4), causal=True, device=torch.device("cpu"))
+    kernel = registry.get_kernel("flash_attn_4")
+    out, lse = kernel.forward(q, k, v, blocks, scale=0.3)
+    kernel.backward(torch.randn_like(q), q, k, v, out, lse, blocks, scale=0.3)
+    assert fake.calls == [("_flash_attn_bwd", {"deterministic": deterministic})]

@@ -132,6 +132,22 @@ class VarlenKernel(Protocol):
         ...
 
 
+def check_lse(lse_HT: torch.Tensor, q_THD: torch.Tensor, source: str) -> torch.Tensor:
+    """`lse_HT` if it is the `[H, Tq]` log-sum-exp of `q_THD`; RuntimeError naming `source` else.
+
+    Flash libraries do not check the log-sum-exp they are handed back (flash-attn 2.6's
+    backward reads the first `H * Tq` floats of whatever it gets), so a wrong tensor taken
+    for it would silently give wrong gradients; every adapter checks it on every call.
+    """
+    expected = (q_THD.shape[1], q_THD.shape[0])
+    if tuple(lse_HT.shape) != expected:
+        raise RuntimeError(
+            f"{source} gave a log-sum-exp of shape {tuple(lse_HT.shape)}, expected "
+            f"[heads, tokens] = {expected}"
+        )
+    return lse_HT
+
+
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """Partial outputs, lse and gradients accumulate in float32 for 16-bit inputs."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype

@@ -2,7 +2,8 @@
 
 `DeviceFacts.of(device)` reads them from torch once, at start-up; tests build them by hand
 to describe a GPU this machine does not have. `flash_limits` holds the rules every flash
-kernel shares (16-bit inputs, Ampere or newer, head dims that are a multiple of 8 up to 256).
+kernel shares (16-bit inputs, Ampere or newer, head dims that are a multiple of 8 up to 256);
+`fa4_limits` adds FlashAttention-4's (Hopper or Blackwell, and Blackwell's head dims).
 """
 
 from __future__ import annotations
@@ -81,4 +82,32 @@ def flash_limits(
         )
     if head_dim % 8 != 0 or head_dim > 256:
         return f"needs a head dim that is a multiple of 8 and at most 256, got {head_dim}"
+    return None
+
+
+#: FA4's Blackwell (sm100/sm110) head dims besides 8-128: `(head_dim, head_dim_v)` pairs.
+FA4_BLACKWELL_PAIRS = ((192, 128), (256, 256))
+
+
+def fa4_limits(
+    facts: DeviceFacts, *, dtype: torch.dtype, head_dim: int, head_dim_v: int | None = None
+) -> str | None:
+    """None if FlashAttention-4 runs these tensors on `facts`; else why not.
+
+    FA4 runs on Hopper and Blackwell (sm90, sm100). On compute capability 10 and 11 it takes
+    head dims 8-128 only, or the pairs (192, 128) and (256, 256) (flash-attention
+    `flash_attn/cute/interface.py` `_validate_head_dims`, asserted at the first call); the
+    ring passes v with q's head dim unless `head_dim_v` says otherwise.
+    """
+    problem = flash_limits(facts, dtype=dtype, head_dim=head_dim, capability_majors=(9, 10))
+    if problem is not None:
+        return problem
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    major = (facts.capability or (0, 0))[0]
+    standard = 8 <= head_dim <= 128 and 8 <= head_dim_v <= 128
+    if major in (10, 11) and not standard and (head_dim, head_dim_v) not in FA4_BLACKWELL_PAIRS:
+        return (
+            f"on {facts.describe()} (Blackwell) takes head dims 8-128, or (q, v) = (192, 128) "
+            f"or (256, 256); got ({head_dim}, {head_dim_v})"
+        )
     return None

@@ -5,9 +5,17 @@ releases. From 2.7 they are `torch.library.custom_op` objects (with torch >= 2.4
 `inspect.signature` is `(*args, **kwargs)`: their parameter names are read from the
 registered op schema (or the wrapped function) instead. 2.6 takes the sliding window as one
 `window_size` tuple, 2.7 and 2.8 as `window_size_left` / `window_size_right`; both forms are
-supported. Everything is passed by keyword, after `signature_problem()` has checked once, at
-start-up, that every keyword exists. The varlen log-sum-exp is float32 `[H, Tq]`; the
-backward fills `dq`, `dk`, `dv` in place.
+supported. Everything is passed by keyword, every argument the adapter depends on included
+(2.6.0 and 2.6.1 declare `window_size`, `softcap`, `alibi_slopes`, `return_softmax` and, in
+2.6.0, `block_table` without defaults), after `signature_problem()` has checked once, at
+start-up, that every keyword exists.
+
+The forward's result differs by release: 2.6.x returns the 8-tuple
+`(out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state)` (v2.6.3
+`flash_attn_interface.py:115`), 2.7 and 2.8 `(out, softmax_lse, S_dmask, rng_state)` (v2.7.0
+:189). The varlen log-sum-exp is float32 `[H, Tq]`, checked on every call; the backward
+fills `dq`, `dk`, `dv` in place and is deterministic when
+`torch.are_deterministic_algorithms_enabled()`.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ import inspect
 
 import torch
 
-from megatron_hdp.attention.kernels.base import VarlenBlocks
+from megatron_hdp.attention.kernels.base import VarlenBlocks, check_lse
 from megatron_hdp.attention.kernels.device import DeviceFacts, flash_limits
 
 FORWARD_KEYWORDS = (
@@ -31,6 +39,10 @@ FORWARD_KEYWORDS = (
     "dropout_p",
     "softmax_scale",
     "causal",
+    "softcap",
+    "alibi_slopes",
+    "return_softmax",
+    "block_table",
 )
 BACKWARD_KEYWORDS = (
     "dout",
@@ -53,9 +65,11 @@ BACKWARD_KEYWORDS = (
     "alibi_slopes",
     "deterministic",
 )
-#: The backward's window arguments: 2.7/2.8 spell them apart, 2.6 as one tuple.
+#: The window arguments: 2.7/2.8 spell them apart, 2.6 as one tuple.
 WINDOW_SPLIT = ("window_size_left", "window_size_right")
 WINDOW_TUPLE = ("window_size",)
+#: Where the forward's result holds the log-sum-exp, by the result's length.
+LSE_INDEX = {8: 5, 4: 1}  # 2.6.x: (out, q, k, v, out_padded, lse, ...); 2.7+: (out, lse, ...)
 
 
 def _interface():
@@ -85,6 +99,24 @@ def _window_keywords(names: tuple[str, ...]) -> tuple[str, ...] | None:
     return None
 
 
+def _no_window(names: tuple[str, ...]) -> dict:
+    """The keywords that turn the sliding window off, in this release's spelling."""
+    if _window_keywords(names) == WINDOW_TUPLE:
+        return {"window_size": (-1, -1)}
+    return {"window_size_left": -1, "window_size_right": -1}
+
+
+def forward_lse(result, q_THD):
+    """The log-sum-exp in a forward result of any supported release, its shape checked."""
+    index = LSE_INDEX.get(len(result))
+    if index is None:
+        raise RuntimeError(
+            f"flash_attn's _flash_attn_varlen_forward returned {len(result)} values; "
+            "2.6.x returns 8 and 2.7-2.8 return 4 (supported: 2.6-2.8)"
+        )
+    return check_lse(result[index], q_THD, "flash_attn's _flash_attn_varlen_forward")
+
+
 def signature_problem(interface=None) -> str | None:
     """None if the installed flash-attn takes every keyword passed; otherwise what is wrong."""
     interface = interface or _interface()
@@ -99,7 +131,7 @@ def signature_problem(interface=None) -> str | None:
             return f"flash_attn.flash_attn_interface has no {name}"
         names = parameter_names(function)
         missing = [k for k in keywords if k not in names]
-        if name.endswith("backward") and _window_keywords(names) is None:
+        if _window_keywords(names) is None:
             missing.append("window_size_left/window_size_right (2.7+) or window_size (2.6)")
         if missing:
             return f"flash_attn's {name} lacks arguments {missing} (supported: 2.6-2.8)"
@@ -124,7 +156,8 @@ class FlashAttnKernel:
 
     def forward(self, q_THD, k_TGD, v_TGD, blocks: VarlenBlocks, *, scale):
         """See `base.VarlenKernel.forward`."""
-        result = _interface()._flash_attn_varlen_forward(
+        function = _interface()._flash_attn_varlen_forward
+        result = function(
             q=q_THD,
             k=k_TGD,
             v=v_TGD,
@@ -135,17 +168,18 @@ class FlashAttnKernel:
             dropout_p=0.0,
             softmax_scale=scale,
             causal=blocks.causal,
+            softcap=0.0,
+            alibi_slopes=None,
+            return_softmax=False,
+            block_table=None,
+            **_no_window(parameter_names(function)),
         )
-        return result[0], result[1]
+        return result[0], forward_lse(result, q_THD)
 
     def backward(self, dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_HT, blocks, *, scale):
-        """See `base.VarlenKernel.backward`."""
-        interface = _interface()
-        function = interface._flash_attn_varlen_backward
-        window = _window_keywords(parameter_names(function))
-        no_window = {"window_size": (-1, -1)} if window == WINDOW_TUPLE else {}
-        if window == WINDOW_SPLIT:
-            no_window = {"window_size_left": -1, "window_size_right": -1}
+        """See `base.VarlenKernel.backward` (deterministic in torch's deterministic mode)."""
+        function = _interface()._flash_attn_varlen_backward
+        check_lse(lse_HT, q_THD, "the log-sum-exp handed to flash_attn's backward")
         dq, dk, dv = torch.empty_like(q_THD), torch.empty_like(k_TGD), torch.empty_like(v_TGD)
         function(
             dout=dout_THD.contiguous(),
@@ -166,7 +200,7 @@ class FlashAttnKernel:
             causal=blocks.causal,
             softcap=0.0,
             alibi_slopes=None,
-            deterministic=False,
-            **no_window,
+            deterministic=torch.are_deterministic_algorithms_enabled(),
+            **_no_window(parameter_names(function)),
         )
         return dq, dk, dv

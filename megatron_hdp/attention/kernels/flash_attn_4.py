@@ -4,7 +4,9 @@ FA4 is written in CuTe-DSL for Hopper and Blackwell (sm90, sm100) and ships as a
 wheel. Its entry points `_flash_attn_fwd` / `_flash_attn_bwd` are private: q, k, v (and out,
 dout, lse) go by position, everything else by keyword, after `signature_problem()` has
 checked once, at start-up, that every keyword exists. The varlen log-sum-exp is float32
-`[H, Tq]`, as the ring needs. (torch's own FA4 switch, `torch_flash_fa4`, calls the same
+`[H, Tq]`, as the ring needs (checked on every call). The backward is deterministic when
+`torch.are_deterministic_algorithms_enabled()`. Blackwell's head-dim limits are checked at
+start-up (`device.fa4_limits`). (torch's own FA4 switch, `torch_flash_fa4`, calls the same
 functions the same way; this kernel serves a torch without that switch.)
 """
 
@@ -13,8 +15,10 @@ from __future__ import annotations
 import importlib
 import inspect
 
-from megatron_hdp.attention.kernels.base import VarlenBlocks
-from megatron_hdp.attention.kernels.device import DeviceFacts, flash_limits
+import torch
+
+from megatron_hdp.attention.kernels.base import VarlenBlocks, check_lse
+from megatron_hdp.attention.kernels.device import DeviceFacts, fa4_limits
 
 MODULE = "flash_attn.cute.interface"
 FORWARD_KEYWORDS = (
@@ -33,6 +37,7 @@ BACKWARD_KEYWORDS = (
     "cu_seqlens_k",
     "max_seqlen_q",
     "max_seqlen_k",
+    "deterministic",
 )
 
 
@@ -70,9 +75,8 @@ class FlashAttn4Kernel:
     name = "flash_attn_4"
 
     def unavailable_reason(self, facts: DeviceFacts, *, dtype, head_dim) -> str | None:
-        """Needs sm90/sm100, 16-bit tensors, a head dim of 8k <= 256 and flash-attn-4."""
-        problem = flash_limits(facts, dtype=dtype, head_dim=head_dim, capability_majors=(9, 10))
-        return problem or signature_problem()
+        """Needs sm90/sm100, 16-bit tensors, FA4's head dims (`fa4_limits`) and flash-attn-4."""
+        return fa4_limits(facts, dtype=dtype, head_dim=head_dim) or signature_problem()
 
     def activate(self) -> None:
         """Nothing to set up."""
@@ -91,10 +95,10 @@ class FlashAttn4Kernel:
             causal=blocks.causal,
             return_lse=True,
         )
-        return result[0], result[1]
+        return result[0], check_lse(result[1], q_THD, f"{MODULE}._flash_attn_fwd")
 
     def backward(self, dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_HT, blocks, *, scale):
-        """See `base.VarlenKernel.backward`."""
+        """See `base.VarlenKernel.backward` (deterministic in torch's deterministic mode)."""
         grads = _interface()._flash_attn_bwd(
             q_THD,
             k_TGD,
@@ -108,5 +112,6 @@ class FlashAttn4Kernel:
             cu_seqlens_k=blocks.cu_seqlens_k,
             max_seqlen_q=blocks.max_seqlen_q,
             max_seqlen_k=blocks.max_seqlen_k,
+            deterministic=torch.are_deterministic_algorithms_enabled(),
         )
         return grads[0], grads[1], grads[2]

@@ -10,6 +10,11 @@ rank can then fail inside a ring step while its peers wait.
 document); on CPU the aten CPU flash kernels (`torch`). `torch_flash_fa3` and
 `torch_flash_fa4` (FA3/FA4 behind torch's ops) and `flash_attn_4` (the flash-attn-4 package
 called directly) are chosen by name only.
+
+`job_kernel(name, device, ...)` is the same choice made from a device: what benchmarks and
+calibration call so that they time the kernel the job runs. `step_kernel(name, device)`
+guards the step runtime: "auto" there means the CPU kernel `torch` on CPU and is refused
+elsewhere (the choice needs the dtype and head dim), as is a CPU kernel off the CPU.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import logging
 import torch
 
 from megatron_hdp.attention.kernels.base import VarlenKernel
-from megatron_hdp.attention.kernels.cpu import MATH, TORCH
+from megatron_hdp.attention.kernels.cpu import MATH, TORCH, BlockLoopKernel
 from megatron_hdp.attention.kernels.device import PRECISION_HINT, DeviceFacts
 from megatron_hdp.attention.kernels.flash_attn import FlashAttnKernel
 from megatron_hdp.attention.kernels.flash_attn_4 import FlashAttn4Kernel
@@ -99,4 +104,38 @@ def resolve_kernel(name: str, facts: DeviceFacts, *, dtype: torch.dtype, head_di
     if reason is not None:
         raise ValueError(f"attention backend {name!r} cannot run here: {reason}")
     kernel.activate()
+    return name
+
+
+def job_kernel(name: str, device: torch.device | str, *, dtype: torch.dtype, head_dim: int) -> str:
+    """The kernel a job on `device` runs for `name` ("auto" or a kernel), activated.
+
+    The choice `pretrain_hdp` makes at start-up (`resolve_kernel` on the device's facts), for
+    benchmarks and calibration to time the job's kernel: on CUDA a flash kernel, never a CPU
+    one. ValueError with the reason where nothing runs these tensors there.
+    """
+    return resolve_kernel(name, DeviceFacts.of(device), dtype=dtype, head_dim=head_dim)
+
+
+def step_kernel(name: str | None, device: torch.device | str) -> str:
+    """The kernel name a step runtime on `device` uses for `name`; ValueError if none fits.
+
+    "auto" (or None) is the CPU kernel `torch` on CPU. Elsewhere the choice depends on the
+    model's dtype and head dim, which the runtime does not know: it must be resolved first
+    (`job_kernel`, or the job's resolved `--hdp-attention-backend`), never silently become a
+    CPU kernel. A CPU kernel named for a non-CPU device is refused with its reason.
+    """
+    device = torch.device(device)
+    if name in (None, "auto"):
+        if device.type == "cpu":
+            return TORCH.name
+        raise ValueError(
+            f"a step runtime on {device} needs the job's attention kernel: resolve it with "
+            "registry.job_kernel(name, device, dtype=, head_dim=) (or pass the job's resolved "
+            "--hdp-attention-backend); the CPU kernels are not used there"
+        )
+    kernel = _KERNELS.get(name)
+    if isinstance(kernel, BlockLoopKernel) and device.type != "cpu":
+        reason = kernel.unavailable_reason(DeviceFacts(device.type), dtype=None, head_dim=0)
+        raise ValueError(f"attention backend {name!r} cannot run on {device}: {reason}")
     return name

@@ -22,8 +22,8 @@ import logging
 
 import torch
 
-from megatron_hdp.attention.kernels.base import VarlenBlocks
-from megatron_hdp.attention.kernels.device import DeviceFacts, flash_limits
+from megatron_hdp.attention.kernels.base import VarlenBlocks, check_lse
+from megatron_hdp.attention.kernels.device import DeviceFacts, fa4_limits, flash_limits
 
 logger = logging.getLogger(__name__)
 
@@ -134,11 +134,18 @@ class TorchFlashKernel:
         self.name = "torch_flash" if impl is None else f"torch_flash_{impl.lower()}"
 
     def unavailable_reason(self, facts: DeviceFacts, *, dtype, head_dim) -> str | None:
-        """Needs CUDA (sm80+), 16-bit tensors, a head dim of 8k <= 256 and matching schemas."""
+        """Needs CUDA (sm80+), 16-bit tensors, a head dim of 8k <= 256 and matching schemas.
+
+        FA3 needs Hopper; FA4 Hopper or Blackwell, with Blackwell's head dims (`fa4_limits`).
+        Deterministic mode is honoured by the aten ops themselves.
+        """
         if self.impl is None:
             problem = flash_limits(facts, dtype=dtype, head_dim=head_dim)
             if problem is None and not facts.flash_built:
                 problem = f"this torch {torch.__version__} was built without flash attention"
+        elif self.impl == "FA4":
+            problem = fa4_limits(facts, dtype=dtype, head_dim=head_dim)
+            problem = problem or impl_problem(self.impl)
         else:
             problem = flash_limits(
                 facts, dtype=dtype, head_dim=head_dim, capability_majors=IMPL_MAJORS[self.impl]
@@ -169,12 +176,7 @@ class TorchFlashKernel:
             False,
             scale=scale,
         )
-        if lse.shape != (q_THD.shape[1], q_THD.shape[0]):
-            raise RuntimeError(
-                f"aten::_flash_attention_forward returned a log-sum-exp of shape "
-                f"{tuple(lse.shape)}, expected [heads, tokens] = {(q_THD.shape[1], q_THD.shape[0])}"
-            )
-        return out, lse
+        return out, check_lse(lse, q_THD, "aten::_flash_attention_forward")
 
     def backward(self, dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_HT, blocks, *, scale):
         """See `base.VarlenKernel.backward` (no dropout: the RNG state is never read)."""
