@@ -69,6 +69,21 @@ def _storage_infos(root):
             stack.extend(obj)
 
 
+def index_problem(folder: str | Path) -> str | None:
+    """Why the index of a distributed checkpoint `folder` cannot be used, or None.
+
+    For a folder that is known to be in the distributed format (it has `metadata.json`).
+    """
+    index = Path(folder) / INDEX
+    if not index.is_file():
+        return f"{INDEX} (the index of its shards) is missing"
+    try:
+        _IndexUnpickler(index.read_bytes()).load()
+    except Exception as err:  # noqa: BLE001 - any failure to read it is damage
+        return f"{INDEX} (the index of its shards) cannot be read ({type(err).__name__})"
+    return None
+
+
 def required_sizes(folder: str | Path) -> dict[str, int] | None:
     """The least size in bytes of each shard file the index of `folder` names.
 

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
+from megatron_hdp.checkpoint_digests import checkpoint_files, digests, share, write_digests
 from megatron_hdp.checkpoint_files import (
     META,
     TRACKER,
@@ -327,9 +328,9 @@ def save_checkpoint(
             "finite (NaN or infinite); the latest checkpoint there is unchanged"
         )
     error: BaseException | None = None
+    run_id = (meta_extra or {}).get("run_id")
     if rank == 0:
         try:
-            run_id = (meta_extra or {}).get("run_id")
             _prepare_folder(root, partial, state.iteration, discard_existing, run_id)
         except (OSError, ValueError) as err:
             error = err
@@ -371,7 +372,9 @@ def save_checkpoint(
     _raise_if_any_failed(error, group, device, root, state.iteration)
 
     def publish() -> None:
-        """Collective: rank 0 renames the folder and names it in the tracker."""
+        """Collective: digest every file; rank 0 renames the folder, names it in the tracker."""
+        failure = _write_digests(partial, group, run_id=run_id, iteration=state.iteration)
+        _raise_if_any_failed(failure, group, device, root, state.iteration)
         failure = None
         if rank == 0:
             try:
@@ -390,6 +393,44 @@ def save_checkpoint(
         request.add_finalize_fn(publish)
         async_saves.schedule(request, root=root, iteration=state.iteration)
     return final
+
+
+def _write_digests(
+    partial: Path, group: dist.ProcessGroup, *, run_id: str | None, iteration: int
+) -> BaseException | None:
+    """Collective over `group`: hash the checkpoint's files, rank 0 writes `hdp_digests.json`.
+
+    The ranks share the files out (every rank reads about 1/N of the bytes, in threads);
+    rank 0 lists them once every rank's writes are done. Returns this rank's error, if any,
+    for `_raise_if_any_failed`.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    names: list = [None]
+    if rank == 0:
+        try:
+            names = [checkpoint_files(partial)]
+        except OSError as err:
+            names = [err]
+    dist.broadcast_object_list(names, src=dist.get_global_rank(group, 0), group=group)
+    if isinstance(names[0], BaseException):
+        return names[0] if rank == 0 else None
+    mine: dict | BaseException
+    try:
+        mine = digests(partial, share(names[0], rank, world))
+    except OSError as err:
+        mine = err
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, mine, group=group)
+    if isinstance(mine, BaseException):
+        return mine
+    if rank != 0 or any(isinstance(g, BaseException) for g in gathered):
+        return None
+    files = {name: digest for part in gathered for name, digest in part.items()}
+    try:
+        write_digests(partial, files, run_id=run_id, iteration=iteration)
+    except OSError as err:
+        return err
+    return None
 
 
 def _write_text(path: Path, text: str) -> None:

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_hdp.checkpoint_files import read_meta
+from megatron_hdp.checkpoint_digests import DIGESTS
+from megatron_hdp.checkpoint_files import iteration_dir, latest_iteration, read_meta
 from megatron_hdp.data.batching import IndexedTokens
 from megatron_hdp.data.loader import GlobalBatchLoader
 from megatron_hdp.data.service.address import resolve_ray_address
@@ -200,6 +201,13 @@ class Trainer:
 
     def resume(self) -> None:
         """Collective: restore everything from `--load`."""
+        folder = iteration_dir(self.args.load, latest_iteration(self.args.load))
+        if self.rank == 0 and not (folder / DIGESTS).exists():
+            logger.warning(
+                "--load %s was written before checkpoints carried digests: its content was "
+                "not verified (sizes and structure only); its next save here carries them",
+                folder,
+            )
         if self.args.finetune:
             load_checkpoint(
                 self.args.load, self.engine, group=self.runtime.all_ranks, load_optimizer=False

@@ -21,14 +21,22 @@ import argparse
 import datetime
 import functools
 import importlib.util
+import json
 import math
 import os
 import re
 import zipfile
 from pathlib import Path
 
-from megatron_hdp.checkpoint_files import TRACKER, iteration_dir, latest_iteration, read_meta
-from megatron_hdp.checkpoint_shards import INDEX, short_shards
+from megatron_hdp.checkpoint_digests import digest_problems, read_digests
+from megatron_hdp.checkpoint_files import (
+    DIST_METADATA,
+    TRACKER,
+    iteration_dir,
+    latest_iteration,
+    read_meta,
+)
+from megatron_hdp.checkpoint_shards import INDEX, index_problem, short_shards
 from megatron_hdp.data.sampler import parse_split
 from megatron_hdp.data.service.address import (
     address_origin,
@@ -639,27 +647,71 @@ def _check_paths(args: argparse.Namespace) -> None:
             raise ValueError(f"{name} {value}: is a file, not a checkpoint folder")
 
 
-def _check_files_complete(load: str) -> None:
-    """ValueError naming a file of the latest checkpoint that is cut short.
+def _digest_share() -> tuple[int, int]:
+    """(rank, ranks) that share out the content check: the job's, under torchrun.
 
-    torch.save writes zip archives; a truncated one has no central directory at its end,
-    which `zipfile` finds by reading the last bytes only. The shard files of the
-    distributed format must hold what the folder's index says they hold.
+    `--hdp-validate-only` and other single processes (no `LOCAL_RANK`) check every file.
     """
-    folder = iteration_dir(load, latest_iteration(load))
+    if "LOCAL_RANK" not in os.environ:
+        return 0, 1
+    try:
+        return int(os.environ.get("RANK", "0")), max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 0, 1
+
+
+def _check_files_complete(load: str, meta: dict | None = None) -> None:
+    """ValueError naming a file of the latest checkpoint that is damaged, missing or foreign.
+
+    A checkpoint with digests (`checkpoint_digests`) is checked file by file against them:
+    presence, size and content (the job's ranks share the reading out). One written before
+    digests existed, or by stock Megatron-LM, gets the structural checks: torch.save's zip
+    archives have their central directory, a distributed folder has its `metadata.json`
+    (readable) and its index `.metadata` (readable), and every shard holds what the index
+    says.
+    """
+    latest = latest_iteration(load)
+    folder = iteration_dir(load, latest)
+    where = folder.relative_to(load)
     advice = f"resume from an earlier checkpoint by pointing the tracker {TRACKER} at it"
+
+    def refuse(what: str) -> None:
+        raise ValueError(f"--load {load}: {where}/{what}; {advice}")
+
+    try:
+        record = read_digests(folder)
+    except ValueError as err:
+        refuse(str(err))
+    if record is not None:
+        rank, ranks = _digest_share()
+        run_id = (meta or {}).get("run_id")
+        problems = digest_problems(
+            folder, record, run_id=run_id, iteration=latest, rank=rank, world=ranks
+        )
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            refuse(problems[0] + more)
+        return
+    distributed = (folder / DIST_METADATA).exists()
+    if not distributed and ((folder / INDEX).exists() or any(folder.glob("*.distcp"))):
+        refuse(
+            f"{DIST_METADATA} is missing from a folder of distributed-checkpoint shards (copied "
+            "or written only in part)"
+        )
+    if distributed:
+        try:
+            json.loads((folder / DIST_METADATA).read_text())
+        except (OSError, ValueError) as err:
+            refuse(f"{DIST_METADATA} is damaged ({type(err).__name__})")
+        problem = index_problem(folder)
+        if problem is not None:
+            refuse(problem)
     for path in sorted(folder.glob("*.pt")):
         if not zipfile.is_zipfile(path):
-            raise ValueError(
-                f"--load {load}: {path.relative_to(load)} is not a complete torch file "
-                f"(truncated or damaged); {advice}"
-            )
+            refuse(f"{path.name} is not a complete torch file (truncated or damaged)")
     for name, needed, have in short_shards(folder):
         found = "is missing" if have is None else f"holds {have:,} bytes"
-        raise ValueError(
-            f"--load {load}: {(folder / name).relative_to(load)} {found}, its index "
-            f"{INDEX} says {needed:,} (truncated); {advice}"
-        )
+        refuse(f"{name} {found}, its index {INDEX} says {needed:,} (truncated)")
 
 
 def _check_optimizer_resume(args: argparse.Namespace, meta: dict, world_size: int) -> None:
@@ -719,7 +771,7 @@ def _check_resume(args: argparse.Namespace, world_size: int) -> dict | None:
             meta = read_meta(args.load)
         except ValueError as err:
             raise ValueError(f"--load {args.load}: {err}") from None
-        _check_files_complete(args.load)
+        _check_files_complete(args.load, meta)
         if not args.finetune:
             _check_optimizer_resume(args, meta, world_size)
             check_schedule(args, meta, flag)

@@ -52,6 +52,25 @@ def run_pretrain(world_size: int, argv: list[str], timeout_s: float = 300) -> li
     return per_rank[0]
 
 
+def _body_logged(rank, world_size, argv, log_path):
+    """pretrain_hdp.main with rank 0's megatron_hdp log lines also written to `log_path`."""
+    import logging
+
+    if rank == 0:
+        handler = logging.FileHandler(log_path)
+        logging.getLogger("megatron_hdp").addHandler(handler)
+        logging.getLogger("megatron_hdp").setLevel(logging.INFO)
+    return _body_main(rank, world_size, argv)
+
+
+def run_pretrain_logged(world_size, argv, log_path) -> list[dict]:
+    """Like `run_pretrain` (rank 0's records, losses checked to agree), logging to a file."""
+    per_rank = run_ranks(_body_logged, world_size, argv, str(log_path), timeout_s=300)
+    for rank, steps in enumerate(per_rank[1:], start=1):
+        assert [repr(s["loss"]) for s in steps] == [repr(s["loss"]) for s in per_rank[0]], rank
+    return per_rank[0]
+
+
 def corpus_args(cache, *, iters, lr="1e-3", tokens=2048, extra=()):
     """A small job on the embedded corpus: 512-token context, capacity 256 (2+ ranks)."""
     return [

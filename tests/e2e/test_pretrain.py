@@ -9,8 +9,13 @@ import pytest
 import torch
 
 from megatron_hdp.sharding import rank_token_counts
-from tests.dist import run_ranks
-from tests.e2e.harness import REPO, SMALL_MODEL, _body_main, run_pretrain, saved_tensors
+from tests.e2e.harness import (
+    REPO,
+    SMALL_MODEL,
+    run_pretrain,
+    run_pretrain_logged,
+    saved_tensors,
+)
 
 
 def default_corpus_args(cache, *, capacity, iters=6, extra=()):
@@ -39,25 +44,6 @@ def default_corpus_args(cache, *, capacity, iters=6, extra=()):
 def assert_loss_goes_down(steps):
     losses = [s["loss"] for s in steps]
     assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.1, losses
-
-
-def _body_logged(rank, world_size, argv, log_path):
-    """pretrain_hdp.main with rank 0's megatron_hdp log lines also written to `log_path`."""
-    import logging
-
-    if rank == 0:
-        handler = logging.FileHandler(log_path)
-        logging.getLogger("megatron_hdp").addHandler(handler)
-        logging.getLogger("megatron_hdp").setLevel(logging.INFO)
-    return _body_main(rank, world_size, argv)
-
-
-def run_pretrain_logged(world_size, argv, log_path) -> list[dict]:
-    """Like `run_pretrain` (rank 0's records, losses checked to agree), logging to a file."""
-    per_rank = run_ranks(_body_logged, world_size, argv, str(log_path), timeout_s=300)
-    for rank, steps in enumerate(per_rank[1:], start=1):
-        assert [repr(s["loss"]) for s in steps] == [repr(s["loss"]) for s in per_rank[0]], rank
-    return per_rank[0]
 
 
 def check_summary(log: str, records: list[dict], world_size: int) -> None:

@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch.distributed as dist
 
+from megatron_hdp.checkpoint_digests import DIGESTS
 from megatron_hdp.checkpoint_files import iteration_dir, latest_iteration
 from tests.e2e.harness import corpus_args, run_pretrain, tiny_engine
 
@@ -260,6 +261,7 @@ def test_a_checkpoint_from_before_tensor_parallelism_still_resumes(
     import pretrain_hdp
 
     meta_path = iteration_dir(checkpoint, 4) / "meta.json"
+    (meta_path.parent / DIGESTS).unlink()  # nor digests: they came later still
     meta = json.loads(meta_path.read_text())
     for key in ("tensor_model_parallel_size", "sequence_parallel"):
         del meta["model"][key]
@@ -281,17 +283,29 @@ def test_a_truncated_checkpoint_file_is_refused_before_start_up(
     folder = iteration_dir(checkpoint, 4)
     shard = max(folder.glob("*.distcp"), key=lambda p: p.stat().st_size)
     size = shard.stat().st_size
-    cases = [(shard, f"{shard.name} holds {size // 2:,} bytes, its index .metadata says {size:,}")]
+    cases = [(shard, f"{shard.name} holds {size // 2:,} bytes, its digest says {size:,}")]
+    if (folder / "common.pt").exists():
+        common = (folder / "common.pt").stat().st_size
+        says = f"common.pt holds {common // 2:,} bytes, its digest says {common:,}"
+        cases.append((folder / "common.pt", says))
+    # A checkpoint from before digests: the index and the zip archives say it.
+    cases.append(
+        (shard, f"{shard.name} holds {size // 2:,} bytes, its index .metadata says {size:,}")
+    )
     if (folder / "common.pt").exists():
         cases.append((folder / "common.pt", "common.pt is not a complete torch file"))
+    digests = (folder / DIGESTS).read_bytes()
     argv = job_args(corpus_cache, iters=6, extra=["--load", str(checkpoint)])
     for path, says in cases:
+        if "its index" in says and (folder / DIGESTS).exists():
+            (folder / DIGESTS).unlink()
         whole = path.read_bytes()
         path.write_bytes(whole[: len(whole) // 2])
         code, err = exit_of([*argv, "--lr-decay-iters", "4"], monkeypatch, capsys)
         assert code == 2
         assert f"--load {checkpoint}: iter_0000004/{says}" in err
         path.write_bytes(whole)
+    (folder / DIGESTS).write_bytes(digests)
     import pretrain_hdp  # whole again: accepted
 
     assert pretrain_hdp.main([*argv, "--lr-decay-iters", "4", "--hdp-validate-only"]) == []

@@ -26,6 +26,7 @@ PURE = (
     "data/sampler.py",
     "data/spec.py",
     "offload/host_budget.py",
+    "checkpoint_digests.py",
 )
 
 
