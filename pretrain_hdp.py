@@ -100,6 +100,7 @@ def _prepare(parser, args, world_size: int):
                 prefixes=data.prefixes,
                 streams=data.streams,
                 finetune=args.finetune,
+                fingerprints=data.fingerprints,
             )
     except ValueError as err:
         _say(parser, 2, f"error: {err}")

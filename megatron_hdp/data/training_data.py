@@ -11,6 +11,7 @@ Documents: each sequence of an indexed dataset is one document (what Megatron's
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_hdp.data.fingerprint import dataset_fingerprint
 from megatron_hdp.data.indexed import ensure_stdlib_corpus, open_indexed_dataset
 from megatron_hdp.data.sampler import DatasetUnits, TokenBudgetSampler, split_ranges
 from megatron_hdp.data.sources import open_source, source_location
@@ -75,6 +77,11 @@ class TrainingData:
     valid_units: list[DatasetUnits] | None
     cfg: DataConfig
     valid_weights: list[float] | None = None
+
+    @functools.cached_property
+    def fingerprints(self) -> list[str]:
+        """Each dataset's content fingerprint (`data.fingerprint`), in `prefixes` order."""
+        return [dataset_fingerprint(prefix) for prefix in self.prefixes]
 
     @property
     def streams(self) -> list[str]:

@@ -257,7 +257,11 @@ class Trainer:
                 "run_id": self.run_id,
                 "train_iters": self.args.train_iters,
                 "model": dataclasses.asdict(self.engine.cfg),
-                "data": {"prefixes": self.data.prefixes, "setup": self.data.train.setup()},
+                "data": {
+                    "prefixes": self.data.prefixes,
+                    "fingerprints": self.data.fingerprints,
+                    "setup": self.data.train.setup(),
+                },
             },
             discard_existing=self._discard_on_save,
             fully_reshardable=self.args.dist_ckpt_optim_fully_reshardable,

@@ -900,6 +900,39 @@ def megatron_lm_model(load: str) -> dict | None:
     }
 
 
+def _check_same_data(
+    load: str, saved: dict, prefixes: list[str], fingerprints: list[str] | None
+) -> None:
+    """ValueError if this run's datasets are not the checkpoint's.
+
+    By content where the checkpoint has fingerprints (at any path), else by path as given.
+    """
+    saved_prints = saved.get("fingerprints")
+    if saved_prints is None or fingerprints is None:
+        if saved["prefixes"] != prefixes:
+            raise ValueError(
+                f"--load {load}: the checkpoint was trained on {saved['prefixes']}, this "
+                f"run reads {prefixes}"
+            )
+        return
+    if len(saved_prints) != len(fingerprints):
+        raise ValueError(
+            f"--load {load}: the checkpoint was trained on {len(saved_prints)} datasets "
+            f"({saved['prefixes']}), this run reads {len(fingerprints)} ({prefixes})"
+        )
+    for then, now, print_then, print_now in zip(
+        saved["prefixes"], prefixes, saved_prints, fingerprints, strict=True
+    ):
+        if print_then == print_now:
+            continue  # the same content, wherever it lives now
+        where = f"{now} is not" if then == now else f"{now} is not the checkpoint's {then}"
+        raise ValueError(
+            f"--load {load}: the dataset {where}: its content differs from what the checkpoint "
+            f"was trained on (fingerprint {print_now}, the checkpoint's {print_then}; "
+            "rewritten or re-preprocessed?)"
+        )
+
+
 def check_resume_matches(
     meta: dict,
     *,
@@ -909,6 +942,7 @@ def check_resume_matches(
     prefixes: list[str],
     streams: list[str] | None = None,
     finetune: bool = False,
+    fingerprints: list[str] | None = None,
 ) -> None:
     """ValueError naming what differs between this run and the checkpoint it resumes.
 
@@ -920,6 +954,9 @@ def check_resume_matches(
         prefixes: This run's dataset prefixes.
         streams: This run's sampler streams (names a changed blend by source and bucket).
         finetune: `--finetune` (the weights alone): the data may differ.
+        fingerprints: This run's datasets' content fingerprints (`data.fingerprint`), in
+            the order of `prefixes`: where the checkpoint has them too, the same content
+            at another path is the same data, and other content at the same path is not.
     """
     saved_model = meta.get("model")
     if saved_model is None and meta.get("megatron_lm"):
@@ -939,11 +976,7 @@ def check_resume_matches(
             raise ValueError(f"--load {load}: the model differs from the checkpoint's ({detail})")
     saved_data = None if finetune else meta.get("data")
     if saved_data is not None:
-        if saved_data["prefixes"] != prefixes:
-            raise ValueError(
-                f"--load {load}: the checkpoint was trained on {saved_data['prefixes']}, this "
-                f"run reads {prefixes}"
-            )
+        _check_same_data(load, saved_data, prefixes, fingerprints)
         saved_streams = len(saved_data["setup"].get("units", []))
         if streams is not None and saved_streams != len(data_setup.get("units", [])):
             raise ValueError(
