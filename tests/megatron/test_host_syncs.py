@@ -32,7 +32,7 @@ from tests.dist import run_ranks
 from tests.megatron.test_model_equivalence import batch_of_lengths, source_of
 
 READS = {"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "nonzero"}
-READS |= {"argwhere", "masked_select", "unique", "bincount"}
+READS |= {"argwhere", "masked_select", "unique", "bincount", "cpu"}  # .cpu(): a read too
 COPY_FUNCTIONS = {"to", "cuda", "copy_"}
 CAPACITY = 16
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
