@@ -135,6 +135,7 @@ def packed_seq_params(
             group=runtime.group,
             stats=runtime.stats,
             backend=runtime.backend,
+            steps=batch.attention_steps(),
         ),
         rotary=rotary,
     )

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+from megatron_hdp.attention import ring
 from megatron_hdp.data.batching import LocalBatch, gather_local_batch, read_local
 from megatron_hdp.distributed.layout import ParallelDims
 from megatron_hdp.megatron.cpu_shim import cpu_shims
@@ -104,6 +105,10 @@ def _flat(items):
             yield item
 
 
+def _not_in_the_step(*args, **kwargs):
+    raise AssertionError("ring step indices built during the step, not with the batch")
+
+
 def _body(rank, world_size, num_layers):
     cfg = GPTConfig(
         num_layers=num_layers,
@@ -124,9 +129,15 @@ def _body(rank, world_size, num_layers):
             # Read ahead on the host, as the job's prefetch thread does.
             prepared = (read_local(plan, source, rank), None)
             counter = SyncCounter()
-            with counter:
-                batches, tokens = read_and_count(plan, source, runtime, prepared)
-                forward_backward(engine, batches, runtime, loss_scale=1.0 / tokens)
+            # The attention's step indices come with the batch: none is built in a layer.
+            built_in_step = ring.ring_index
+            ring.ring_index = _not_in_the_step
+            try:
+                with counter:
+                    batches, tokens = read_and_count(plan, source, runtime, prepared)
+                    forward_backward(engine, batches, runtime, loss_scale=1.0 / tokens)
+            finally:
+                ring.ring_index = built_in_step
             rings = [b.ring for b in batches]
             return counter.syncs + counter.megatron_syncs, counter.async_copies, rings
         finally:
@@ -288,7 +299,6 @@ def test_a_batch_reaches_the_device_in_one_copy_with_every_value_intact():
 
 
 def test_a_ring_micro_batchs_indices_reach_the_device_in_one_copy(monkeypatch):
-    from megatron_hdp.attention import ring
     from megatron_hdp.sharding import shard
 
     copies = []
