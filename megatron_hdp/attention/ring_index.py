@@ -95,15 +95,22 @@ def _exclusive_cumsum(lengths: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(lengths, 0) - lengths
 
 
+#: Up to this many blocks, each block's rows are one `arange` written in place (cheaper than
+#: the vectorised form's temporaries for the few long documents of a ring micro-batch).
+_BLOCKS_PER_ARANGE = 32
+
+
 def _fill_rows(out: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) -> None:
     """`out` = the rows `start .. start + length - 1` of every block, block after block."""
     n = out.numel()
-    shift = starts - _exclusive_cumsum(lengths)
-    torch.add(
-        torch.arange(n, dtype=torch.int64),
-        torch.repeat_interleave(shift, lengths, output_size=n),
-        out=out,
-    )
+    if len(lengths) <= _BLOCKS_PER_ARANGE:
+        at = 0
+        for start, length in zip(starts.tolist(), lengths.tolist(), strict=True):
+            torch.arange(start, start + length, dtype=torch.int64, out=out[at : at + length])
+            at += length
+        return
+    torch.arange(n, dtype=torch.int64, out=out)
+    out.add_(torch.repeat_interleave(starts - _exclusive_cumsum(lengths), lengths, output_size=n))
 
 
 def _fill_offsets(out: torch.Tensor, lengths: torch.Tensor) -> None:
