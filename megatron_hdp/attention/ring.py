@@ -23,7 +23,6 @@ Every other chunk pair is masked out entirely. This holds for any chunk sizes.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,8 +32,9 @@ import torch.distributed as dist
 
 from megatron_hdp.attention.kernels.base import VarlenBlocks, VarlenKernel, accumulation_dtype
 from megatron_hdp.attention.kernels.registry import get_kernel
+from megatron_hdp.attention.ring_index import StepBlocks, ring_index
 from megatron_hdp.distributed.ring_comm import CommStats, RingComm
-from megatron_hdp.host_copy import pack_int64, to_device, unpack
+from megatron_hdp.host_copy import to_device
 from megatron_hdp.sharding import RankShard, shard
 
 _TAG_FWD_KV, _TAG_BWD_KV, _TAG_BWD_DKV = 11, 12, 13
@@ -63,10 +63,12 @@ class RingAttentionSpec:
     backend: VarlenKernel
     _blocks_by_device: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def step_blocks(self, device: torch.device) -> dict[int, _StepBlocks]:
+    def step_blocks(self, device: torch.device) -> dict[int, StepBlocks]:
         """The packed blocks against every source, built once per micro-batch and device.
 
-        Every layer of the micro-batch attends with the same spec.
+        Every layer of the micro-batch attends with the same spec. `build_ring_spec` takes
+        them ready-made from the batch (`LocalBatch.attention_steps`, built with the batch);
+        otherwise they are built here, on first use.
         """
         if device not in self._blocks_by_device:
             self._blocks_by_device[device] = _step_blocks(self, device)
@@ -86,11 +88,13 @@ def build_ring_spec(
     group: dist.ProcessGroup | None,
     stats: CommStats | None = None,
     backend: str = "torch",
+    steps: dict[int, StepBlocks] | None = None,
 ) -> RingAttentionSpec:
     """The spec of `rank` for documents `doc_lengths` on `ring` (ranks of `group`).
 
     A ring of one needs no group. Raises ValueError if `rank` holds no token of the
-    micro-batch (it must skip the micro-batch instead).
+    micro-batch (it must skip the micro-batch instead). `steps`: the step blocks already
+    built for this rank and micro-batch (`ring_index`), on the device of their tensors.
     """
     shards = tuple(shard(doc_lengths, len(ring)))
     position = tuple(ring).index(rank)
@@ -100,7 +104,7 @@ def build_ring_spec(
     comm = None
     if len(active) > 1:
         comm = RingComm(group, [ring[p] for p in active], stats)
-    return RingAttentionSpec(
+    spec = RingAttentionSpec(
         doc_lengths=tuple(doc_lengths),
         shards=shards,
         position=position,
@@ -108,6 +112,10 @@ def build_ring_spec(
         comm=comm,
         backend=get_kernel(backend),
     )
+    if steps:
+        device = next(iter(steps.values())).blocks.cu_seqlens_q.device
+        spec._blocks_by_device[device] = steps
+    return spec
 
 
 def _segments(spec: RingAttentionSpec, source: int) -> list[tuple[int, int, int, int, bool]]:
@@ -128,58 +136,31 @@ def _segments(spec: RingAttentionSpec, source: int) -> list[tuple[int, int, int,
     return out
 
 
-@dataclass(frozen=True)
-class _StepBlocks:
-    """One ring step's blocks of every document, packed for one varlen kernel call.
-
-    `q_rows` are the local query rows taking part, `kv_rows` the rows of the source's K/V.
-    """
-
-    q_rows: torch.Tensor
-    kv_rows: torch.Tensor
-    blocks: VarlenBlocks
+#: The old name of `ring_index.StepBlocks`.
+_StepBlocks = StepBlocks
 
 
-def _step_blocks(spec: RingAttentionSpec, device: torch.device) -> dict[int, _StepBlocks]:
+def _step_blocks(spec: RingAttentionSpec, device: torch.device) -> dict[int, StepBlocks]:
     """The blocks against every active source (sources without any block are left out).
 
-    Row indices and offsets are built on the host and reach the device in one non-blocking
-    copy (`host_copy`): no host-device sync per micro-batch, none per layer.
+    Row indices and offsets are built on the host (`ring_index`, vectorised) and reach the
+    device in one non-blocking copy (`host_copy`): no host-device sync per micro-batch, none
+    per layer. A pack gets no row indices (its one kernel call needs only the offsets).
     """
-    plans = []
-    for source in spec.active:
-        segments = _segments(spec, source)
-        if not segments:
-            continue
-        causal = {seg[4] for seg in segments}
-        assert len(causal) == 1, "a ring step mixes causal and full blocks"
-        lengths_q, lengths_k = [seg[1] for seg in segments], [seg[3] for seg in segments]
-        q_rows = [r for q0, ql, _, _, _ in segments for r in range(q0, q0 + ql)]
-        kv_rows = [r for _, _, k0, kl, _ in segments for r in range(k0, k0 + kl)]
-        parts = [
-            q_rows,
-            kv_rows,
-            [0, *itertools.accumulate(lengths_q)],
-            [0, *itertools.accumulate(lengths_k)],
-        ]
-        plans.append((source, lengths_q, lengths_k, causal.pop(), parts))
-    host, lengths = pack_int64([part for *_, parts in plans for part in parts])
-    views = iter(unpack(to_device(host, device), lengths))
-    steps = {}
-    for source, lengths_q, lengths_k, causal, _ in plans:
-        q_rows, kv_rows, cu_q, cu_k = (next(views) for _ in range(4))
-        steps[source] = _StepBlocks(
-            q_rows=q_rows,
-            kv_rows=kv_rows,
-            blocks=VarlenBlocks(
-                lengths_q=tuple(lengths_q),
-                lengths_k=tuple(lengths_k),
-                causal=causal,
-                cu_seqlens_q=cu_q.to(torch.int32),
-                cu_seqlens_k=cu_k.to(torch.int32),
-            ),
-        )
-    return steps
+    index = ring_index(spec.shards, spec.position, spec.active)
+    return index.on_device(to_device(index.buffer, device))
+
+
+def _rows(
+    blocks: StepBlocks, q_THD: torch.Tensor, kv: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's query and K/V rows; every row for a pack (built without row indices)."""
+    if blocks.q_rows is not None:
+        return blocks.q_rows, blocks.kv_rows
+    return (
+        torch.arange(q_THD.shape[0], device=q_THD.device),
+        torch.arange(kv.shape[0], device=kv.device),
+    )
 
 
 def _kv_buffer(spec: RingAttentionSpec, source: int, like: torch.Tensor) -> torch.Tensor:
@@ -207,11 +188,11 @@ class _HDPAttention(torch.autograd.Function):
                 pending = spec.comm.exchange(kv_cur, _kv_buffer(spec, nxt, kv_cur), _TAG_FWD_KV)
             blocks = steps.get(source)
             if blocks is not None:
-                rows = blocks.q_rows
+                rows, cols = _rows(blocks, q_THD, kv_cur)
                 out_b, lse_b = spec.backend.forward(
                     q_THD.index_select(0, rows),
-                    kv_cur[:, :num_groups].index_select(0, blocks.kv_rows),
-                    kv_cur[:, num_groups:].index_select(0, blocks.kv_rows),
+                    kv_cur[:, :num_groups].index_select(0, cols),
+                    kv_cur[:, num_groups:].index_select(0, cols),
                     blocks.blocks,
                     scale=scale,
                 )
@@ -253,7 +234,7 @@ class _HDPAttention(torch.autograd.Function):
             dv_TGD = torch.zeros_like(dk_TGD)
             blocks = steps.get(source)
             if blocks is not None:
-                rows, cols = blocks.q_rows, blocks.kv_rows
+                rows, cols = _rows(blocks, q_THD, kv_cur)
                 dq_b, dk_b, dv_b = spec.backend.backward(
                     dout_THD.index_select(0, rows),
                     q_THD.index_select(0, rows),

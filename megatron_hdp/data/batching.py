@@ -1,7 +1,9 @@
 """Gather one rank's share of a micro-batch into packed (THD) tensors (ops layer).
 
 A rank reads only the token ranges its plan gives it: for a ring micro-batch, its two
-zigzag chunks of every document (`sharding.py`); for a local one, whole documents.
+zigzag chunks of every document (`sharding.py`); for a local one, whole documents. The
+attention's step bookkeeping (`attention.ring_index`) is built with the batch, on the host,
+and travels with its tensors.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from megatron_hdp.attention.ring_index import RingIndex, StepBlocks, ring_index
 from megatron_hdp.host_copy import pack_int64, to_device, unpack
 from megatron_hdp.scheduler.plan import MicroBatch, StepPlan
 from megatron_hdp.sharding import RankShard, shard
@@ -144,6 +147,10 @@ class LocalBatch:
     """`cu_seqlens()` on the device, set by `to()`."""
     host_loss_tokens: float = 0.0
     """The loss mask's sum, counted when the batch was read (no device read later)."""
+    ring_index: RingIndex | None = None
+    """The attention's step indices and offsets on the host, built when the batch was read."""
+    device_steps: dict[int, StepBlocks] | None = None
+    """`ring_index` on the device, set by `to()` (from the same copy as the tokens)."""
 
     @property
     def num_tokens(self) -> int:
@@ -153,18 +160,19 @@ class LocalBatch:
     def to(self, device: torch.device, *, copy=to_device) -> LocalBatch:
         """The same batch with its tensors on `device`, in one non-blocking copy.
 
-        The token ids, labels, positions, loss mask (its float64 bits) and document offsets
-        travel as one int64 buffer through `copy` (`host_copy.to_device`), so the host never
-        waits for the device.
+        The token ids, labels, positions, loss mask (its float64 bits), document offsets and
+        the attention's step indices (`ring_index`) travel as one int64 buffer through `copy`
+        (`host_copy.to_device`), so the host never waits for the device.
         """
         if self.tokens.device == device:
             return self
         n = self.num_tokens
         mask_bits = self.loss_mask.reshape(-1).to(torch.float64).view(torch.int64)
-        host, lengths = pack_int64(
-            [self.tokens, self.labels, self.position_ids, mask_bits, self._offsets()]
-        )
-        tokens, labels, positions, mask, cu = unpack(copy(host, device), lengths)
+        parts = [self.tokens, self.labels, self.position_ids, mask_bits, self._offsets()]
+        if self.ring_index is not None:
+            parts.append(self.ring_index.buffer)
+        host, lengths = pack_int64(parts)
+        tokens, labels, positions, mask, cu, *steps = unpack(copy(host, device), lengths)
         return dataclasses.replace(
             self,
             tokens=tokens.view(1, n),
@@ -172,7 +180,16 @@ class LocalBatch:
             loss_mask=mask.view(torch.float64).to(self.loss_mask.dtype).view(1, n),
             position_ids=positions.view(1, n),
             device_offsets=cu.to(torch.int32),
+            device_steps=self.ring_index.on_device(steps[0]) if steps else None,
         )
+
+    def attention_steps(self) -> dict[int, StepBlocks] | None:
+        """The attention's step blocks on the batch's device (None: not built with the batch)."""
+        if self.device_steps is not None:
+            return self.device_steps
+        if self.ring_index is not None and self.tokens.device == self.ring_index.buffer.device:
+            return self.ring_index.on_device(self.ring_index.buffer)
+        return None
 
     def cu_seqlens(self) -> torch.Tensor:
         """int32 offsets of the local documents, as flash-attn's varlen API expects."""
@@ -197,7 +214,9 @@ def gather_local_batch(
     (the source and the plan disagree on a sequence's length).
     """
     full_lengths = tuple(plan.seqlens[i] for i in micro_batch.seq_indices)
-    my_shard = shard(full_lengths, micro_batch.cp_size)[micro_batch.ring.index(rank)]
+    shards = shard(full_lengths, micro_batch.cp_size)
+    position = micro_batch.ring.index(rank)
+    my_shard = shards[position]
     parts: list[tuple[torch.Tensor, ...]] = []
     for d, start, length in my_shard.ranges():
         seq_index = micro_batch.seq_indices[d]
@@ -216,6 +235,10 @@ def gather_local_batch(
         return torch.cat([torch.as_tensor(p[i]).to(dtype) for p in parts]).unsqueeze(0)
 
     loss_mask = cat(2, torch.float32)
+    index = None
+    if my_shard.num_tokens > 0:
+        active = tuple(p for p, s in enumerate(shards) if s.num_tokens > 0)
+        index = ring_index(shards, position, active)
     return LocalBatch(
         tokens=cat(0, torch.int64),
         labels=cat(1, torch.int64),
@@ -227,6 +250,7 @@ def gather_local_batch(
         ring=micro_batch.ring,
         rank=rank,
         offload_ratio=micro_batch.offload_ratio,
+        ring_index=index,
     )
 
 

@@ -13,7 +13,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
-from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
@@ -299,11 +299,22 @@ class SequenceParallelNorm:
         return norm
 
 
+def hdp_norm(cfg: GPTConfig) -> type:
+    """The one norm class of every layer and of the final norm: torch's, whatever is installed.
+
+    Megatron picks its norms from what is installed: the local layer spec Apex's
+    `FusedLayerNorm` when Apex is, the block's final norm (`LayerNormImpl`) TE's `TENorm` when
+    Transformer Engine is. HDP names torch's norm for all of them, so that a model computes
+    the same with or without TE or Apex (sequence-parallel-ready under `sequence_parallel`).
+    """
+    return SequenceParallelNorm if cfg.sequence_parallel else WrappedTorchNorm
+
+
 def hdp_layer_spec(cfg: GPTConfig) -> ModuleSpec:
     """Megatron's local GPT layer spec with `HDPCoreAttention` as the core attention.
 
     With experts, the MLP is Megatron's `MoELayer` with HDP's router (per-sequence aux loss)
-    and experts initialised by their global index (`moe.py`).
+    and experts initialised by their global index (`moe.py`). Both norms are `hdp_norm`'s.
     """
     spec = get_gpt_layer_local_spec(
         num_experts=cfg.num_experts, moe_grouped_gemm=False, normalization=cfg.normalization
@@ -314,20 +325,20 @@ def hdp_layer_spec(cfg: GPTConfig) -> ModuleSpec:
         moe = compat.submodules_of(spec.submodules.mlp)
         moe.router = SequenceAuxLossRouter
         moe.experts = compat.with_module(moe.experts, GlobalIndexSequentialMLP)
-    if cfg.sequence_parallel:
-        spec.submodules.input_layernorm = SequenceParallelNorm
-        spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
+    spec.submodules.input_layernorm = hdp_norm(cfg)
+    spec.submodules.pre_mlp_layernorm = hdp_norm(cfg)
     return spec
 
 
 def hdp_block_spec(cfg: GPTConfig) -> TransformerBlockSubmodules:
-    """One stage's decoder: `hdp_layer_spec` per layer of the stage, the final norm (SP-ready).
+    """One stage's decoder: `hdp_layer_spec` per layer of the stage, the final norm.
 
-    Megatron numbers the layers globally itself (the stage's offset is added to each).
+    The final norm is the layers' class (`hdp_norm`), not Megatron's `LayerNormImpl`, which
+    depends on what is installed. Megatron numbers the layers globally itself (the stage's
+    offset is added to each).
     """
-    final_norm = SequenceParallelNorm if cfg.sequence_parallel else LayerNormImpl
     return TransformerBlockSubmodules(
-        layer_specs=[hdp_layer_spec(cfg)] * cfg.layers_per_stage, layer_norm=final_norm
+        layer_specs=[hdp_layer_spec(cfg)] * cfg.layers_per_stage, layer_norm=hdp_norm(cfg)
     )
 
 

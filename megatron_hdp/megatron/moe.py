@@ -36,6 +36,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_hdp.distributed.ring_comm import RingComm
+from megatron_hdp.host_copy import to_device
 from megatron_hdp.megatron import compat
 
 _TAG_EXPERT_COUNTS = 21
@@ -47,12 +48,15 @@ class MoEMicroBatch:
 
     Attributes:
         segment_ids: Document index of every local token (the padded THD order of the
-            micro-batch on this rank, before sequence parallelism splits it); -1 for pad.
+            micro-batch on this rank, before sequence parallelism splits it), on the
+            device; pad tokens carry `len(doc_lengths)` (a row of no document).
         doc_lengths: Full length of every document of the micro-batch.
         global_tokens: Tokens of the whole global batch (T).
         ring: Communicator over the ring members holding tokens; None for a ring of one.
         aux_grad_scale: Gradient of the aux loss in backward (1: as computed).
-        aux_loss: Sum of this rank's aux-loss terms so far (all layers), for logging.
+        aux_loss: Sum of this rank's aux-loss terms so far (all layers), for logging: a
+            float64 device scalar once a layer has added to it (never read here).
+        device_doc_lengths: `doc_lengths` on the device (int64); None: made when needed.
     """
 
     segment_ids: torch.Tensor
@@ -60,7 +64,8 @@ class MoEMicroBatch:
     global_tokens: int
     ring: RingComm | None = None
     aux_grad_scale: float = 1.0
-    aux_loss: float = field(default=0.0)
+    aux_loss: torch.Tensor | float = field(default=0.0)
+    device_doc_lengths: torch.Tensor | None = None
 
 
 _CURRENT: contextvars.ContextVar[MoEMicroBatch | None] = contextvars.ContextVar(
@@ -116,7 +121,8 @@ class SequenceAuxLossRouter(TopKRouter):
 
     Routing itself is Megatron's. The aux loss needs the current `MoEMicroBatch`
     (`moe_micro_batch`); with sequence parallelism its counts are all-reduced over the TP
-    group (collective), and over the ring for ring micro-batches (P2P).
+    group (collective), and over the ring for ring micro-batches (P2P). It reads nothing
+    from the device (no boolean masks: pad tokens add into a row that is then dropped).
     """
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
@@ -148,24 +154,27 @@ class SequenceAuxLossRouter(TopKRouter):
             segments = segments[tp_rank * rows : (tp_rank + 1) * rows]
         if segments.numel() != rows:
             raise RuntimeError(f"the router saw {rows} tokens, the micro-batch has {len(segments)}")
-        valid = segments >= 0
-        index = segments[valid]
         num_docs = len(batch.doc_lengths)
-        counts = torch.zeros(
-            num_docs, self.num_experts, dtype=torch.float64, device=scores_for_aux_loss.device
-        )
-        counts.index_add_(0, index, routing_map[valid].to(torch.float64))
+        device = scores_for_aux_loss.device
+        # Row num_docs gathers the pad tokens' terms and is dropped: each document's row
+        # receives its tokens in the same order as without the pad rows.
+        counts = torch.zeros(num_docs + 1, self.num_experts, dtype=torch.float64, device=device)
+        counts.index_add_(0, segments, routing_map.to(torch.float64))
+        counts = counts[:num_docs]
         if self.config.sequence_parallel:
             dist.all_reduce(counts, group=self.tp_group)
         counts = ring_sum(counts, batch.ring)
         prob_sums = torch.zeros(
-            num_docs, self.num_experts, dtype=scores_for_aux_loss.dtype, device=counts.device
-        ).index_add(0, index, scores_for_aux_loss[valid])
-        lengths = torch.tensor(batch.doc_lengths, dtype=torch.float64, device=counts.device)
+            num_docs + 1, self.num_experts, dtype=scores_for_aux_loss.dtype, device=device
+        ).index_add(0, segments, scores_for_aux_loss)[:num_docs]
+        lengths = batch.device_doc_lengths
+        if lengths is None:
+            lengths = to_device(torch.tensor(batch.doc_lengths, dtype=torch.int64), device)
         scale = coeff * self.num_experts / (self.topk * batch.global_tokens)
-        weights = (counts * (scale / lengths)[:, None]).to(prob_sums.dtype)
+        weights = (counts * (scale / lengths.to(torch.float64))[:, None]).to(prob_sums.dtype)
         aux_loss = (prob_sums * weights).sum()
-        batch.aux_loss += float(aux_loss.detach())
+        # Summed on the device in float64, as a host float would be: no read per layer.
+        batch.aux_loss = batch.aux_loss + aux_loss.detach().double()
         return _AttachAuxLoss.apply(probs, aux_loss, batch.aux_grad_scale)
 
 

@@ -35,7 +35,7 @@ def run_pipeline(
     loss_scale: float,
     forward_only: bool = False,
     sync_in_last_backward: bool = False,
-) -> float:
+) -> torch.Tensor | float:
     """Collective over the pipeline (and the rings): run `batches` through 1F1B.
 
     `stage_inputs(batch)` returns the model's positional and keyword arguments for one
@@ -43,7 +43,8 @@ def run_pipeline(
     context to run its forward pass in (the MoE routers' micro-batch).
     Gradients of `sum(token loss * loss mask) * loss_scale` accumulate in the model
     (unless `forward_only`). Returns the unscaled masked loss sum of this rank's
-    micro-batches on the last stage, 0.0 on the other stages.
+    micro-batches on the last stage, a float64 device scalar that the caller reads (once
+    per step: nothing here waits for the device), and 0.0 on the other stages.
 
     Every backward runs under the DDP's `no_sync()`; with `sync_in_last_backward` (an
     overlapped reduce, `grad_sync.sync_in_backward`) Megatron's 1F1B leaves it for the last
@@ -53,7 +54,7 @@ def run_pipeline(
     if not batches:
         return 0.0
     is_last = engine.is_last_stage
-    loss_sum = 0.0
+    loss_sum = None
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
@@ -66,8 +67,11 @@ def run_pipeline(
         def loss_func(losses: torch.Tensor):
             nonlocal loss_sum
             masked = (losses[:, :num_tokens].float() * batch.loss_mask).sum()
-            loss_sum += float(masked.detach())
-            count = torch.tensor(int(batch.loss_mask.sum()), dtype=torch.int)
+            # Summed on the device in float64 (a host float's arithmetic, without a read);
+            # the count is the host's, taken when the batch was read.
+            total = masked.detach().double()
+            loss_sum = total if loss_sum is None else loss_sum + total
+            count = torch.tensor(int(batch.loss_tokens()), dtype=torch.int)
             return masked * loss_scale, count, {}
 
         return output, loss_func
@@ -89,4 +93,4 @@ def run_pipeline(
             )
     finally:
         config.no_sync_func = held
-    return loss_sum if is_last else 0.0
+    return loss_sum if is_last and loss_sum is not None else 0.0

@@ -237,7 +237,9 @@ def hdp_forward_backward(
         step.plan.check_pool(torch.distributed.get_world_size(runtime.group))
         if cfg.pipeline_model_parallel_size > 1:
             return _pipelined(step, model_chunk, forward_step_func, forward_only, force_all_reduce)
-        reports, num_tokens = [], 0
+        reports = []
+        # Summed on the device as Megatron's own schedules do: no host read per micro-batch.
+        num_tokens = torch.zeros((), dtype=torch.int64, device=runtime.device)
         aux_grad_scale = 1.0
         if cfg.num_experts is not None and not forward_only:
             # Megatron's finish divides every gradient by the global loss-token count; the MoE
@@ -273,12 +275,11 @@ def hdp_forward_backward(
                     if not forward_only:
                         loss_sum.backward()
                 reports.append(report)
-                num_tokens += int(tokens)
+                num_tokens += tokens
         if not reports:
             reports.append(zero_report())
         if not forward_only and config.finalize_model_grads_func is not None:
-            total = torch.tensor(num_tokens, dtype=torch.int64, device=runtime.device)
-            config.finalize_model_grads_func(chunks, total, force_all_reduce=force_all_reduce)
+            config.finalize_model_grads_func(chunks, num_tokens, force_all_reduce=force_all_reduce)
         return reports
 
     return forward_backward

@@ -24,6 +24,7 @@ from megatron_hdp.attention.rope import RotaryTable
 from megatron_hdp.data.batching import LocalBatch, TokenSource, read_local
 from megatron_hdp.distributed.plan_check import check_plan_agreement
 from megatron_hdp.distributed.ring_comm import CommStats, RingComm
+from megatron_hdp.host_copy import pack_int64, to_device, unpack
 from megatron_hdp.megatron.core_attention import HDPPackedSeqParams
 from megatron_hdp.megatron.engine import Engine
 from megatron_hdp.megatron.grad_sync import sync_in_backward
@@ -143,6 +144,7 @@ def packed_seq_params(
             group=runtime.group,
             stats=runtime.stats,
             backend=runtime.backend,
+            steps=batch.attention_steps(),
         ),
         rotary=rotary,
     )
@@ -245,10 +247,11 @@ def _model_inputs(
 
 def _token_losses(
     engine: Engine, batch: LocalBatch, runtime: StepRuntime, global_tokens: int
-) -> tuple[torch.Tensor, float]:
+) -> tuple[torch.Tensor, torch.Tensor | float]:
     """Per-token losses `[1, t]` of one local batch, and its MoE load-balancing loss.
 
-    The load-balancing loss's gradient is already in the graph.
+    The load-balancing loss's gradient is already in the graph; its value is a float64
+    device scalar (0.0 without experts), not read here.
     """
     args, kwargs, n, moe = _model_inputs(engine, batch, runtime, global_tokens)
     with moe_micro_batch(moe) if moe is not None else contextlib.nullcontext():
@@ -268,7 +271,7 @@ def _pipelined(
     """This rank's stage of its pipeline's micro-batches (`pipeline.run_pipeline`).
 
     Returns the loss sum (last stage; 0.0 elsewhere) and this stage's share of the MoE
-    load-balancing loss (its own layers' terms).
+    load-balancing loss (its own layers' terms), read from the device together, once.
     """
     if runtime.offload is not None:
         raise ValueError("activation offloading with pipeline parallelism is not supported")
@@ -294,7 +297,20 @@ def _pipelined(
         forward_only=forward_only,
         sync_in_last_backward=bool(starts_sync and starts_sync[-1]),
     )
-    return loss, sum(moe.aux_loss for moe in routed)
+    return read_sums(loss, sum(moe.aux_loss for moe in routed))
+
+
+def read_sums(*values: torch.Tensor | float) -> tuple[float, ...]:
+    """`values` (device scalars or plain numbers) as floats, in one device read.
+
+    The step's sums are accumulated on the device (float64 where they were host floats
+    before, so they are the same numbers); reading them together costs one host sync.
+    """
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return tuple(float(v) for v in values)
+    read = iter(torch.stack([t.reshape(()).double() for t in tensors]).tolist())
+    return tuple(next(read) if isinstance(v, torch.Tensor) else float(v) for v in values)
 
 
 def moe_batch_info(
@@ -309,21 +325,25 @@ def moe_batch_info(
 
     `pad` tokens were appended for sequence parallelism; `aux_grad_scale` multiplies the
     gradient of the aux loss (the drop-in's Megatron finish divides every gradient by the
-    global loss-token count afterwards).
+    global loss-token count afterwards). The segment ids and document lengths are built on
+    the host and reach the device in one non-blocking copy (`host_copy`).
     """
     local = batch.shard.local_doc_lengths()
+    num_docs = len(batch.full_doc_lengths)
     segments = torch.repeat_interleave(
-        torch.arange(len(local), device=batch.tokens.device),
-        torch.tensor(local, device=batch.tokens.device),
+        torch.arange(num_docs), torch.tensor(local, dtype=torch.int64), output_size=sum(local)
     )
     if pad:
-        segments = torch.nn.functional.pad(segments, (0, pad), value=-1)
+        segments = torch.nn.functional.pad(segments, (0, pad), value=num_docs)
+    host, lengths = pack_int64([segments, batch.full_doc_lengths])
+    segments, doc_lengths = unpack(to_device(host, batch.tokens.device), lengths)
     comm = params.attention.comm
     # A communicator of its own: the counts are not attention traffic.
     ring = RingComm(comm.group, comm.ring) if comm is not None else None
     return MoEMicroBatch(
         segment_ids=segments,
         doc_lengths=batch.full_doc_lengths,
+        device_doc_lengths=doc_lengths,
         global_tokens=global_batch_tokens,
         ring=ring,
         aux_grad_scale=aux_grad_scale,
@@ -363,7 +383,7 @@ def forward_backward(
             loss_scale=loss_scale,
             global_batch_tokens=global_batch_tokens,
         )
-    aux_sum = 0.0
+    aux_sum = 0.0  # on the device (float64) with experts
     loss_sums = []  # on the device: read once, after the last micro-batch
     model = engine.model
     starts_sync = sync_in_backward(
@@ -382,11 +402,11 @@ def forward_backward(
             masked = (losses.float() * batch.loss_mask).sum()
             (masked * loss_scale).backward()
         loss_sums.append(masked.detach())
-        aux_sum += aux
+        aux_sum = aux_sum + aux
         if times is not None:
             times.append((started, time.perf_counter()))
-    loss_sum = float(torch.stack(loss_sums).sum()) if loss_sums else 0.0
-    return loss_sum, aux_sum
+    loss_sum = torch.stack(loss_sums).sum() if loss_sums else 0.0
+    return read_sums(loss_sum, aux_sum)
 
 
 def _check_job_group(engine: Engine, runtime: StepRuntime) -> None:
