@@ -5,7 +5,9 @@ vocabulary padded to 384), its Adam state after one step, written and read back
 `--repeats` times in each format: `torch_dist` (Megatron's distributed format, what
 `--save` writes: `megatron/checkpoint.py`) and the earlier per-rank `torch` format (the
 old writer's files, `tests/megatron/legacy_writer.py`; read by the library's reader).
-Rank 0 writes JSON: the median wall time of the slowest rank per format and operation.
+Rank 0 writes JSON: the median wall time of the slowest rank per format and operation,
+and of the pre-start content check of a torch_dist checkpoint (its digests: by one process,
+and shared out over the ranks).
 
     torchrun --standalone --nproc-per-node 2 scripts/bench/bench_checkpoint.py \\
         --out results/checkpoint_cpu2.json
@@ -28,6 +30,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from megatron_hdp.checkpoint_digests import digest_problems, read_digests  # noqa: E402
 from megatron_hdp.distributed.layout import ParallelDims  # noqa: E402
 from megatron_hdp.launch import init_distributed, megatron_device_context, setup_logging  # noqa: E402
 from megatron_hdp.megatron import checkpoint  # noqa: E402
@@ -50,6 +53,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dir", type=Path, default=None, help="where to write (default: a tmp dir)")
     p.add_argument("--out", type=Path, required=True)
     return p.parse_args(argv)
+
+
+def _verified(problems: list[str]) -> None:
+    if problems:
+        raise RuntimeError(f"a fresh checkpoint fails its digests: {problems}")
 
 
 def _timed(fn) -> float:
@@ -76,6 +84,8 @@ def main(argv=None) -> None:
     dist.broadcast_object_list(names, src=0)
     root = Path(names[0])
     times = {f"{fmt}_{op}": [] for fmt in ("torch_dist", "torch") for op in ("save", "load")}
+    times["torch_dist_verify_one_process"] = []
+    times["torch_dist_verify_shared"] = []
     with megatron_device_context():
         layout = ParallelDims.of_world().initialize()
         try:
@@ -96,6 +106,20 @@ def main(argv=None) -> None:
                 )
                 times["torch_dist_load"].append(
                     _timed(lambda new=new: checkpoint.load_checkpoint(new, engine, group=group))
+                )
+                # The pre-start content check of a resume: one process reading every file
+                # (--hdp-validate-only), and the job's ranks sharing the files out.
+                folder = new / "iter_0000001"
+                record = read_digests(folder)
+                times["torch_dist_verify_one_process"].append(
+                    _timed(lambda f=folder, r=record: _verified(digest_problems(f, r)))
+                )
+                times["torch_dist_verify_shared"].append(
+                    _timed(
+                        lambda f=folder, r=record: _verified(
+                            digest_problems(f, r, rank=rank, world=world)
+                        )
+                    )
                 )
                 times["torch_save"].append(_timed(lambda old=old: write_legacy(old, engine, 1, {})))
                 times["torch_load"].append(

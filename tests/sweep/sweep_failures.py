@@ -421,6 +421,7 @@ def sweep_resume(tmp: Path, cache: Path):
     common.write_bytes(common.read_bytes()[: common.stat().st_size // 2])
     outcome, detail = _runtime_outcome(_train(argv), want_line="common.pt")
     yield "resume: common.pt truncated", outcome, detail
+    yield from _damaged_checkpoints(tmp, cache, resumed, ckpt)
     copy, argv = resumed([])
     steps_kind, steps = _train(argv)
     fresh_kind, fresh = _train(corpus_args(cache, iters=4, extra=fixed))
@@ -429,6 +430,51 @@ def sweep_resume(tmp: Path, cache: Path):
         yield "resume: continues exactly", ("ok" if same else "silent"), f"{same}"
     else:
         yield "resume: continues exactly", "traceback", f"{steps_kind} {fresh_kind}"
+
+
+def _damaged_checkpoints(tmp: Path, cache: Path, resumed, ckpt: Path):
+    """Issue 45: files damaged, copied in or missing, and data rewritten, each refused."""
+    from megatron_hdp.checkpoint_digests import DIGESTS
+    from tests.e2e.harness import corpus_args
+
+    def shard(copy):
+        return max((copy / "iter_0000002").glob("*.distcp"), key=lambda p: p.stat().st_size)
+
+    def validate(argv, names):
+        return classify(run_main([*argv, "--hdp-validate-only"]), refuse=True, names=names)
+
+    copy, argv = resumed([])
+    zeroed = shard(copy)
+    zeroed.write_bytes(bytes(zeroed.stat().st_size))
+    yield "resume: a zeroed shard", *validate(argv, zeroed.name)
+    copy, argv = resumed([])
+    flipped = shard(copy)
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit
+    flipped.write_bytes(bytes(data))
+    yield "resume: one bit flipped in a shard", *validate(argv, flipped.name)
+    other = tmp / "other-run"
+    kind, _ = _train(corpus_args(cache, iters=2, extra=["--lr-decay-iters", "8", "--seed", "9", "--save", str(other)]))  # fmt: skip
+    if kind == "ok":
+        copy, argv = resumed([])
+        foreign = shard(copy)
+        shutil.copy(other / "iter_0000002" / foreign.name, foreign)
+        yield "resume: a shard copied in from another run", *validate(argv, foreign.name)
+    for name in (".metadata", "metadata.json", DIGESTS):
+        copy, argv = resumed([])
+        (copy / "iter_0000002" / name).write_bytes(b"garbled")
+        yield f"resume: {name} garbled", *validate(argv, name)
+    copy, argv = resumed([])
+    (copy / "iter_0000002" / ".metadata").unlink()
+    yield "resume: .metadata missing", *validate(argv, ".metadata")
+    copy, argv = resumed([])
+    (copy / "iter_0000002" / DIGESTS).unlink()
+    (copy / "iter_0000002" / "metadata.json").unlink()
+    yield "resume: half-copied, no digests, no metadata.json", *validate(argv, "metadata.json")
+    copy, argv = resumed([])
+    (copy / "iter_0000002" / DIGESTS).unlink()
+    outcome, detail = classify(run_main([*argv, "--hdp-validate-only"]), refuse=False, names=None)
+    yield "resume: written before digests (accepted)", outcome, detail
 
 
 def _full_disk_after(calls: int, path_part: str):
