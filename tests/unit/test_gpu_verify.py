@@ -132,12 +132,12 @@ def test_a_ring_that_drops_a_block_fails_its_check(monkeypatch):
     common, _, ring_checks = _checks()
     from megatron_hdp.attention import ring
 
-    real = ring._segments
+    real = ring._step_blocks
 
-    def drop_lower_blocks(spec, source):
-        return [] if source < spec.position else real(spec, source)
+    def drop_lower_blocks(spec, device):
+        return {s: b for s, b in real(spec, device).items() if s >= spec.position}
 
-    monkeypatch.setattr(ring, "_segments", drop_lower_blocks)
+    monkeypatch.setattr(ring, "_step_blocks", drop_lower_blocks)
     result = ring_checks.run(common.cpu_mode(), lambda line: None, "torch")
     assert not result["ok"]
 
