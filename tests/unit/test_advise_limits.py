@@ -72,27 +72,29 @@ def test_a12b_a_length_cut_into_a_billion_pieces_is_refused_without_allocating(t
     assert seconds < 60 and not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize(
-    "value, shown",
-    [
-        ("99999999999999999999999", "99999999999999999999999 tokens"),  # A13: OverflowError
-        ("1099511627777", "1099511627777 tokens"),  # 2^40 + 1
-        ("9" * 5000, "(5000 digits)"),  # past int()'s digit limit
-    ],
-)
-def test_a13_a_length_above_2_to_the_40_is_refused_naming_the_line(tmp_path, capsys, value, shown):
-    path = lengths_file(tmp_path, f"100\n{value}\n")
+def test_a13_a_23_digit_length_is_refused_in_one_line(tmp_path, capsys):
+    """Was `OverflowError: Python int too large to convert to C long` (lengths.py:50)."""
+    path = lengths_file(tmp_path, "100\n99999999999999999999999\n")
     argv = ["--gpus", "8", "--lengths-file", path, "--out", str(tmp_path / "out"), *AM]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"{path} line 2: " in err and shown in err, err
+    assert err.count("\n") == 1 and f"{path} line 2: 99999999999999999999999 tokens" in err, err
     assert "2^40" in err
 
 
-def test_a_length_of_2_to_the_40_is_read(tmp_path):
+@pytest.mark.parametrize(
+    "value, shown",
+    [("1099511627777", "1099511627777 tokens"), ("9" * 5000, "(5000 digits)")],  # 2^40 + 1
+)
+def test_a_length_above_2_to_the_40_is_refused_naming_the_line(tmp_path, value, shown):
+    """Read only (the old reader accepted 2^40 + 1, and the advisor then cut it)."""
     from megatron_hdp.advise.lengths import read_lengths_file
 
-    path = lengths_file(tmp_path, f"1\n{2**40}\n0001\n")
+    path = lengths_file(tmp_path, f"100\n{value}\n")
+    with pytest.raises(ValueError, match=r"line 2: .*2\^40") as err:
+        read_lengths_file(path)
+    assert shown in str(err.value)
+    path = lengths_file(tmp_path, f"1\n{2**40}\n0001\n")  # 2^40 itself is read
     assert read_lengths_file(path).tolist() == [1, 2**40, 1]
 
 
