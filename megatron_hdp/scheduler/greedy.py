@@ -54,13 +54,19 @@ def best_fit_decreasing(lengths, indices, capacity: int) -> list[list[int]]:
         if bi < len(maxes):
             block = blocks[bi]
             key = block.pop(bisect_left(block, want))
+            bins[key % scale].append(i)
+            new = key - want  # (room - size) * scale + b: below `key`
+            if block and (bi == 0 or maxes[bi - 1] < new):  # it stays in this block
+                insort(block, new)
+                if key > block[-1]:
+                    maxes[bi] = block[-1]
+                if len(block) > 2 * _BLOCK:
+                    _split(blocks, maxes, bi)
+                continue
             if not block:
                 del blocks[bi], maxes[bi]
             elif key > block[-1]:
                 maxes[bi] = block[-1]
-            b = key % scale
-            bins[b].append(i)
-            new = key - want  # (room - size) * scale + b
         else:
             bins.append([i])
             new = (capacity - size) * scale + len(bins) - 1
@@ -78,11 +84,17 @@ def best_fit_decreasing(lengths, indices, capacity: int) -> list[list[int]]:
             block = blocks[bi]
             insort(block, new)
         if len(block) > 2 * _BLOCK:
-            blocks.insert(bi + 1, block[_BLOCK:])
-            maxes.insert(bi + 1, block[-1])
-            del block[_BLOCK:]
-            maxes[bi] = block[-1]
+            _split(blocks, maxes, bi)
     return bins
+
+
+def _split(blocks: list[list[int]], maxes: list[int], bi: int) -> None:
+    """Split block `bi` of the blocked sorted list in two."""
+    block = blocks[bi]
+    blocks.insert(bi + 1, block[_BLOCK:])
+    maxes.insert(bi + 1, block[-1])
+    del block[_BLOCK:]
+    maxes[bi] = block[-1]
 
 
 def _sequential_sums(terms: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -149,6 +161,29 @@ def micro_batch_costs(cost: CostFn, lengths, offsets, ids, ks, capacity: int) ->
     )
 
 
+def _place(pool_size: int, ring_k: list, ring_cost: list, pack_cost: np.ndarray) -> list[int]:
+    """Ranks of every micro-batch, laid end to end.
+
+    Rings on the `k` least-loaded ranks (sorted), then packs each on the least-loaded
+    one; loads in a heap of (load, rank).
+    """
+    pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
+    loads = [(0.0, r) for r in range(pool_size)]
+    ranks: list[int] = []
+    extend = ranks.extend
+    for k, c in zip(ring_k, ring_cost):
+        members = [pop(loads) for _ in range(k)]
+        for load, r in members:
+            push(loads, (load + c, r))
+        extend(sorted([r for _, r in members]))
+    append = ranks.append
+    for c in pack_cost.tolist():
+        load, rank = loads[0]
+        replace(loads, (load + c, rank))
+        append(rank)
+    return ranks
+
+
 def plan_greedy(
     seqlens: Sequence[int],
     *,
@@ -192,17 +227,7 @@ def plan_greedy(
     )
     by_cost = np.lexsort((np.arange(len(packs)), -pack_cost))
 
-    loads = [(0.0, r) for r in range(pool_size)]  # heap of (load, rank)
-    ring_ranks: list[int] = []
-    for k, c in zip(ring_k.tolist(), ring_cost.tolist()):
-        members = [heapq.heappop(loads) for _ in range(k)]
-        for load, r in members:
-            heapq.heappush(loads, (load + c, r))
-        ring_ranks.extend(sorted(r for _, r in members))
-    for c in pack_cost[by_cost].tolist():
-        load, rank = loads[0]
-        heapq.heapreplace(loads, (load + c, rank))
-        ring_ranks.append(rank)
+    ring_ranks = _place(pool_size, ring_k.tolist(), ring_cost.tolist(), pack_cost[by_cost])
 
     counts = np.concatenate([ring_k, np.ones(len(packs), dtype=np.int64)])
     ring_offsets = np.zeros(len(counts) + 1, dtype=np.int64)
