@@ -38,7 +38,10 @@ def best_fit_decreasing(lengths, indices, capacity: int) -> list[list[int]]:
     most one block.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
-    idx = np.asarray(list(indices), dtype=np.int64)
+    if isinstance(indices, np.ndarray):
+        idx = indices.astype(np.int64, copy=False)
+    else:
+        idx = np.fromiter(indices, dtype=np.int64)
     if len(idx) == 0:
         return []
     sizes = lengths[idx]
