@@ -5,7 +5,7 @@ least-loaded ranks (ties: lower rank); packs (best-fit decreasing) follow, heavi
 each on the least-loaded rank. The plans are exactly those of the first, per-object
 implementation (kept as the reference in `tests/unit/test_greedy.py`); what changed is the
 cost: best-fit packing on a blocked sorted list (O(n sqrt n) memory moves in place of
-O(n^2)), micro-batch costs computed as arrays for the two known cost functions
+O(n^2); equal lengths placed a bin at a time), micro-batch costs computed as arrays for the two known cost functions
 (`simple_cost`, `CostModel.planner_cost`) with the same floating-point operations in the
 same order, and the plan built as columns, not objects.
 """
@@ -35,7 +35,7 @@ def best_fit_decreasing(lengths, indices, capacity: int) -> list[list[int]]:
     Sorted by (length desc, index asc); each goes into the bin with the least room that
     still holds it (ties: the earliest bin). The (room, bin) pairs are kept as one integer
     key `room * B + bin` in a list of sorted blocks, so a search or an insert moves at
-    most one block.
+    most one block; a run of equal lengths fills each bin it picks in one step.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     if isinstance(indices, np.ndarray):
@@ -46,49 +46,63 @@ def best_fit_decreasing(lengths, indices, capacity: int) -> list[list[int]]:
         return []
     sizes = lengths[idx]
     order = np.lexsort((idx, -sizes))
-    idx, sizes = idx[order].tolist(), sizes[order].tolist()
+    idx, sizes = idx[order], sizes[order]
+    runs = np.flatnonzero(np.diff(sizes)) + 1  # equal lengths run side by side
+    starts = [0, *runs.tolist()]
+    ends = [*runs.tolist(), len(idx)]
+    idx, sizes = idx.tolist(), sizes.tolist()
     scale = len(idx) + 1  # > any bin id
     bins: list[list[int]] = []
     blocks: list[list[int]] = []  # sorted keys, block after block
     maxes: list[int] = []  # last key of each block
-    for i, size in zip(idx, sizes):
+    for first, end in zip(starts, ends):
+        # A run of equal lengths: the best-fit bin takes as many as fit (each one after
+        # the first would pick it again: its room stays the least that holds one more).
+        size = sizes[first]
         want = size * scale
-        bi = bisect_left(maxes, want)
-        if bi < len(maxes):
-            block = blocks[bi]
-            key = block.pop(bisect_left(block, want))
-            bins[key % scale].append(i)
-            new = key - want  # (room - size) * scale + b: below `key`
-            if block and (bi == 0 or maxes[bi - 1] < new):  # it stays in this block
-                insort(block, new)
-                if key > block[-1]:
+        while first < end:
+            bi = bisect_left(maxes, want)
+            if bi < len(maxes):
+                block = blocks[bi]
+                key = block.pop(bisect_left(block, want))
+                take = min(end - first, (key // scale) // size)
+                bins[key % scale].extend(idx[first : first + take])
+                first += take
+                new = key - take * want  # (room - take * size) * scale + bin: below `key`
+                if block and (bi == 0 or maxes[bi - 1] < new):  # it stays in this block
+                    insort(block, new)
+                    if key > block[-1]:
+                        maxes[bi] = block[-1]
+                    if len(block) > 2 * _BLOCK:
+                        _split(blocks, maxes, bi)
+                    continue
+                if not block:
+                    del blocks[bi], maxes[bi]
+                elif key > block[-1]:
                     maxes[bi] = block[-1]
-                if len(block) > 2 * _BLOCK:
-                    _split(blocks, maxes, bi)
-                continue
-            if not block:
-                del blocks[bi], maxes[bi]
-            elif key > block[-1]:
-                maxes[bi] = block[-1]
-        else:
-            bins.append([i])
-            new = (capacity - size) * scale + len(bins) - 1
-        # Insert `new` into the first block whose last key exceeds it (else the last block).
-        bi = bisect_left(maxes, new)
-        if bi == len(maxes):
-            if not blocks:
-                blocks.append([])
-                maxes.append(new)
-            bi -= bi == len(blocks)
-            blocks[bi].append(new)
-            maxes[bi] = new
-            block = blocks[bi]
-        else:
-            block = blocks[bi]
-            insort(block, new)
-        if len(block) > 2 * _BLOCK:
-            _split(blocks, maxes, bi)
+            else:  # a new bin, filled as far as the run goes
+                take = min(end - first, max(1, capacity // size))
+                bins.append(idx[first : first + take])
+                first += take
+                new = (capacity - take * size) * scale + len(bins) - 1
+            _insert(blocks, maxes, new)
     return bins
+
+
+def _insert(blocks: list[list[int]], maxes: list[int], key: int) -> None:
+    """Insert `key` into the first block whose last key exceeds it (else the last block)."""
+    bi = bisect_left(maxes, key)
+    if bi == len(maxes):
+        if not blocks:
+            blocks.append([])
+            maxes.append(key)
+        bi -= bi == len(blocks)
+        blocks[bi].append(key)
+        maxes[bi] = key
+    else:
+        insort(blocks[bi], key)
+    if len(blocks[bi]) > 2 * _BLOCK:
+        _split(blocks, maxes, bi)
 
 
 def _split(blocks: list[list[int]], maxes: list[int], bi: int) -> None:
