@@ -5,9 +5,9 @@ least-loaded ranks (ties: lower rank); packs (best-fit decreasing) follow, heavi
 each on the least-loaded rank. The plans are exactly those of the first, per-object
 implementation (kept as the reference in `tests/unit/test_greedy.py`); what changed is the
 cost: best-fit packing on a blocked sorted list (O(n sqrt n) memory moves in place of
-O(n^2); equal lengths placed a bin at a time), micro-batch costs computed as arrays for the two known cost functions
-(`simple_cost`, `CostModel.planner_cost`) with the same floating-point operations in the
-same order, and the plan built as columns, not objects.
+O(n^2); equal lengths placed a bin at a time), micro-batch costs computed as arrays for
+the two known cost functions (`simple_cost`, `CostModel.planner_cost`) with the same
+floating-point operations in the same order, and the plan built as columns, not objects.
 """
 
 from __future__ import annotations
