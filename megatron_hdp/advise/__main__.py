@@ -111,6 +111,10 @@ def _check_out(out: Path, overwrite: bool) -> None:
             raise UsageError(
                 f"--out {out}: {name} there is a folder; the advisor cannot replace it"
             )
+        if (out / name).exists() and not os.access(out / name, os.W_OK):
+            raise UsageError(
+                f"--out {out}: {name} there is not writable; --overwrite cannot replace it"
+            )
     _check_writable(out)
 
 

@@ -156,3 +156,20 @@ def test_the_estimate_is_logged_before_the_batches_are_read(tmp_path, monkeypatc
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith("simulating 3 batches x 6 systems on 64 GPUs (a pool of 64 ranks")
     assert "by the estimate about" in line and "GB of memory and" in line
+
+
+def test_an_existing_output_this_user_cannot_write_is_refused(
+    tmp_path, capsys, monkeypatch, no_simulation
+):
+    """--overwrite over an advise.json the user may not replace (root passes chmod, so the
+    permission check is what is stubbed)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "advise.json").write_text("{}")
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: real(p, mode) and p != out / "advise.json")
+    argv = ["--gpus", "8", "--lengths-file", lengths_file(tmp_path), "--out", str(out)]
+    assert main([*argv, "--overwrite", *AM]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "advise.json there is not writable" in err, err
+    assert (out / "advise.json").read_text() == "{}"
