@@ -17,12 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from megatron_hdp.advise.budget import work_estimate
 from megatron_hdp.advise.job import Job, data_source, parse_job
 from megatron_hdp.advise.lengths import (
     batches_from_job_data,
@@ -99,10 +101,47 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
+    """--out is a new or empty folder (or --overwrite), and this process can write there."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: is a file, not a folder")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise UsageError(f"--out {out}: the folder is not empty; give another --out or --overwrite")
+    for name in OUTPUTS:
+        if (out / name).is_dir():
+            raise UsageError(
+                f"--out {out}: {name} there is a folder; the advisor cannot replace it"
+            )
+        if (out / name).exists() and not os.access(out / name, os.W_OK):
+            raise UsageError(
+                f"--out {out}: {name} there is not writable; --overwrite cannot replace it"
+            )
+    _check_writable(out)
+
+
+def _check_writable(out: Path) -> None:
+    """Create --out (and missing parents) and a probe file in it, then remove what was made.
+
+    UsageError naming the folder and the system's reason (a read-only mount, /proc, a file
+    on the way) before anything is simulated; nothing is left behind either way.
+    """
+    made: list[Path] = []
+    try:
+        missing = [p for p in (out, *out.parents) if not p.exists()]
+        for folder in reversed(missing):
+            folder.mkdir()
+            made.append(folder)
+        probe = out / f".advise-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise UsageError(f"--out {out}: cannot write there ({reason})") from None
+    finally:
+        for folder in reversed(made):
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
 
 
 def _check_own(adv: argparse.Namespace) -> list[str]:
@@ -205,14 +244,32 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         adv, systems, profile, cluster, job, lengths = prepare(argv)
-    except ValueError as err:  # UsageError, the job's validation, profiles, lengths
+        work = work_estimate(
+            job,
+            steps=adv.steps,
+            systems=systems,
+            lengths=lengths,
+            lengths_file=adv.lengths_file,
+            mix=adv.mix,
+        )  # refuses what would not fit in memory
+    except ValueError as err:  # UsageError, the job's validation, profiles, lengths, budget
         return _fail(err)
+    LOG.info(
+        "simulating %d batches x %d systems on %d GPUs (a pool of %d ranks, about %s sequences "
+        "per batch%s): by the estimate %s",
+        adv.steps,
+        len(systems),
+        job.gpus,
+        job.pool_size,
+        f"{work.sequences_per_batch:,.0f}",
+        f", {work.pieces:,} pieces of the lengths file" if work.pieces else "",
+        work.text(),
+    )
     t0 = time.perf_counter()
     try:
         batches, source = load_batches(adv, job, lengths)
     except ValueError as err:  # unreadable data, as pretrain_hdp.py reports it
         return _fail(err)
-    LOG.info("simulating %d batches x %d systems on %d GPUs", adv.steps, len(systems), job.gpus)
     from tqdm import tqdm
 
     with tqdm(

@@ -23,11 +23,16 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_hdp.advise.budget import MAX_LENGTH
 from megatron_hdp.data.sampler import DatasetUnits, TokenBudgetSampler
 
 
 def read_lengths_file(path: str | Path) -> np.ndarray:
-    """Sequence lengths from a text file; ValueError naming the file, line and value."""
+    """Sequence lengths from a text file; ValueError naming the file, line and value.
+
+    Each length is a whole number from 1 to `budget.MAX_LENGTH` (2^40) tokens; what its
+    pieces cost is checked against the machine later (`budget`), once --seq-length is known.
+    """
     path = Path(path)
     try:
         text = path.read_text()
@@ -40,9 +45,15 @@ def read_lengths_file(path: str | Path) -> np.ndarray:
         item = line.split("#", 1)[0].strip()
         if not item:
             continue
-        if not item.isdigit() or int(item) < 1:
+        if not (item.isascii() and item.isdigit()) or not item.strip("0"):
             raise ValueError(
                 f"--lengths-file {path} line {number}: {item!r} is not a positive whole number"
+            )
+        if len(item.lstrip("0")) > 13 or int(item) > MAX_LENGTH:  # 2^40 has 13 digits
+            shown = item if len(item) <= 30 else f"{item[:12]}... ({len(item)} digits)"
+            raise ValueError(
+                f"--lengths-file {path} line {number}: {shown} tokens is more than the "
+                f"advisor simulates ({MAX_LENGTH:,} = 2^40 tokens per sequence)"
             )
         out.append(int(item))
     if not out:

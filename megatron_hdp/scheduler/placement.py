@@ -1,14 +1,14 @@
 """Placement policies: turn the lengths of a global batch into a `StepPlan` (pure Python).
 
-The policies:
-- `"greedy"` (HDP): a sequence of at most `capacity` tokens goes whole to one rank, packed
-  best-fit with other short ones; a longer sequence gets a ring of `ceil(s / capacity)`
-  ranks (any integer, any ranks). Rings are placed first, longest first, on the least
-  loaded ranks; packs follow, heaviest first, each on the least loaded rank.
+The policies (`"balanced"` is `plan_step`'s default):
+- `"greedy"` (HDP, the ablation baseline, `greedy.py`): a sequence of at most `capacity`
+  tokens goes whole to one rank, packed best-fit with other short ones; a longer sequence
+  gets a ring of `ceil(s / capacity)` ranks (any integer, any ranks). Rings are placed
+  first, longest first, on the least loaded ranks; packs follow, heaviest first, each on
+  the least loaded rank.
 - `"static"` (the baseline mesh, `static_mesh.py`): `pool_size = dp * cp`; sequences are
   packed best-fit up to the context `cp * capacity`, and every pack is sharded over one
   fixed, contiguous CP group; packs go round robin over the DP groups.
-
 - `"balanced"` (HDP): ByteScale's balance scheduler (`balance.py`): the same rings and
   packs, placed by predicted cost so that all ranks reach the gradient sync together.
 
@@ -23,21 +23,19 @@ counts one micro-batch per rank, not the 1F1B warm-up's micro-batches in flight)
 
 from __future__ import annotations
 
-import heapq
-import math
 from collections.abc import Sequence
 
 import numpy as np
 
 from megatron_hdp.scheduler.balance import (
-    best_fit_decreasing,
     placement_arrays,
     plan_from_placements,
     ring_sequences,
 )
+from megatron_hdp.scheduler.greedy import plan_greedy
 from megatron_hdp.scheduler.offload_choice import OffloadRingCosts, decide
 from megatron_hdp.scheduler.offload_rule import offload_rule
-from megatron_hdp.scheduler.plan import MicroBatch, StepPlan, plan_from_rank_lists, validate_inputs
+from megatron_hdp.scheduler.plan import StepPlan, validate_inputs
 from megatron_hdp.scheduler.pp_balance import plan_pp_balanced, with_pipeline_predictions
 from megatron_hdp.scheduler.ring_sizing import (
     RingCosts,
@@ -49,68 +47,11 @@ from megatron_hdp.scheduler.static_mesh import (  # noqa: F401  (re-exported)
     CostFn,
     plan_static,
     simple_cost,
+    simple_cost_arrays,
     static_cp_size,
 )
 
 POLICIES = ("greedy", "balanced", "static")
-
-
-def plan_greedy(
-    seqlens: Sequence[int],
-    *,
-    pool_size: int,
-    capacity: int,
-    cost: CostFn = simple_cost,
-    ring_sizes: Sequence[int] | None = None,
-    offload_ratios: Sequence[float] | None = None,
-    num_layers: int = 0,
-    policy: str = "greedy",
-) -> StepPlan:
-    """HDP placement: rings of `ceil(s / capacity)` ranks for long sequences, packs for short.
-
-    Rings go first, longest first, each on the `k` least-loaded ranks (ties: lower rank);
-    packs (best-fit decreasing) follow, heaviest first, each on the least-loaded rank.
-    `ring_sizes` overrides the rank count of every sequence (1 = packed), e.g. with the
-    offload rule's counts and `offload_ratios`; `num_layers` then goes into the plan for its
-    memory check. `policy` names the result.
-    """
-    validate_inputs(seqlens, pool_size, capacity)
-    if ring_sizes is None:
-        ring_sizes = [math.ceil(s / capacity) for s in seqlens]
-    loads = [(0.0, r) for r in range(pool_size)]  # heap of (load, rank)
-    micro_batches: list[MicroBatch] = []
-    long_ids = sorted(
-        (i for i in range(len(seqlens)) if ring_sizes[i] > 1), key=lambda i: (-seqlens[i], i)
-    )
-    for i in long_ids:
-        k = int(ring_sizes[i])
-        members = [heapq.heappop(loads) for _ in range(k)]
-        c = cost([seqlens[i]], k, capacity)
-        for load, r in members:
-            heapq.heappush(loads, (load + c, r))
-        micro_batches.append(
-            MicroBatch(
-                order=len(micro_batches),
-                ring=tuple(sorted(r for _, r in members)),
-                seq_indices=(i,),
-                predicted_cost=c,
-                offload_ratio=0.0 if offload_ratios is None else float(offload_ratios[i]),
-            )
-        )
-    short = [i for i in range(len(seqlens)) if ring_sizes[i] <= 1]
-    packs = best_fit_decreasing(seqlens, short, capacity)
-    costed = [(cost([seqlens[i] for i in p], 1, capacity), n, p) for n, p in enumerate(packs)]
-    for c, _, pack in sorted(costed, key=lambda x: (-x[0], x[1])):
-        load, rank = heapq.heappop(loads)
-        heapq.heappush(loads, (load + c, rank))
-        micro_batches.append(
-            MicroBatch(
-                order=len(micro_batches), ring=(rank,), seq_indices=tuple(pack), predicted_cost=c
-            )
-        )
-    return plan_from_rank_lists(
-        seqlens, pool_size, capacity, policy, micro_batches, num_layers=num_layers
-    )
 
 
 def plan_balanced(
@@ -147,12 +88,7 @@ def plan_balanced(
     if cost_model is not None:
         ring_sizes, local, ring = cost_model.cost_arrays(lengths, capacity)
     else:
-        ring_sizes = [max(1, math.ceil(s / capacity)) for s in lengths]
-        local = [simple_cost([s], 1, capacity) for s in lengths]
-        ring = [
-            simple_cost([s], k, capacity) if k > 1 else 0.0
-            for s, k in zip(lengths, ring_sizes, strict=True)
-        ]
+        ring_sizes, local, ring = simple_cost_arrays(lengths, capacity)
     if core is None:
         from megatron_hdp.scheduler.planner import default_core
 
@@ -340,13 +276,21 @@ def plan_step(
     *,
     pool_size: int,
     capacity: int,
-    policy: str = "greedy",
+    policy: str = "balanced",
     cp_size: int | None = None,
     cost_model=None,
     offload: bool = False,
     pipeline_stages: int = 1,
 ) -> StepPlan:
-    """Plan one step with the named policy (`"greedy"`, `"balanced"` or the `"static"` mesh).
+    """Plan one step with the named policy (`"balanced"`, `"greedy"` or the `"static"` mesh).
+
+    The default is `"balanced"`, the policy `pretrain_hdp.py` runs: the balance scheduler
+    on the C++ core (`planner.default_core`). Without a `cost_model` it prices a
+    micro-batch by `simple_cost` (tokens plus `s^2 / (2 capacity)` per sequence, only
+    relative values matter) and gives every long sequence its minimal ring of
+    `ceil(s / capacity)` ranks; with one (`cost.CostModel(shape, device)`, as the trainer
+    builds it) costs are seconds and ring sizes are chosen to shorten the step.
+    `"greedy"` is the ablation baseline (`greedy.plan_greedy`).
 
     Deterministic: equal inputs give equal plans on every rank. Raises ValueError for bad
     input before anything else happens. The policies' invariants are held by property

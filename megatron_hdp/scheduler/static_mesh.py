@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from megatron_hdp.scheduler.balance import best_fit_decreasing
 from megatron_hdp.scheduler.plan import MicroBatch, StepPlan, plan_from_rank_lists, validate_inputs
 
@@ -25,6 +27,20 @@ def simple_cost(lengths: Sequence[int], cp_size: int, capacity: int) -> float:
     tokens. A stand-in until the calibrated cost model arrives; only relative values matter.
     """
     return sum(s + s * s / (2.0 * capacity) for s in lengths) / cp_size
+
+
+def simple_cost_arrays(lengths, capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`simple_cost` as the balance core's inputs: minimal ring sizes, local and ring costs.
+
+    Per sequence `ceil(s / capacity)` (at least 1), `simple_cost([s], 1, capacity)` and,
+    on a ring, `simple_cost([s], k, capacity)` (0 where packed); the same floats as the
+    per-sequence calls, computed as arrays.
+    """
+    s = np.asarray(lengths, dtype=np.float64)
+    ring_sizes = np.maximum(1, np.ceil(s / capacity)).astype(np.int64)
+    local = s + s * s / (2.0 * capacity)
+    ring = np.where(ring_sizes > 1, local / ring_sizes, 0.0)
+    return ring_sizes, local, ring
 
 
 def static_cp_size(seqlens: Sequence[int], pool_size: int, capacity: int) -> int:

@@ -352,7 +352,7 @@ def _hdp_run(sz: Sizes, layout, device, kernel_name: str, peak, say) -> tuple[di
 
     def hdp_steps(seqs, capacity):
         source = InMemoryTokens([t for t, _ in seqs], [lab for _, lab in seqs])
-        plan = plan_step(source.seqlens, pool_size=1, capacity=capacity)
+        plan = plan_step(source.seqlens, pool_size=1, capacity=capacity, policy="greedy")
 
         def step():
             result = train_step(engine, plan, source, runtime)

@@ -67,7 +67,7 @@ def test_a_batch_reaches_the_gpu_intact_through_one_pinned_copy():
     tokens = [torch.randint(0, 1000, (n,), generator=gen) for n in lengths]
     masks = [torch.rand(n, generator=gen) for n in lengths]
     source = InMemoryTokens(tokens, [t.roll(1) for t in tokens], masks)
-    plan = plan_step(lengths, pool_size=1, capacity=2048)
+    plan = plan_step(lengths, pool_size=1, capacity=2048, policy="greedy")
     host = gather_local_batch(plan, plan.micro_batches[0], 0, source)
     moved = host.to(torch.device("cuda"))
     torch.cuda.synchronize()

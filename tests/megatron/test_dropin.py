@@ -68,7 +68,9 @@ def _body_dropin(rank, world_size, read_ahead=False):
         try:
             engine = megatron_lm_engine(CFG, seed=SEED)
             source = source_of(make_batch(world_size, 0))
-            plan = plan_step(source.seqlens, pool_size=world_size, capacity=CAPACITY)
+            plan = plan_step(
+                source.seqlens, pool_size=world_size, capacity=CAPACITY, policy="greedy"
+            )
             runtime = StepRuntime(group=dist.group.WORLD)
             schedule = hdp_forward_backward(runtime, CFG)
             engine.model.zero_grad_buffer()
@@ -155,7 +157,9 @@ def _body_warm_up(rank, world_size):
                     make_batch(world_size, step_index, "few")
                     + [make_batch(world_size, step_index, "tiny_pack")[0]]
                 )
-                plan = plan_step(source.seqlens, pool_size=world_size, capacity=CAPACITY)
+                plan = plan_step(
+                    source.seqlens, pool_size=world_size, capacity=CAPACITY, policy="greedy"
+                )
                 engine.model.zero_grad_buffer()
                 with CallRecorder() as steps:
                     schedule(
@@ -229,7 +233,9 @@ def _body_empty_rank(rank, world_size):
         try:
             engine = megatron_lm_engine(CFG, seed=SEED)
             source = source_of(make_batch(world_size, 0, "few"))  # 2 sequences, 4 ranks
-            plan = plan_step(source.seqlens, pool_size=world_size, capacity=CAPACITY)
+            plan = plan_step(
+                source.seqlens, pool_size=world_size, capacity=CAPACITY, policy="greedy"
+            )
             schedule = hdp_forward_backward(StepRuntime(group=dist.group.WORLD), CFG)
             engine.model.zero_grad_buffer()
             reports = schedule(
@@ -263,7 +269,7 @@ def _body_dropin_moe(rank, world_size, cfg):
             engine = megatron_lm_engine(cfg, seed=MOE_SEED)
             pool = dims.pool_size
             source = source_of(make_batch(pool, 0))
-            plan = plan_step(source.seqlens, pool_size=pool, capacity=CAPACITY)
+            plan = plan_step(source.seqlens, pool_size=pool, capacity=CAPACITY, policy="greedy")
             runtime = Runtime(group=layout.pool_group, job_group=layout.world_group)
             schedule = hdp_forward_backward(runtime, cfg)
             engine.model.zero_grad_buffer()

@@ -125,7 +125,9 @@ def _body(rank, world_size, num_layers):
             engine = build_engine(cfg, OptimConfig(lr=1e-2), seed=3)
             runtime = StepRuntime(group=dist.group.WORLD)
             source = source_of(batch_of_lengths([5, 9, 3, 2 * CAPACITY - 3, 7, 11], seed=5))
-            plan = plan_step(source.seqlens, pool_size=world_size, capacity=CAPACITY)
+            plan = plan_step(
+                source.seqlens, pool_size=world_size, capacity=CAPACITY, policy="greedy"
+            )
             # Read ahead on the host, as the job's prefetch thread does.
             prepared = (read_local(plan, source, rank), None)
             counter = SyncCounter()
@@ -280,7 +282,7 @@ def test_a_batch_reaches_the_device_in_one_copy_with_every_value_intact():
     seqs = batch_of_lengths([6, 13, 4], seed=2)
     seqs[1][2][3] = 0.25  # a loss weight that is not 0 or 1 survives the int64 transport
     source = source_of(seqs)
-    plan = plan_step(source.seqlens, pool_size=1, capacity=64)
+    plan = plan_step(source.seqlens, pool_size=1, capacity=64, policy="greedy")
     host = gather_local_batch(plan, plan.micro_batches[0], 0, source)
     copies = []
 

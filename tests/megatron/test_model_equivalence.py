@@ -303,7 +303,9 @@ def _body_short_only(rank, world_size):
         try:
             engine = build_engine(CFG, OPTIM, seed=SEED)
             source = source_of([s for s in make_batch(world_size, 0) if len(s[0]) <= CAPACITY])
-            plan = plan_step(source.seqlens, pool_size=world_size, capacity=CAPACITY)
+            plan = plan_step(
+                source.seqlens, pool_size=world_size, capacity=CAPACITY, policy="greedy"
+            )
             runtime = StepRuntime(group=dist.group.WORLD)
             calls = []
             real = dist.batch_isend_irecv
@@ -332,7 +334,7 @@ def _body_wrong_pool(rank, world_size):
         try:
             engine = build_engine(CFG, OPTIM, seed=SEED)
             source = source_of(make_batch(3, 0))
-            plan = plan_step(source.seqlens, pool_size=3, capacity=CAPACITY)
+            plan = plan_step(source.seqlens, pool_size=3, capacity=CAPACITY, policy="greedy")
             runtime = StepRuntime(group=dist.group.WORLD)
             try:
                 train_step(engine, plan, source, runtime)
@@ -361,7 +363,7 @@ def _body_expect_error(rank, world_size, what):
             lengths = source.seqlens
             if what == "short_source":
                 lengths = [n + 5 if i == 7 else n for i, n in enumerate(lengths)]
-            plan = plan_step(lengths, pool_size=world_size, capacity=CAPACITY)
+            plan = plan_step(lengths, pool_size=world_size, capacity=CAPACITY, policy="greedy")
             try:
                 train_step(engine, plan, source, StepRuntime(group=dist.group.WORLD))
             except ValueError as err:
@@ -389,7 +391,9 @@ def _body_bf16(rank, world_size):
         try:
             engine = build_engine(cfg, OPTIM, seed=SEED)
             source = source_of(make_batch(world_size, 0))
-            plan = plan_step(source.seqlens, pool_size=world_size, capacity=CAPACITY)
+            plan = plan_step(
+                source.seqlens, pool_size=world_size, capacity=CAPACITY, policy="greedy"
+            )
             return train_step(engine, plan, source, StepRuntime(group=dist.group.WORLD)).loss
         finally:
             layout.destroy()

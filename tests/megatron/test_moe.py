@@ -58,7 +58,7 @@ def _body_hdp(rank, world_size, cfg, pool, kind, optim=OPTIM):
             snapshot_grads_before_update(engine, grads)
             for step in range(NUM_STEPS):
                 source = source_of(make_batch(pool, step, kind))
-                plan = plan_step(source.seqlens, pool_size=pool, capacity=CAPACITY)
+                plan = plan_step(source.seqlens, pool_size=pool, capacity=CAPACITY, policy="greedy")
                 result = train_step(engine, plan, source, runtime)
                 losses.append(result.loss)
                 aux.append(result.moe_aux_loss)

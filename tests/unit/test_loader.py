@@ -22,7 +22,7 @@ def _sampler():
 
 
 def _plan(lengths):
-    return plan_step(lengths, pool_size=2, capacity=16)
+    return plan_step(lengths, pool_size=2, capacity=16, policy="greedy")
 
 
 def test_close_rewinds_the_sampler_to_the_last_batch_handed_out():

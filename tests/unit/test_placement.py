@@ -30,7 +30,7 @@ def batches(draw):
 @settings(max_examples=examples(300), deadline=None)
 def test_greedy_plan_invariants(batch):
     lengths, pool_size, capacity = batch
-    plan = plan_step(lengths, pool_size=pool_size, capacity=capacity)
+    plan = plan_step(lengths, pool_size=pool_size, capacity=capacity, policy="greedy")
     plan.validate(pool_size=pool_size)
     placed = sorted(i for mb in plan.micro_batches for i in mb.seq_indices)
     assert placed == list(range(len(lengths)))
@@ -44,7 +44,7 @@ def test_greedy_plan_invariants(batch):
         assert max(rank_token_counts(seq_lengths, mb.cp_size)) <= capacity
         assert len(set(mb.ring)) == mb.cp_size and all(0 <= r < pool_size for r in mb.ring)
     assert run_to_completion(plan)
-    assert plan == plan_step(lengths, pool_size=pool_size, capacity=capacity)
+    assert plan == plan_step(lengths, pool_size=pool_size, capacity=capacity, policy="greedy")
 
 
 @pytest.mark.property
@@ -72,13 +72,13 @@ def test_static_plan_uses_fixed_contiguous_groups(batch):
 
 
 def test_round_trip_through_json():
-    plan = plan_step([5, 40, 17, 3, 3, 16], pool_size=5, capacity=16)
+    plan = plan_step([5, 40, 17, 3, 3, 16], pool_size=5, capacity=16, policy="greedy")
     again = StepPlan.from_dict(json.loads(plan.to_json()))
     assert again == plan and again.digest() == plan.digest()
 
 
 def test_ring_sizes_are_not_powers_of_two_and_may_be_any_ranks():
-    plan = plan_step([33, 40, 2, 2], pool_size=7, capacity=8)
+    plan = plan_step([33, 40, 2, 2], pool_size=7, capacity=8, policy="greedy")
     sizes = sorted(mb.cp_size for mb in plan.micro_batches if mb.cp_size > 1)
     assert sizes == [5, 5]
     assert plan.validate(pool_size=7) is None
@@ -124,7 +124,7 @@ def test_bad_input_names_the_value(lengths, pool_size, capacity, message):
 
 
 def test_plan_for_another_pool_is_refused():
-    plan = plan_step([5, 20], pool_size=3, capacity=16)
+    plan = plan_step([5, 20], pool_size=3, capacity=16, policy="greedy")
     with pytest.raises(ValueError, match="plan is for a pool of 3 ranks, but this pool has 4"):
         plan.validate(pool_size=4)
 
@@ -137,7 +137,9 @@ def test_unknown_policy_is_refused():
 def test_plan_statistics_by_hand():
     from megatron_hdp.scheduler.stats import plan_statistics
 
-    plan = plan_step([40, 4, 4], pool_size=4, capacity=10)  # ring of 4, then two packs
+    plan = plan_step(
+        [40, 4, 4], pool_size=4, capacity=10, policy="greedy"
+    )  # ring of 4, then two packs
     stats = plan_statistics(plan)
     assert stats["max_ranks_per_sequence"] == 4
     assert stats["mean_ranks_per_sequence"] == (4 + 1 + 1) / 3
@@ -153,14 +155,42 @@ def test_plan_statistics_by_hand():
 def test_numpy_lengths_are_accepted_and_cp_size_needs_the_static_policy():
     import numpy as np
 
-    plan = plan_step(list(np.array([5, 20, 3])), pool_size=np.int64(3), capacity=16)
+    plan = plan_step(
+        list(np.array([5, 20, 3])), pool_size=np.int64(3), capacity=16, policy="greedy"
+    )
     assert plan.seqlens == (5, 20, 3)
     with pytest.raises(ValueError, match="cp_size 2 applies to the static policy only"):
         plan_step([5], pool_size=2, capacity=8, cp_size=2)
 
 
 def test_a_deserialised_plan_is_checked_like_planner_input():
-    data = plan_step([5, 20], pool_size=3, capacity=16).to_dict()
+    data = plan_step([5, 20], pool_size=3, capacity=16, policy="greedy").to_dict()
     data["capacity"] = 0
     with pytest.raises(ValueError, match="must be > 0, got 0"):
         StepPlan.from_dict(data).validate()
+
+
+def test_the_readmes_call_is_the_balanced_policy_on_the_cpp_core(monkeypatch):
+    """`plan_step(seqlens, pool_size=N, capacity=C)` as README.md shows it, at 16,384 ranks:
+    the balanced policy (the one pretrain_hdp.py runs), placed by the C++ core, equal to an
+    explicit `policy="balanced"` call."""
+    import numpy as np
+
+    from megatron_hdp import _planner
+
+    calls = []
+    real = _planner.balance_core_arrays
+
+    def spy(*args, **kwargs):
+        calls.append(len(args[0]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_planner, "balance_core_arrays", spy)
+    pool, capacity = 16384, 8192
+    rng = np.random.default_rng(0)
+    lengths = np.minimum(pool * capacity, 1 + rng.lognormal(7.5, 1.7, size=60000)).astype(int)
+    plan = plan_step(lengths.tolist(), pool_size=pool, capacity=capacity)
+    assert plan.policy == "balanced" and calls == [len(lengths)]
+    assert plan == plan_step(lengths.tolist(), pool_size=pool, capacity=capacity, policy="balanced")
+    greedy = plan_step(lengths.tolist(), pool_size=pool, capacity=capacity, policy="greedy")
+    assert greedy.policy == "greedy" and greedy != plan
