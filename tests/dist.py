@@ -7,17 +7,15 @@ and re-raises the failing rank's traceback.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import multiprocessing
 import os
 import pickle
-import signal
+import sys
 import tempfile
 import time
 import traceback
 from datetime import timedelta
-from multiprocessing.managers import SyncManager
 
 import torch
 import torch.distributed as dist
@@ -55,24 +53,27 @@ def _child(rank, world_size, folder, fn, args):
 
 
 def _fork_checkpoint_writer_queue() -> None:
-    """Give Megatron's checkpoint writer its results queue in a forked manager (test only).
+    """Start the helper server of Megatron's checkpoint writer by fork (test only).
 
     `dist_checkpointing`'s file writer keeps the queue through which its write workers
-    report in a `multiprocessing` manager server that it starts with the spawn method, at
-    this rank's first save: a fresh interpreter that imports torch, 4-6 s of the 2 cores per
-    rank and test. These ranks were forked from a parent without CUDA, so a forked server
-    does the same job at once. The writer itself, its workers and its files are Megatron's.
+    report in a `multiprocessing` manager server started with the spawn method at this
+    rank's first save (ours, `helper_processes.start_manager`, or Megatron's own getter):
+    a fresh interpreter that imports torch, 4-6 s of the 2 cores per rank and test. These
+    ranks were forked from a parent without CUDA, so a forked server does the same job at
+    once; it ignores SIGTERM and ends with the rank, as in production. The writer itself,
+    its workers and its files are Megatron's.
     """
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async
     except ImportError:
         return
+    from megatron_hdp.distributed import helper_processes
+
+    helper_processes.START_METHOD = "fork"
 
     def results_queue(mp_mode: str = "spawn"):  # the signature of 0.19 (0.16: none)
         if filesystem_async._results_queue is None:
-            manager = SyncManager(ctx=multiprocessing.get_context("fork"))
-            manager.start(initializer=_serve_while_the_rank_lives)
-            filesystem_async._results_queue = manager.Queue()
+            filesystem_async._results_queue = helper_processes.start_manager().Queue()
         return filesystem_async._results_queue
 
     for name in ("_get_write_results_queue", "get_write_results_queue"):  # 0.16, 0.19
@@ -80,24 +81,22 @@ def _fork_checkpoint_writer_queue() -> None:
             setattr(filesystem_async, name, results_queue)
 
 
-def _serve_while_the_rank_lives() -> None:
-    """In a rank's forked manager server: collect nothing inherited (as in `_child`), and
-    end with the rank, however it ends (Ray's `_Exit`, a kill): an orphaned server would
-    hold the test run's output pipes open."""
-    gc.freeze()
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def _stop_children() -> None:
     """Stop the processes this rank started (os._exit below would leave them running).
 
-    Megatron's distributed checkpoint writer, for one, starts a `multiprocessing` Manager
-    server (about 0.5 GB) that a normal exit would stop.
+    Megatron's distributed checkpoint writer, for one, keeps a `multiprocessing` Manager
+    server (about 0.5 GB), which ignores SIGTERM: it is shut down first, as a normal exit
+    would, and anything still alive after SIGTERM is killed.
     """
+    writer = sys.modules.get("megatron_hdp.megatron.dist_checkpoint")
+    if writer is not None:
+        writer.close_writer_processes()
     for child in multiprocessing.active_children():
         child.terminate()
-        child.join(timeout=10)
+        child.join(timeout=2)
+        if child.is_alive():
+            child.kill()
+            child.join(timeout=10)
 
 
 def _read(folder, rank):

@@ -51,6 +51,7 @@ from megatron_hdp.checkpoint_files import (
     latest_iteration,
     read_meta,
 )
+from megatron_hdp.distributed.helper_processes import sigterm_blocked
 from megatron_hdp.errors import CheckpointSaveError, NonFiniteError
 from megatron_hdp.megatron import compat, dist_checkpoint
 from megatron_hdp.megatron.engine import Engine
@@ -443,9 +444,12 @@ def _write_text(path: Path, text: str) -> None:
 class AsyncSaves:
     """`--async-save`: Megatron-Core's `AsyncCallsQueue`, one checkpoint in flight at a time.
 
-    The sharded writes of a save run in a forked process; `finalize` (collective over the
-    job) completes those that are done (all of them with `blocking=True`): `metadata.json`,
-    then our rename and tracker update. Call it once per step and before the job ends.
+    The sharded writes of a save run in a forked process, started with SIGTERM blocked so
+    that a preemption signal to the whole job does not kill it; `finalize` (collective over
+    the job) completes those that are done (all of them with `blocking=True`):
+    `metadata.json`, then our rename and tracker update. `published` is the iteration of
+    the newest save it published (None: none yet). Call it once per step and before the
+    job ends.
     """
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device):
@@ -454,10 +458,12 @@ class AsyncSaves:
         self.queue = AsyncCallsQueue(persistent=False)
         self.group, self.device = group, device
         self.pending: tuple[Path, int] | None = None
+        self.published: int | None = None
 
     def schedule(self, request, *, root: Path, iteration: int) -> None:
-        """Start the background writes of a save (`save_checkpoint` calls it)."""
-        self.queue.schedule_async_request(request)
+        """Start the background writes of a save (`save_checkpoint` calls it). Local."""
+        with sigterm_blocked():  # the forked writer and its workers inherit it
+            self.queue.schedule_async_request(request)
         self.pending = (root, iteration)
 
     def finalize(self, *, blocking: bool = False) -> None:
@@ -480,6 +486,7 @@ class AsyncSaves:
             raise
         if self.queue.get_num_unfinalized_calls() == 0:
             self.pending = None
+            self.published = iteration
 
     def close(self) -> None:
         """Collective: wait for the pending save, publish it, stop the queue."""

@@ -29,7 +29,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +40,7 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from megatron_hdp.distributed.helper_processes import sigterm_blocked, start_manager
 from megatron_hdp.megatron import compat
 from megatron_hdp.megatron.engine import Engine
 
@@ -232,8 +235,10 @@ def write(
     """Collective over the job: write the checkpoint into the existing, empty `folder`.
 
     Returns None, or with `async_save` Megatron's `AsyncRequest` whose sharded writes run
-    in the background (schedule it on an `AsyncCallsQueue`; `metadata.json` is written by
-    its finalisation).
+    in the background (schedule it on an `AsyncCallsQueue` under `sigterm_blocked()`;
+    `metadata.json` is written by its finalisation). The writer's helper processes started
+    here (its results-queue server, its write workers) do not get the job's SIGTERM
+    (`helper_processes`), so a preemption signal that lands during the save does not break it.
     """
     layout = Layout.of(engine)
     metadata = sharded_metadata(engine, fully_reshardable=fully_reshardable)
@@ -247,13 +252,43 @@ def write(
         rng=_rng_objects(layout, rng_states()),
     )
     sd["num_floating_point_operations_so_far"] = 0
-    return dist_checkpointing.save(
-        sd,
-        str(folder),
-        async_sharded_save=async_save,
-        **compat.async_save_kwargs(async_save),
-        content_metadata=_serializable(metadata),
+    _slow_writes_for_tests()
+    writer_results_queue()
+    with sigterm_blocked():  # the write workers Megatron forks (sync save) inherit it
+        return dist_checkpointing.save(
+            sd,
+            str(folder),
+            async_sharded_save=async_save,
+            **compat.async_save_kwargs(async_save),
+            content_metadata=_serializable(metadata),
+        )
+
+
+#: Test hook (tests/e2e/test_preemption.py): seconds each of Megatron's write workers sleeps
+#: before writing its files, so that a test can signal the job while a checkpoint is being
+#: written even on a tiny model. Unset (every real run): no effect.
+SLOW_WRITES_ENV = "HDP_TEST_SLOW_CHECKPOINT_WRITES_S"
+
+
+def _slow_writes_for_tests() -> None:
+    """With `SLOW_WRITES_ENV` set, make Megatron's write workers sleep first (test only)."""
+    delay = float(os.environ.get(SLOW_WRITES_ENV) or 0)
+    if delay <= 0:
+        return
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        FileSystemWriterAsync,
     )
+
+    original = FileSystemWriterAsync.write_preloaded_data  # a staticmethod: the function
+    if getattr(original, "hdp_slowed", False):
+        return
+
+    def slowed(*args, **kwargs):
+        time.sleep(delay)
+        return original(*args, **kwargs)
+
+    slowed.hdp_slowed = True
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(slowed)
 
 
 def is_dist_checkpoint(folder: str | Path) -> bool:
@@ -458,13 +493,36 @@ def _step_zero_where_missing(tree) -> None:
             _step_zero_where_missing(value)
 
 
+def writer_results_queue():
+    """The results queue of Megatron's checkpoint writer in this process, in a safe server.
+
+    `dist_checkpointing`'s file writer sends its workers' results through a queue held by a
+    `multiprocessing` manager server, which Megatron-Core (0.16 to 0.19) starts at the first
+    save and keeps in `filesystem_async._results_queue`; a server that got the job's
+    SIGTERM would die and break the save ("Broken pipe"). This starts it first, through
+    `helper_processes.start_manager` (SIGTERM ignored, ends with this rank), and starts a
+    fresh one if the one kept has died. Megatron's own code then finds and uses it. Local.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue = filesystem_async._results_queue
+    if queue is not None:
+        process = getattr(getattr(queue, "_manager", None), "_process", None)
+        if process is None or process.is_alive():
+            return queue
+        logger.warning("the checkpoint writer's helper process had died; starting a new one")
+        close_writer_processes()
+    filesystem_async._results_queue = start_manager().Queue()
+    return filesystem_async._results_queue
+
+
 def close_writer_processes() -> None:
     """Stop the helper process Megatron's checkpoint writer started in this process.
 
     `dist_checkpointing`'s file writer keeps its results queue in a multiprocessing
-    manager, a spawned server process (~200 MB) started at the first save and kept for
-    later ones. A process that ends without running its exit handlers (a forked test
-    rank, a killed job) would leave it behind; call this when done saving. Local.
+    manager, a spawned server process (~200 MB) started at the first save
+    (`writer_results_queue`) and kept for later ones. It ends with this process anyway;
+    call this when done saving to give its memory back earlier. Local.
     """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
@@ -473,7 +531,7 @@ def close_writer_processes() -> None:
     if manager is not None:
         try:
             manager.shutdown()
-        except (OSError, EOFError):  # it died already (a signal to the whole job)
+        except (OSError, EOFError):  # it died already (killed)
             pass
     if queue is not None:
         filesystem_async._results_queue = None

@@ -159,7 +159,10 @@ class Trainer:
         self.iteration = 0
         self.consumed_tokens = 0
         self.run_id = uuid.uuid4().hex
+        # The newest checkpoint this run published (named in the tracker), and the newest it
+        # wrote or, with --async-save, started writing.
         self.last_saved: int | None = None
+        self._saved_iteration: int | None = None
         self.nonfinite_in_a_row = 0
         self.stop_signal: StopSignal | None = None
         self.watchdog: StallWatchdog | None = None
@@ -268,14 +271,27 @@ class Trainer:
             async_saves=self.async_saves,
         )
         self._discard_on_save = False
-        self.last_saved = self.iteration
+        self._saved_iteration = self.iteration
+        if self.async_saves is None:
+            self.last_saved = self.iteration
+        else:
+            self._note_published()
+
+    def _note_published(self) -> None:
+        """Take the newest published background save (--async-save) as `last_saved`."""
+        if self.async_saves is not None and self.async_saves.published is not None:
+            self.last_saved = self.async_saves.published
 
     def _mark(self, what: str, *, iteration: int | None = None) -> None:
         if self.watchdog is not None:
             self.watchdog.mark(what, iteration=iteration)
 
     def checkpoint_note(self) -> str:
-        """Where the newest checkpoint of this run is, for messages."""
+        """Where the newest checkpoint of this run is, for messages.
+
+        Only a published checkpoint (named in the tracker) counts: with --async-save, not
+        one whose background writes are still running.
+        """
         if self.last_saved is not None:
             return f"The latest checkpoint is iteration {self.last_saved} in {self.args.save}."
         if self.args.load is not None:
@@ -427,11 +443,13 @@ class Trainer:
         name = self.stop_signal.agreed(self.runtime.all_ranks, self.runtime.device)
         if name is None:
             return False
-        if self.args.save and self.last_saved != self.iteration:
-            # The signal reached every process of the job, the checkpoint writer's helper
-            # process too: start the save with a fresh one.
-            close_writer_processes()
+        if self.args.save and self._saved_iteration != self.iteration:
             self.save()
+        if self.async_saves is not None:
+            # Publish the save in flight first, so that the line below names it only once it
+            # is complete (a failure raises CheckpointSaveError, naming the one still latest).
+            self.async_saves.finalize(blocking=True)
+            self._note_published()
         if self.rank == 0:
             logger.warning(
                 "iter %d: %s received; stopping cleanly. %s",
@@ -517,6 +535,7 @@ class Trainer:
             result, plan, stats, elapsed, units, data_wait, predictions = self.step()
             if self.async_saves is not None:
                 self.async_saves.finalize()  # publish a finished background save
+                self._note_published()
             self._check_finite(result)
             record = {
                 "iteration": self.iteration,
@@ -595,6 +614,7 @@ class Trainer:
                 break
         if self.async_saves is not None:
             self.async_saves.close()  # the last save is complete and published before exit
+            self._note_published()
             self.async_saves = None
         if self._writer is not None:
             self._writer.close()

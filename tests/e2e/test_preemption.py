@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -9,15 +10,23 @@ from pathlib import Path
 
 import pytest
 
-from megatron_hdp.checkpoint_files import latest_iteration
+from megatron_hdp.checkpoint_digests import DIGESTS
+from megatron_hdp.checkpoint_files import iteration_dir, latest_iteration
+from megatron_hdp.megatron.dist_checkpoint import SLOW_WRITES_ENV
 from tests import polling
 from tests.e2e.harness import SMALL_MODEL, torchrun_command
 
 REPO = Path(__file__).resolve().parents[2]
+RECORD_EXIT = Path(__file__).resolve().parent / "record_exit.py"
 
 
-def start_job(cache, tmp_path, *, nproc, iters, extra=()):
-    """torchrun in the background; stderr goes to a file the test can read while it runs."""
+def start_job(cache, tmp_path, *, nproc, iters, extra=(), env=None, session=False):
+    """torchrun in the background; stderr goes to a file the test can read while it runs.
+
+    `env`: more environment for the job. `session`: torchrun leads a new session and
+    process group (as the SLURM step's), and each rank records its exit status in
+    `tmp_path/exits` (`record_exit.py`).
+    """
     argv = [
         *SMALL_MODEL,
         "--seq-length",
@@ -38,8 +47,17 @@ def start_job(cache, tmp_path, *, nproc, iters, extra=()):
     ]
     cmd = torchrun_command(nproc, argv)
     log = open(tmp_path / "stderr.log", "w")  # noqa: SIM115 - closed by finish()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, cwd=REPO, env=env)
+    # The ranks run this checkout's code (the venv's editable install may point elsewhere).
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})}
+    if session:
+        (tmp_path / "exits").mkdir()
+        env["HDP_TEST_EXIT_DIR"] = str(tmp_path / "exits")
+        script = cmd.index(str(REPO / "pretrain_hdp.py"))
+        cmd[script:script] = [str(RECORD_EXIT)]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=log, cwd=REPO, env=env, start_new_session=session
+    )
     proc.log = log
     return proc
 
@@ -123,6 +141,76 @@ def test_sigterm_to_torchrun_and_every_rank_as_slurm_sends_it_saves(corpus_cache
     assert latest_iteration(ckpt) == last, log[-3000:]
     assert f"iter {last}: SIGTERM received; stopping cleanly" in log
     assert "Traceback" not in log.split("SIGTERM received")[0]  # no rank died before saving
+
+
+def newest_partial(ckpt: Path) -> Path | None:
+    found = sorted(ckpt.glob("iter_*.partial"))
+    return found[-1] if found else None
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigterm_to_the_whole_job_during_a_save_saves_and_every_rank_exits_0(
+    corpus_cache, tmp_path, mode
+):
+    """scancel or preemption while a checkpoint is being written (sweep cases K6, K7).
+
+    SLURM signals every process of the step at once: torchrun, the ranks and the helper
+    processes of Megatron's checkpoint writer. SIGTERM goes to torchrun's whole process
+    group while `iter_0000004.partial` exists (each write worker sleeps 3 s, a test hook).
+    The save in flight must be published (or abandoned with the previous checkpoint the
+    latest), every rank must exit 0 before torchrun's 30 s grace period runs out, and the
+    "latest checkpoint" line must name the checkpoint the tracker names, a complete one.
+    """
+    ckpt = tmp_path / "ckpt"
+    extra = ["--save", str(ckpt), "--save-interval", "2"]
+    if mode == "async":
+        extra.append("--async-save")
+    proc = start_job(
+        corpus_cache,
+        tmp_path,
+        nproc=2,
+        iters=40,
+        extra=extra,
+        env={SLOW_WRITES_ENV: "3"},
+        session=True,
+    )
+    try:
+        polling.wait_for(
+            lambda: (ckpt / "iter_0000004.partial").exists(),
+            90,
+            "the save of iteration 4",
+            poll=0.005,
+        )
+        time.sleep(0.5)  # into the writers' sleep: the write workers exist
+        assert (ckpt / "iter_0000004.partial").exists()  # the signal lands during the save
+        signalled = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)
+        finish(proc, timeout=60)
+        took = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            finish(proc)
+    log = (tmp_path / "stderr.log").read_text()
+    exits = {p.name: p.read_text().strip() for p in (tmp_path / "exits").iterdir()}
+    assert exits == {"rank0": "0", "rank1": "0"}, log[-4000:]
+    assert "forcefully exiting" not in log, log[-4000:]  # no rank outlived the grace period
+    assert took < 30, log[-4000:]
+    assert "could not save" not in log, log[-4000:]
+    latest = latest_iteration(ckpt)
+    notes = re.findall(r"The latest checkpoint is iteration (\d+) in (\S+)\.", log)
+    assert notes, log[-4000:]
+    assert all(int(n) == latest and Path(where) == ckpt for n, where in notes), (notes, latest)
+    folder = iteration_dir(ckpt, latest)
+    assert (folder / "metadata.json").exists() and (folder / DIGESTS).exists()
+    if mode == "sync":
+        assert latest == 4  # the save the signal landed in was finished, then the job stopped
+    else:
+        assert latest >= 4  # the background save went on; the job stopped at a step after it
+    assert newest_partial(ckpt) is None  # nothing left half-written
+    stop_line = log.index(f"iter {latest}: SIGTERM received; stopping cleanly")
+    # named only once published (--async-save: not while its writes still run)
+    assert log.index(f"saved checkpoint {folder}\n") < stop_line
 
 
 def test_a_stopped_rank_is_reported_before_the_timeout(corpus_cache, tmp_path):
