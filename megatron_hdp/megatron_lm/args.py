@@ -15,6 +15,7 @@ import argparse
 import logging
 import math
 
+from megatron_hdp.data.sampler import parse_split
 from megatron_hdp.megatron.arguments import add_hdp_args
 
 logger = logging.getLogger(__name__)
@@ -288,6 +289,8 @@ def finish_args(args: argparse.Namespace) -> None:
     from megatron_hdp.attention.kernels.registry import resolve_kernel
     from megatron_hdp.megatron_lm.model import gpt_config
 
+    if getattr(args, "split", None) is not None:
+        parse_split(args.split)  # as Megatron-Core reads it; the data reader reads it so too
     tokens, _ = global_batch(args)
     if tokens is not None and tokens < args.seq_length:
         raise ValueError(

@@ -61,6 +61,7 @@ REFUSED = {
     "--hdp-global-batch-tokens": ["--hdp-global-batch-tokens", "2048", "--global-batch-size", "8"],
     "--seq-length": ["--hdp-capacity", "100"],  # 512 tokens > 2 ranks x 100
     "--hdp-global-batch-tokens 300": ["--hdp-global-batch-tokens", "300"],  # < --seq-length
+    "--split": ["--split", "1,1,1,1"],  # Megatron-Core asserts 3 weights at most, after start-up
 }
 
 
@@ -102,3 +103,22 @@ def test_the_data_vocabulary_is_the_one_megatron_lm_built(trees, data, monkeypat
     assert got.vocab_size == global_vars.get_tokenizer().vocab_size == 257
     assert args.padded_vocab_size == 384
     assert got.datasets is reader.datasets and got.train is reader.train
+
+
+def test_nvidias_quoted_split_is_read_as_megatron_lm_reads_it(trees, data, monkeypatch):
+    """`--split "'99,1,0'"` (Llama-3 recipes: quotes inside the value), as stock takes it.
+
+    The drop-in's data layer gets the split Megatron-Core's own parser finds.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+
+    from megatron_hdp.data.training_data import build_training_data
+    from megatron_hdp.megatron.config import batch_data_config
+
+    argv = [*BASE, "--hdp", "--data-path", data, "--split", "'99,1,0'"]
+    args = _parse_and_validate(monkeypatch, argv)
+    assert args.split == "'99,1,0'"
+    assert parse_and_normalize_split(args.split) == pytest.approx([0.99, 0.01, 0.0])
+    reader = build_training_data(batch_data_config(args, tokens_per_batch=None, units_per_batch=8))
+    assert reader.cfg.split == [99.0, 1.0, 0.0]
+    assert sorted(set(reader.valid_units[0].doc.tolist())) == [198, 199]  # 1 % of 200
