@@ -121,9 +121,9 @@ def _overlapped(model_chunk) -> bool:
 
 
 def gather_params_if_idle(model_chunk) -> None:
-    """Collective over the data-parallel group of `model_chunk`'s distributed optimizer:
-    the parameter all-gathers a forward pass would have run, for a rank with no micro-batch.
+    """The parameter all-gathers a forward pass would have run, for a rank with no micro-batch.
 
+    Collective over the data-parallel group of `model_chunk`'s distributed optimizer.
     With the distributed optimizer and `--overlap-param-gather`, Megatron-Core's optimizer
     step does not all-gather the updated parameters: the forward pre-hooks of the next
     forward do (`DistributedDataParallel._make_forward_pre_hook`: each one finishes the
