@@ -187,7 +187,11 @@ def test_the_data_layer_reads_with_megatron_lms_own_tokenizer(trees, corpus, mon
         want = [*tokenizer.tokenize(text), tokenizer.eod]
         assert reader.get(k).tolist() == want, (kind, k)
     if kind == "HuggingFaceTokenizer":  # Llama-3's end of text, not <|endoftext|>
-        assert tokenizer.eod == tokenizer._tokenizer.convert_tokens_to_ids("<|end_of_text|>")
+        import transformers
+
+        folder = transformers.AutoTokenizer.from_pretrained(str(corpus["hf"]))
+        assert tokenizer.eod == folder.convert_tokens_to_ids("<|end_of_text|>")
+        assert "<|endoftext|>" not in folder.get_vocab()
     if kind != "NullTokenizer":  # a real tokenizer: several ids per document
         assert sum(len(reader.get(k)) for k in range(len(reader))) > 2 * len(reader)
 
