@@ -61,6 +61,28 @@ def _tiktoken_vocab(texts) -> list[dict]:
     ]
 
 
+def _hub_cache(source, cache):
+    """`source` as the local hub cache holds a downloaded repo `local/tiny` (offline use)."""
+    import shutil
+
+    revision = "0" * 40
+    repo = cache / "models--local--tiny"
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    for path in source.iterdir():
+        shutil.copy(path, snapshot / path.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    missing = repo / ".no_exist" / revision  # what the hub said it does not have
+    missing.mkdir(parents=True)
+    probed = ("config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json")
+    probed += ("merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
+    for name in probed:
+        if not (snapshot / name).exists():
+            (missing / name).write_text("")
+    return cache
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """The texts (a JSONL data spec) and the tokenizer files, made once for the module."""
@@ -104,6 +126,7 @@ def corpus(tmp_path_factory):
         )
         fast.save_pretrained(str(folder / "hf"))
         files["hf"] = folder / "hf"
+        files["hub"] = _hub_cache(folder / "hf", folder / "hub")
     try:
         import sentencepiece
     except ImportError:
@@ -140,6 +163,8 @@ def _flags(corpus, kind: str) -> list[str]:
         return ["--vocab-file", str(gpt2 / "vocab.json"), "--merge-file", str(gpt2 / "merges.txt")]
     if kind == "HuggingFaceTokenizer":
         return ["--tokenizer-model", str(corpus["hf"])]
+    if kind == "HuggingFaceTokenizer-hub":  # a hub id, from the local hub cache
+        return ["--tokenizer-model", "local/tiny"]
     if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
         return ["--tokenizer-model", str(corpus["spm"])]
     if kind == "TikTokenizer":
@@ -153,6 +178,7 @@ def _flags(corpus, kind: str) -> list[str]:
 
 NEEDS = {
     "HuggingFaceTokenizer": "transformers",
+    "HuggingFaceTokenizer-hub": "transformers",
     "SentencePieceTokenizer": "sentencepiece",
     "GPTSentencePieceTokenizer": "sentencepiece",
     "Llama2Tokenizer": "sentencepiece",
@@ -175,7 +201,12 @@ def test_the_data_layer_reads_with_megatron_lms_own_tokenizer(trees, corpus, mon
     texts, spec = corpus["texts"], corpus["spec"]
     if kind == "NullTokenizer":
         texts, spec = corpus["null"]["texts"], corpus["null"]["spec"]
-    argv = [*BASE, "--hdp", "--hdp-data-spec", spec, "--tokenizer-type", kind]
+    if kind.endswith("-hub"):
+        from huggingface_hub import constants
+
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(corpus["hub"]))
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    argv = [*BASE, "--hdp", "--hdp-data-spec", spec, "--tokenizer-type", kind.split("-")[0]]
     args = _parse_and_validate(monkeypatch, [*argv, *_flags(corpus, kind)])
     monkeypatch.setattr(global_vars, "_GLOBAL_TOKENIZER", None)
     tokenizer = global_vars._build_tokenizer(args)  # as Megatron-LM's start-up does
@@ -186,7 +217,7 @@ def test_the_data_layer_reads_with_megatron_lms_own_tokenizer(trees, corpus, mon
     for k, text in enumerate(texts):
         want = [*tokenizer.tokenize(text), tokenizer.eod]
         assert reader.get(k).tolist() == want, (kind, k)
-    if kind == "HuggingFaceTokenizer":  # Llama-3's end of text, not <|endoftext|>
+    if kind.startswith("HuggingFaceTokenizer"):  # Llama-3's end of text, not <|endoftext|>
         import transformers
 
         folder = transformers.AutoTokenizer.from_pretrained(str(corpus["hf"]))
