@@ -1,7 +1,8 @@
 """Every tokenizer Megatron-LM builds, read by the drop-in's data layer through that object.
 
 Tiny tokenizer files are made here, offline: a Hugging Face folder with Llama-3's
-end-of-text token (`<|end_of_text|>`, no `<|endoftext|>`), GPT-2 BPE vocab/merges files,
+end-of-text token (`<|end_of_text|>`, no `<|endoftext|>`), also laid out as a local hub
+cache (`--tokenizer-model local/tiny`), GPT-2 BPE vocab/merges files,
 a SentencePiece model, and a tiktoken vocabulary in the JSON format Megatron-LM's
 TikTokenizer reads. For each `--tokenizer-type`, the drop-in's data layer (a JSONL data
 spec, tokenized when opened) holds `tokenize(text) + [eod]` of Megatron-LM's own tokenizer
