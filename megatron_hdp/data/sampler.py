@@ -18,6 +18,7 @@ The sampler never reads tokens: lengths come from the index.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -96,13 +97,30 @@ def _normalised(weights: Sequence[float]) -> np.ndarray:
     return w / total
 
 
+#: The numbers of a `--split` value, found as Megatron-Core finds them
+#: (`blended_megatron_dataset_config.parse_and_normalize_split`: `re.findall(r"[.0-9]+", split)`).
+_SPLIT_NUMBER = re.compile(r"[.0-9]+")
+
+
 def parse_split(text: str) -> list[float]:
-    """Parse Megatron's `--split` ("969,30,1" or "98/2/0")."""
+    """Parse Megatron's `--split` as Megatron-Core does: every run of digits and dots is a weight.
+
+    So "969,30,1", "98/2/0" and NVIDIA's recipes' `'99,1,0'` (quote characters inside the
+    value) all parse; as in Megatron-Core, anything else between the numbers is ignored.
+    Raises ValueError (naming the value) where Megatron-Core would fail or divide by zero:
+    no number, a run that is no number ("1.2.3"), more than 3 weights, or a zero sum.
+    """
+    found = _SPLIT_NUMBER.findall(text)
     try:
-        values = [float(x) for x in text.replace("/", ",").split(",") if x.strip()]
+        values = [float(x) for x in found]
     except ValueError:
+        values = []
+    if not values or len(values) != len(found):
         raise ValueError(f"--split {text!r} is not a list of numbers like 969,30,1") from None
-    split_ranges(1, values)  # validates
+    try:
+        split_ranges(1, values)  # validates
+    except ValueError as err:
+        raise ValueError(f"--split {text!r}: {err}") from None
     return values
 
 

@@ -68,8 +68,18 @@ def source_location(source: SourceSpec, cache_dir) -> str:
     return ensure_stdlib_corpus(cache_dir)
 
 
-def open_source(source: SourceSpec, *, tokenizer_type: str, tokenizer_model: str | None, cache_dir):
+def open_source(
+    source: SourceSpec,
+    *,
+    tokenizer_type: str,
+    tokenizer_model: str | None,
+    cache_dir,
+    tokenizer=None,
+):
     """Open one source for reading (an `IndexedDataset` or a `JsonlTokens`).
+
+    JSONL text is tokenized with `tokenizer` if given (an object with `encode` and `eod`),
+    else with the one `build_tokenizer(tokenizer_type, tokenizer_model=...)` builds.
 
     Raises:
         ValueError: Naming the source, for missing or unreadable files.
@@ -78,7 +88,8 @@ def open_source(source: SourceSpec, *, tokenizer_type: str, tokenizer_model: str
 
     try:
         if source.kind == "jsonl":
-            tokenizer = build_tokenizer(tokenizer_type, tokenizer_model=tokenizer_model)
+            if tokenizer is None:
+                tokenizer = build_tokenizer(tokenizer_type, tokenizer_model=tokenizer_model)
             return JsonlTokens(source.jsonl, json_key=source.json_key, tokenizer=tokenizer)
         return open_indexed_dataset(source_location(source, cache_dir))
     except ValueError as err:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -59,6 +60,10 @@ class DataConfig:
     """Where the embedded corpus is built (--data-cache-path)."""
     spec: DataSpec | None = None
     """A declarative data spec (--hdp-data-spec), instead of `blend`."""
+    tokenizer: Any = field(default=None, compare=False, repr=False)
+    """A tokenizer object already built (`vocab_size`, `eod`, `encode`), used instead of
+    building one from `tokenizer_type` / `tokenizer_model`: the drop-in passes the one
+    Megatron-LM built (`megatron_lm.data.MegatronLMTokenizer`)."""
 
 
 @dataclass
@@ -121,6 +126,8 @@ def _sampler(units, cfg: DataConfig, *, seed: int, train_units=None) -> TokenBud
 
 
 def _vocab_size(cfg: DataConfig) -> int:
+    if cfg.tokenizer is not None:
+        return int(cfg.tokenizer.vocab_size)
     if cfg.tokenizer_type == "NullTokenizer":
         return int(cfg.vocab_size) + 1  # Megatron's NullTokenizer puts EOD at vocab_size
     return build_tokenizer(cfg.tokenizer_type, tokenizer_model=cfg.tokenizer_model).vocab_size
@@ -168,6 +175,7 @@ def _spec_data(cfg: DataConfig, vocab_size: int) -> TrainingData:
             tokenizer_type=cfg.tokenizer_type,
             tokenizer_model=cfg.tokenizer_model,
             cache_dir=cache,
+            tokenizer=cfg.tokenizer,
         )
         for source in spec.sources
     ]

@@ -120,6 +120,31 @@ def _overlapped(model_chunk) -> bool:
     return True
 
 
+def gather_params_if_idle(model_chunk) -> None:
+    """The parameter all-gathers a forward pass would have run, for a rank with no micro-batch.
+
+    Collective over the data-parallel group of `model_chunk`'s distributed optimizer.
+    With the distributed optimizer and `--overlap-param-gather`, Megatron-Core's optimizer
+    step does not all-gather the updated parameters: the forward pre-hooks of the next
+    forward do (`DistributedDataParallel._make_forward_pre_hook`: each one finishes the
+    all-gather of its parameters' bucket group, starting it first if it was not, and starts
+    the next group's). A pool rank with no micro-batch in a step runs no forward, so it
+    would skip those all-gathers, go straight to the gradient reduce-scatter while the
+    busy ranks wait in their all-gather, and the job would hang (and its parameters would
+    stay stale). This runs the same pre-hook over the model's modules in their order, as
+    a forward does. Does nothing unless the pre-hooks are installed (Megatron-LM takes
+    them off for the first step, evaluation and checkpointing, and all-gathers
+    synchronously on every rank then).
+    """
+    if not getattr(model_chunk, "use_forward_hook", False):
+        return
+    if not getattr(model_chunk, "remove_forward_pre_hook_handles", None):
+        return  # hooks off: Megatron-LM all-gathers on every rank itself
+    hook = model_chunk._make_forward_pre_hook()  # noqa: SLF001 - the forward's own logic
+    for module in model_chunk.module.modules():
+        hook(module)
+
+
 @contextlib.contextmanager
 def _pipeline_grad_sync(model_chunk, batches: list[LocalBatch]):
     """The overlapped reduce in Megatron's 1F1B: in the last backward only if it is local.
@@ -161,7 +186,8 @@ def hdp_forward_backward(
     `runtime.pipeline_group` too.
     A rank that runs no micro-batch in a step (HDP allows it) returns `[empty_report()]`
     (default `{"lm loss": zeros(2)}`), since Megatron-LM's `train_step` reads the keys of
-    the first report and all-reduces each.
+    the first report and all-reduces each; with `--overlap-param-gather` it first runs the
+    parameter all-gathers its skipped forward would have run (`gather_params_if_idle`).
     """
     warm_up_pool(runtime)
 
@@ -185,6 +211,8 @@ def hdp_forward_backward(
         if problems:
             raise ValueError(f"the plan cannot run on pipelines in lock step: {problems[0]}")
         batches = _local(step, runtime)
+        if not batches:
+            gather_params_if_idle(model_chunk)
         schedule = get_forward_backward_func(pp_size=cfg.pipeline_model_parallel_size)
         with contextlib.ExitStack() as stack:
             if forward_only:
@@ -277,6 +305,7 @@ def hdp_forward_backward(
                 reports.append(report)
                 num_tokens += tokens
         if not reports:
+            gather_params_if_idle(model_chunk)
             reports.append(zero_report())
         if not forward_only and config.finalize_model_grads_func is not None:
             config.finalize_model_grads_func(chunks, num_tokens, force_all_reduce=force_all_reduce)

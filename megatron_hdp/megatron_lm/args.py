@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 
+from megatron_hdp.data.sampler import parse_split
 from megatron_hdp.megatron.arguments import add_hdp_args
 
 logger = logging.getLogger(__name__)
@@ -153,7 +155,14 @@ _REFUSED_MEGATRON = (
     ),
 )
 
-TOKENIZERS = ("NullTokenizer", "HuggingFaceTokenizer")
+#: `--tokenizer-type` values HDP's data layer cannot read with, and why (refused at start-up).
+#: Every other type Megatron-LM builds is read through the tokenizer object Megatron-LM built
+#: (`data.MegatronLMTokenizer`: its `tokenize`, `eod` and `vocab_size`).
+REFUSED_TOKENIZERS = {
+    "MultimodalTokenizer": "a multimodal prompt tokenizer; HDP trains a text GPT on documents",
+    "NullMultimodalTokenizer": "a multimodal tokenizer; HDP trains a text GPT on documents",
+    "SFTTokenizer": "a chat-prompt tokenizer for --sft; HDP trains on pretraining documents",
+}
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
 
 
@@ -222,10 +231,16 @@ def check_args(args: argparse.Namespace) -> None:
         )
     if args.normalization not in ("LayerNorm", "RMSNorm"):
         raise ValueError(f"--normalization {args.normalization}: HDP supports LayerNorm, RMSNorm")
-    if args.tokenizer_type not in TOKENIZERS:
+    if args.tokenizer_type in REFUSED_TOKENIZERS:
         raise ValueError(
-            f"--tokenizer-type {args.tokenizer_type}: HDP's data reader knows "
-            f"{' and '.join(TOKENIZERS)} (the default GPT2BPETokenizer is not one)"
+            f"--tokenizer-type {args.tokenizer_type}: {REFUSED_TOKENIZERS[args.tokenizer_type]}"
+        )
+    model = getattr(args, "tokenizer_model", None)
+    if args.tokenizer_type == "HuggingFaceTokenizer" and model and os.path.isfile(model):
+        raise ValueError(
+            f"--tokenizer-model {model}: Megatron-LM's HuggingFaceTokenizer "
+            "(transformers.AutoTokenizer.from_pretrained) takes the folder that holds "
+            f"tokenizer.json ({os.path.dirname(model) or '.'}) or a hub id, not the file"
         )
     if args.hdp_data_spec is not None and args.data_path:
         raise ValueError("--hdp-data-spec and --data-path: give one of them")
@@ -288,6 +303,8 @@ def finish_args(args: argparse.Namespace) -> None:
     from megatron_hdp.attention.kernels.registry import resolve_kernel
     from megatron_hdp.megatron_lm.model import gpt_config
 
+    if getattr(args, "split", None) is not None:
+        parse_split(args.split)  # as Megatron-Core reads it; the data reader reads it so too
     tokens, _ = global_batch(args)
     if tokens is not None and tokens < args.seq_length:
         raise ValueError(

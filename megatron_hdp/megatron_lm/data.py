@@ -94,7 +94,7 @@ def datasets_provider(train_valid_test_num_samples, vp_stage=None):
     from megatron.training import get_args
 
     from megatron_hdp.data.training_data import build_training_data
-    from megatron_hdp.megatron.config import batch_data_config, device_profile
+    from megatron_hdp.megatron.config import device_profile
     from megatron_hdp.megatron.model import model_shape
     from megatron_hdp.megatron_lm.args import capacity, global_batch
     from megatron_hdp.megatron_lm.model import gpt_config
@@ -102,12 +102,7 @@ def datasets_provider(train_valid_test_num_samples, vp_stage=None):
 
     args = get_args()
     tokens, units = global_batch(args)
-    data = _with_megatron_vocabulary(
-        build_training_data(
-            batch_data_config(args, tokens_per_batch=tokens, units_per_batch=units)
-        ),
-        args,
-    )
+    data = build_training_data(megatron_lm_data_config(args, tokens, units))
     cfg = gpt_config(args)
     padded = gpt_config(args, vocab_size=_padded(data.vocab_size, args)).vocab_size
     if padded != cfg.vocab_size:
@@ -173,19 +168,64 @@ def _saved_data_position(args: argparse.Namespace) -> tuple[dict, str]:
     )
 
 
-def _with_megatron_vocabulary(data: TrainingData, args: argparse.Namespace) -> TrainingData:
-    """`data` whose vocabulary is the one Megatron-LM's NullTokenizer gives `--vocab-size`.
+class MegatronLMTokenizer:
+    """HDP's tokenizer interface over the tokenizer object Megatron-LM built.
 
-    HDP's data reader counts `--vocab-size N` as N tokens plus end-of-document N (N + 1), as
-    Megatron-Core 0.16's NullTokenizer does; 0.19's counts N in all, end-of-document N - 1.
-    The tokenizer Megatron-LM built (and padded its vocabulary from) decides, so that token
-    ids are checked against the vocabulary its model has. Other tokenizers: `data` as it is.
+    `vocab_size`, `eod`, `encode`, `decode` of `megatron.training.get_tokenizer()`. HDP's
+    data layer then reads text exactly as Megatron-LM's `preprocess_data.py` writes it:
+    `tokenize(text)` followed by the tokenizer's own end-of-document token (`eod`), for
+    every `--tokenizer-type` Megatron-LM builds; and checks token ids against the
+    vocabulary Megatron-LM padded its embedding from. No communication.
     """
-    if args.tokenizer_type != "NullTokenizer":
-        return data
+
+    def __init__(self, tokenizer, tokenizer_type: str) -> None:
+        """Raises ValueError naming the type if the tokenizer has no end-of-document token."""
+        self.tokenizer, self.name = tokenizer, tokenizer_type
+        self.vocab_size = int(tokenizer.vocab_size)
+        try:
+            eod = tokenizer.eod
+        except (AttributeError, NotImplementedError, KeyError) as err:
+            eod, why = None, f" ({type(err).__name__}: {err})"
+        else:
+            why = ""
+        if eod is None:
+            raise ValueError(
+                f"--tokenizer-type {tokenizer_type}: the tokenizer Megatron-LM built has no "
+                f"end-of-document token (its eod is None{why}); HDP splits documents at it "
+                "(for HuggingFaceTokenizer: set eos_token in the tokenizer's folder)"
+            )
+        self.eod = int(eod)
+
+    def encode(self, text: str | bytes) -> list[int]:
+        """Token ids of `text`, as Megatron-LM's `tokenizer.tokenize(text)` gives them."""
+        if not isinstance(text, str):
+            text = bytes(text).decode("utf-8", errors="replace")
+        return [int(i) for i in self.tokenizer.tokenize(text)]
+
+    def decode(self, ids) -> str:
+        """Text of token ids (Megatron-LM's `detokenize`)."""
+        return self.tokenizer.detokenize([int(i) for i in ids])
+
+    def __repr__(self) -> str:
+        return f"MegatronLMTokenizer({self.name}, vocab_size={self.vocab_size}, eod={self.eod})"
+
+
+def megatron_lm_data_config(args: argparse.Namespace, tokens: int | None, units: int | None):
+    """HDP's data set-up for these flags, reading with the tokenizer Megatron-LM built.
+
+    `tokens` / `units` are the global batch (`args.global_batch`). The vocabulary, the
+    end-of-document token and the tokenization of JSONL sources are those of
+    `get_tokenizer()`, the tokenizer Megatron-LM padded its vocabulary from (for
+    NullTokenizer: `--vocab-size N` is N + 1 ids with megatron-core 0.16, N with 0.19).
+    """
     from megatron.training import get_tokenizer
 
-    return dataclasses.replace(data, vocab_size=int(get_tokenizer().vocab_size))
+    from megatron_hdp.megatron.config import batch_data_config
+
+    return dataclasses.replace(
+        batch_data_config(args, tokens_per_batch=tokens, units_per_batch=units),
+        tokenizer=MegatronLMTokenizer(get_tokenizer(), args.tokenizer_type),
+    )
 
 
 def _padded(vocab_size: int, args: argparse.Namespace) -> int:

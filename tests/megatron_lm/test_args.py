@@ -54,13 +54,14 @@ REFUSED = {
     "--fp16": ["--fp16"],
     "--inprocess-restart": ["--inprocess-restart"],
     "--attention-dropout": ["--attention-dropout", "0.1"],
-    "--tokenizer-type": ["--tokenizer-type", "GPT2BPETokenizer"],
+    "--tokenizer-type": ["--tokenizer-type", "SFTTokenizer"],
     "--dataloader-type": ["--dataloader-type", "single"],
     "--num-experts": ["--num-experts", "4"],
     "--spec": ["--spec", "my.module", "spec"],
     "--hdp-global-batch-tokens": ["--hdp-global-batch-tokens", "2048", "--global-batch-size", "8"],
     "--seq-length": ["--hdp-capacity", "100"],  # 512 tokens > 2 ranks x 100
     "--hdp-global-batch-tokens 300": ["--hdp-global-batch-tokens", "300"],  # < --seq-length
+    "--split": ["--split", "1,1,1,1"],  # Megatron-Core asserts 3 weights at most, after start-up
 }
 
 
@@ -91,14 +92,31 @@ def test_the_data_vocabulary_is_the_one_megatron_lm_built(trees, data, monkeypat
     from megatron.training import global_vars
 
     from megatron_hdp.data.training_data import build_training_data
-    from megatron_hdp.megatron.config import batch_data_config
-    from megatron_hdp.megatron_lm.data import _with_megatron_vocabulary
+    from megatron_hdp.megatron_lm.data import megatron_lm_data_config
 
     args = _parse_and_validate(monkeypatch, [*BASE, "--hdp", "--data-path", data])
     monkeypatch.setattr(global_vars, "_GLOBAL_TOKENIZER", None)
     global_vars._build_tokenizer(args)  # as Megatron-LM's start-up does (sets the padding)
-    reader = build_training_data(batch_data_config(args, tokens_per_batch=None, units_per_batch=8))
-    got = _with_megatron_vocabulary(reader, args)
+    got = build_training_data(megatron_lm_data_config(args, None, 8))
     assert got.vocab_size == global_vars.get_tokenizer().vocab_size == 257
+    assert got.cfg.tokenizer.eod == 256
     assert args.padded_vocab_size == 384
-    assert got.datasets is reader.datasets and got.train is reader.train
+
+
+def test_nvidias_quoted_split_is_read_as_megatron_lm_reads_it(trees, data, monkeypatch):
+    """`--split "'99,1,0'"` (Llama-3 recipes: quotes inside the value), as stock takes it.
+
+    The drop-in's data layer gets the split Megatron-Core's own parser finds.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+
+    from megatron_hdp.data.training_data import build_training_data
+    from megatron_hdp.megatron.config import batch_data_config
+
+    argv = [*BASE, "--hdp", "--data-path", data, "--split", "'99,1,0'"]
+    args = _parse_and_validate(monkeypatch, argv)
+    assert args.split == "'99,1,0'"
+    assert parse_and_normalize_split(args.split) == pytest.approx([0.99, 0.01, 0.0])
+    reader = build_training_data(batch_data_config(args, tokens_per_batch=None, units_per_batch=8))
+    assert reader.cfg.split == [99.0, 1.0, 0.0]
+    assert sorted(set(reader.valid_units[0].doc.tolist())) == [198, 199]  # 1 % of 200

@@ -184,3 +184,22 @@ def test_a_rank_without_micro_batches(trees, data):
     assert min(r["micro_batches_per_rank_min"] for r in reference) == 0
     _close([loss for _, loss, _ in ran["train"]], [r["loss"] for r in reference])
     _close([norm for _, _, norm in ran["train"]], [r["grad_norm"] for r in reference])
+
+
+def test_overlap_param_gather_with_a_rank_without_micro_batches(trees, data):
+    """--use-distributed-optimizer --overlap-param-gather (8 of NVIDIA's 17 setups): from the
+    second step on, Megatron-Core all-gathers the updated parameters in the next forward's
+    pre-hooks. This budget idles a pool rank in every step (test_a_rank_without_micro_batches);
+    in step 2 it runs them too (no hang: a timeout fails the test), and the losses equal the
+    run without the overlap."""
+    _, patched = trees
+    flags = [*SHARED, "--data-path", data, "--train-iters", "2", "--hdp-capacity", "512"]
+    flags += ["--hdp-global-batch-tokens", "600", "--hdp-placement", "greedy"]
+    flags += ["--eval-iters", "0", "--eval-interval", "1000", *MEGATRON_CPU, "--hdp"]
+    flags += ["--use-distributed-optimizer", "--overlap-grad-reduce"]
+    script = patched / "pretrain_gpt.py"
+    plain = run_megatron_lm(script, 2, flags)
+    overlapped = run_megatron_lm(script, 2, [*flags, "--overlap-param-gather"], timeout_s=90)
+    assert [i for i, _, _ in overlapped["train"]] == [1, 2]
+    _close([r[1] for r in overlapped["train"]], [r[1] for r in plain["train"]])
+    _close([r[2] for r in overlapped["train"]], [r[2] for r in plain["train"]])

@@ -115,3 +115,39 @@ def test_split_ranges_match_megatron_style_weights():
     assert split_ranges(10, parse_split("98/2/0")) == [(0, 10), (10, 10), (10, 10)]
     with pytest.raises(ValueError, match="not a list of numbers"):
         parse_split("a,b")
+
+
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("'99,1,0'", [99.0, 1.0, 0.0]),  # NVIDIA's Llama-3 recipes: the quotes reach the value
+        ('"949,50,1"', [949.0, 50.0, 1.0]),
+        ("98/2/0", [98.0, 2.0, 0.0]),
+        (" 90, 10 ", [90.0, 10.0]),
+        ("0.9,0.1", [0.9, 0.1]),
+        ("100", [100.0]),
+    ],
+)
+def test_split_is_read_as_megatron_core_reads_it(text, want):
+    """Every run of digits and dots is a weight (Megatron-Core's parse_and_normalize_split),
+    so both entry points (pretrain_hdp.py and pretrain_gpt.py --hdp) take what stock takes."""
+    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+
+    from megatron_hdp.megatron.arguments import build_parser
+    from megatron_hdp.megatron.config import batch_data_config
+
+    assert parse_split(text) == want
+    stock = parse_and_normalize_split(text)
+    ours = np.asarray(want + [0.0] * (3 - len(want)))
+    assert np.allclose(ours / ours.sum(), stock)
+    required = "--num-layers 1 --hidden-size 8 --num-attention-heads 1 --seq-length 8 "
+    required += "--train-iters 1 --lr 1"
+    argv = [*required.split(), "--split", text, "--data-path", "x"]
+    args = build_parser().parse_args(argv)  # pretrain_hdp.py's parser
+    assert batch_data_config(args, tokens_per_batch=8, units_per_batch=None).split == want
+
+
+@pytest.mark.parametrize("text", ["", "a,b", "1.2.3,1", "1,1,1,1", "0,0,0"])
+def test_a_split_megatron_core_cannot_use_is_refused_by_value(text):
+    with pytest.raises(ValueError, match="--split"):
+        parse_split(text)
