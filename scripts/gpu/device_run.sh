@@ -14,7 +14,8 @@
 #      $BUDGET_S (default 420: a 7-minute call), each with --budget-s so that it plans its
 #      sections to fit and never starts one it cannot finish, and each writing its JSON to
 #      $OUT after every section.
-# Exit status: the worst of the verify runs (0 all passed, 1 a check failed, 3 a section
+# $VERIFY_ARGS is added to every verify call (e.g. "--sections env,kernels" for a short
+# dry run). Exit status: the worst of the verify runs (0 all passed, 1 a check failed, 3 a section
 # crashed or timed out, 4 the install failed). $OUT defaults to results/gpu/device-run.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -86,7 +87,9 @@ run_verify() {  # name, budget seconds, extra verify flags...
   local name=$1 budget=$2
   shift 2
   say "verify $name: --budget-s $budget $*"
-  "$PYTHON" scripts/gpu/verify.py "$@" --budget-s "$budget" --out "$OUT/verify-$name.json"
+  # shellcheck disable=SC2086  # VERIFY_ARGS is a word list on purpose
+  "$PYTHON" scripts/gpu/verify.py "$@" ${VERIFY_ARGS:-} --budget-s "$budget" \
+    --out "$OUT/verify-$name.json"
   local rc=$?
   say "verify $name exited $rc"
   [ "$rc" -gt "$status" ] && status=$rc
