@@ -119,3 +119,15 @@ def test_a_section_limit_is_three_times_its_estimate_at_least_a_minute():
     assert plan.section_limit(100.0, 600.0) == 300.0
     assert plan.section_limit(5.0, 600.0) == 60.0
     assert plan.section_limit(None, 600.0) == 600.0
+
+
+def test_the_docs_state_the_plans_estimates():
+    full, quick = _plan(quick=False), _plan(quick=True)
+    text = (REPO / "docs" / "gpu.md").read_text()
+    totals = f"**{full.total_seconds():.0f} s / {quick.total_seconds():.0f} s**"
+    assert totals in text and "Nothing in it has run on a GPU yet" in text
+    for section in SECTIONS:
+        row = f"{full.section_seconds(section):.0f} s / {quick.section_seconds(section):.0f} s |"
+        assert any(
+            line.startswith(f"| `{section}` |") and line.endswith(row) for line in text.splitlines()
+        ), (section, row)
