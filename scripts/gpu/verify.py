@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             (name, mode, kernel),
             limit_s=limit,
             start_method=start_method,
-            echo=print,
+            echo=say,
         )
 
     outcome = isolated("env", None, planning.SECTION_START_S + 2.0 if not args.cpu else None)
