@@ -7,6 +7,10 @@ forked child cannot use CUDA), sends the child's stdout and stderr (C-level outp
 included) to a file that it echoes line by line as they come and keeps the tail of, and
 kills the child's process group when the limit passes. The child hands its result back
 as a JSON file.
+
+With `fork`, the parent must not have run a torch op before: a child forked from a
+process whose OpenMP threads have run hangs at its first parallel op (seen here with
+torch 2.13's CPU build). `verify.py` only imports modules and plans before forking.
 """
 
 from __future__ import annotations
