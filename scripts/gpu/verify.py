@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     outcome = isolated("env", None, planning.SECTION_START_S + 2.0 if not args.cpu else None)
     report["sections"]["env"] = _entry(outcome, None)
     if outcome.status == "done":
-        report["environment"] = outcome.result["environment"]
+        report["environment"] = report["sections"]["env"].pop("environment")
         first_kernel = outcome.result["first_kernel"]
         device = planning.Device(**outcome.result["device"])
     out = out or REPO / "results" / "gpu" / f"verify-{_slug(report['environment'])}.json"
