@@ -128,10 +128,10 @@ class Plan:
 
     def section_seconds(self, section: str) -> float | None:
         """Estimated seconds of a section's kept parts and its process start (None on CPU)."""
+        if any(p.seconds is None for p in self.parts):
+            return None
         kept = self.kept(section)
-        if not kept or any(p.seconds is None for p in kept):
-            return None if any(p.seconds is None for p in self.parts) else 0.0
-        return SECTION_START_S + sum(p.seconds for p in kept)
+        return SECTION_START_S + sum(p.seconds for p in kept) if kept else 0.0
 
     def total_seconds(self) -> float | None:
         """Estimated seconds of the whole run (None on CPU)."""
