@@ -369,7 +369,7 @@ def test_a_section_that_raises_hangs_or_dies_costs_only_its_own_figures(tmp_path
         str(out),
         env=env,
     )
-    assert time.monotonic() - started < 60
+    assert time.monotonic() - started < 90  # a hang costs its 3 s limit, not the default 600 s
     assert done.returncode == 3, done.stdout + done.stderr
     report = json.loads(out.read_text())
     sections = report["sections"]
