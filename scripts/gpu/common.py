@@ -25,7 +25,14 @@ class Mode:
     scale_tokens: int
     """Token counts are multiplied by this (1 on CPU, large on GPU)."""
     speed_tokens: tuple[int, ...]
+    """Tokens of the speed section's sizes (one ring member's, and one pack's)."""
     repeats: int
+    offload_tokens: int
+    """Tokens of the offload section's micro-batch."""
+    train_packed: tuple[int, ...]
+    """Tokens per micro-batch of the train section's packed HDP runs."""
+    train_compare: tuple[int, ...]
+    """Sequence lengths of the train section's HDP-vs-Megatron throughput comparison."""
 
     @property
     def cpu(self) -> bool:
@@ -34,7 +41,12 @@ class Mode:
 
 
 def gpu_mode(quick: bool) -> Mode:
-    """Real sizes: 32 heads, GQA 8, head dim 128, 8K-128K tokens (8K-32K with --quick)."""
+    """Real sizes: 32 heads, GQA 8, head dim 128, 8K-64K tokens (8K-32K with --quick).
+
+    131072 tokens are not in the speed sizes: their ring steps alone would take about 2 of
+    the 5 minutes (the goal is stated for 32K and more, which 32K and 64K cover). The train
+    sizes the GPU's memory cannot hold are dropped by the plan (`plan.py`), never tried.
+    """
     return Mode(
         device=torch.device("cuda"),
         dtypes=(torch.bfloat16, torch.float16),
@@ -42,8 +54,11 @@ def gpu_mode(quick: bool) -> Mode:
         groups=8,
         head_dim=128,
         scale_tokens=8,
-        speed_tokens=(8192, 16384, 32768) if quick else (8192, 16384, 32768, 65536, 131072),
+        speed_tokens=(8192, 16384, 32768) if quick else (8192, 16384, 32768, 65536),
         repeats=5 if quick else 10,
+        offload_tokens=8192 if quick else 16384,
+        train_packed=(16384, 32768) if quick else (16384, 32768, 65536),
+        train_compare=(4096,) if quick else (4096, 8192),
     )
 
 
@@ -58,6 +73,9 @@ def cpu_mode() -> Mode:
         scale_tokens=1,
         speed_tokens=(256, 512),
         repeats=3,
+        offload_tokens=512,
+        train_packed=(256, 512),
+        train_compare=(128, 256),
     )
 
 

@@ -71,17 +71,19 @@ def check_case(kernel_name, mode: Mode, dtype, name, case, seed=0) -> dict:
         "dv": relative_error(dv, leaves[2].grad),
     }
     limit = tolerance(dtype)
+    lse_shape_ok = tuple(lse.shape) == (heads, sum(lengths_q))
+    out_dtype_ok = out.dtype == dtype and dq.dtype == dtype
     return {
         "kernel": kernel_name,
         "dtype": str(dtype).removeprefix("torch."),
         "case": name,
         "tokens_q": sum(lengths_q),
         "documents": len(lengths_q),
-        "lse_shape_ok": tuple(lse.shape) == (heads, sum(lengths_q)),
-        "out_dtype_ok": out.dtype == dtype and dq.dtype == dtype,
+        "lse_shape_ok": lse_shape_ok,
+        "out_dtype_ok": out_dtype_ok,
         "errors": errors,
         "tolerance": limit,
-        "ok": max(errors.values()) <= limit and tuple(lse.shape) == (heads, sum(lengths_q)),
+        "ok": max(errors.values()) <= limit and lse_shape_ok and out_dtype_ok,
     }
 
 

@@ -6,11 +6,17 @@ forward and backward, called directly with a plain context object) on its zigzag
 queues. On one GPU every thread queues its kernels on the same stream, so a tensor handed
 over is complete before the receiver's copy runs. The gathered outputs and gradients are
 compared with one kernel call over the whole documents and with a float64 reference.
+
+A member that fails sets the ring's stop event; its peers, waiting for a message in short
+polls, see it and end within `POLL_S` (not after the receive timeout), and the member's own
+error is what the section reports.
 """
 
 from __future__ import annotations
 
 import queue
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -22,6 +28,13 @@ from megatron_hdp.attention.kernels.base import VarlenBlocks
 from megatron_hdp.sharding import shard
 
 RECEIVE_TIMEOUT_S = 120.0
+"""Longest wait for one message when no member failed (a lost message, not a slow one)."""
+POLL_S = 0.05
+"""How often a waiting member looks at the ring's stop event."""
+
+
+class RingAbortedError(RuntimeError):
+    """A member stopped waiting because another member of its ring failed."""
 
 
 class _Pending:
@@ -35,7 +48,14 @@ class _Pending:
 class ThreadRingComm:
     """`RingComm.exchange` between threads: send to the next member, receive from the previous."""
 
-    def __init__(self, mailboxes: dict, ring_positions: tuple[int, ...], me: int) -> None:
+    def __init__(
+        self,
+        mailboxes: dict,
+        ring_positions: tuple[int, ...],
+        me: int,
+        stop: threading.Event | None = None,
+    ) -> None:
+        self.stop = stop or threading.Event()
         self.ring, self.size = ring_positions, len(ring_positions)
         self.position = ring_positions.index(me)
         self.me = me
@@ -48,10 +68,23 @@ class ThreadRingComm:
         self._mailboxes[(self.me, self.next_rank, tag)].put(send)
 
         def receive():
-            got = self._mailboxes[(self.prev_rank, self.me, tag)].get(timeout=RECEIVE_TIMEOUT_S)
-            return recv.copy_(got)
+            return recv.copy_(self._receive(self._mailboxes[(self.prev_rank, self.me, tag)]))
 
         return _Pending(receive)
+
+    def _receive(self, box: queue.Queue) -> torch.Tensor:
+        """The next message in `box`; RingAbortedError as soon as the stop event is set."""
+        deadline = time.monotonic() + RECEIVE_TIMEOUT_S
+        while not self.stop.is_set():
+            try:
+                return box.get(timeout=POLL_S)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"ring member {self.me}: no message from {self.prev_rank} in "
+                        f"{RECEIVE_TIMEOUT_S:.0f} s"
+                    ) from None
+        raise RingAbortedError(f"ring member {self.me}: another member failed")
 
 
 class _Context:
@@ -75,12 +108,20 @@ def run_ring(kernel_name, lengths, k, q, kv_k, kv_v, dout, scale):
     active = ring.active_positions(shards)
     kernel = registry.get_kernel(kernel_name)
     mailboxes = {(a, b, tag): queue.Queue() for a in active for b in active for tag in (11, 12, 13)}
+    stop = threading.Event()
     out, dq = torch.empty_like(q), torch.empty_like(q)
     dk, dv = torch.empty_like(kv_k), torch.empty_like(kv_v)
 
     def member(position):
+        try:
+            return _member(position)
+        except BaseException:
+            stop.set()  # the peers waiting for this member's messages end now
+            raise
+
+    def _member(position):
         rows = torch.tensor(_local_rows(lengths, shards[position]), device=q.device)
-        comm = ThreadRingComm(mailboxes, active, position) if len(active) > 1 else None
+        comm = ThreadRingComm(mailboxes, active, position, stop) if len(active) > 1 else None
         spec = ring.RingAttentionSpec(
             doc_lengths=tuple(lengths),
             shards=shards,
@@ -98,8 +139,13 @@ def run_ring(kernel_name, lengths, k, q, kv_k, kv_v, dout, scale):
         return rows, local_out, grads[:3]
 
     with ThreadPoolExecutor(max_workers=len(active)) as pool:
-        for rows, local_out, (gq, gk, gv) in pool.map(member, active):
-            out[rows], dq[rows], dk[rows], dv[rows] = local_out, gq, gk, gv
+        futures = [pool.submit(member, position) for position in active]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:  # the first member's own error, not a peer's RingAbortedError
+        raise next((e for e in errors if not isinstance(e, RingAbortedError)), errors[0])
+    for future in futures:
+        rows, local_out, (gq, gk, gv) = future.result()
+        out[rows], dq[rows], dk[rows], dv[rows] = local_out, gq, gk, gv
     return out, dq, dk, dv
 
 

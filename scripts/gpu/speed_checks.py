@@ -93,7 +93,10 @@ def pack_path(mode: Mode, dtype, kernel_name: str, tokens: int) -> dict:
     spec.step_blocks(mode.device)
 
     def through_hdp():
-        ring.hdp_attention(*leaves, spec, softmax_scale=scale).backward(dout)
+        # autograd.grad returns fresh gradients: nothing accumulates on the leaves across
+        # repeats (`.backward` would add into `.grad`, three extra passes from the 2nd on).
+        out = ring.hdp_attention(*leaves, spec, softmax_scale=scale)
+        torch.autograd.grad(out, leaves, dout)
 
     pack_s = median_seconds(through_hdp, mode.device, mode.repeats)
     return {

@@ -9,13 +9,19 @@ failed), so `verify.py` itself keeps needing torch alone.
   documents packed in each, capacity = its size): median step time, tokens/s and MFU.
 - Core attention: the same model built a second time from Megatron-Core's stock local layer
   spec (its own `DotProductAttention`, `[s, b]` input, causal mask, its own RoPE) and loaded
-  with the HDP model's initial weights. Both train on the same sequences, one per
-  micro-batch, at lengths where Megatron's `[b, heads, s, s]` scores fit. The two models
-  differ only in core attention, where RoPE is applied (inside HDP attention at the
-  tokens' positions; in Megatron's self-attention) and the THD vs SBHD input; both use the
-  same DDP wrapper, optimizer and schedule (`build_engine`). The correctness check ("ok"):
-  equal weights, and the first step's loss and gradient norm equal within tolerance
-  (float32 on CPU: tight; bf16 on GPU: bf16's).
+  with the HDP model's initial weights. The two models differ only in core attention,
+  where RoPE is applied (inside HDP attention at the tokens' positions; in Megatron's
+  self-attention) and the THD vs SBHD input; both use the same DDP wrapper, optimizer and
+  schedule (`build_engine`).
+- The check ("ok", `attention_check`): from equal weights, both models take `CHECK_STEPS`
+  optimizer steps on one repeated batch (`check_lengths`, one sequence per micro-batch).
+  The batch is learnt, so the loss falls and comes to depend on what attention computes:
+  a wrong RoPE position, a causal leak or a wrong scale makes the two loss curves part.
+  The losses must agree at every step, and each layer's `linear_qkv` / `linear_proj`
+  gradient norm at step 1 (where the global norm, dominated by the output layer, would
+  hide them), within `TOLERANCE` (float32 on CPU: tight; bf16 on GPU: bf16's).
+- Throughput: both models on the same sequences, one per micro-batch, at lengths where
+  Megatron's `[b, heads, s, s]` scores fit.
 
 The CPU mode runs a tiny model (2 layers, hidden 64) for two timed steps: tokens/s only,
 no MFU (no peak figure for a CPU).
@@ -54,8 +60,37 @@ PEAK_BF16_FLOPS = (
     ("b200", 2.25e15),
 )
 
-#: Relative difference accepted between the two models' first-step loss and grad norm.
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+#: Relative difference accepted between the two models' losses at each step of the check
+#: ("loss") and between their attention projections' step-1 gradient norms ("grad_norm").
+#: float32 (the CPU run): agreement seen here is ~2e-6 (losses, 20 steps) and ~1e-7 (norms);
+#: positions restarting mid-sequence gave 1.4e-3 and 2.4e-2. bf16 (GPU), from the same
+#: check in bf16 on CPU (4 layers, hidden 256, 2 x 512 tokens; not a GPU figure): agreement
+#: 6.5e-2 (losses: bf16 rounding compounds as the batch is learnt) and 4e-4 (norms), the
+#: restarting positions 1.1e-1 and 1.4e-2. So in bf16 the norms are the sharp test and the
+#: losses catch only gross errors. Unsure on a GPU until a run's JSON shows its agreement.
+TOLERANCE = {
+    torch.float32: {"loss": 1e-4, "grad_norm": 1e-5},
+    torch.bfloat16: {"loss": 1.5e-1, "grad_norm": 5e-3},
+}
+#: Optimizer steps of the check on its one repeated batch.
+CHECK_STEPS = 20
+#: The check's loss must fall below this share of its first value (else it saw nothing).
+CHECK_LOSS_FALLS_TO = 0.9
+#: Standard deviation of the attention scores the check starts from. Megatron's init
+#: (std 0.02) gives scores of std 0.02^2 * hidden: 0.03 for the CPU model (near-uniform
+#: attention, blind to positions), 0.8 for the GPU model. Both models start with their
+#: `linear_qkv` weights scaled so that the scores' std is this (never scaled down).
+CHECK_SCORE_STD = 2.0
+#: The GPU model: a ~1.1B GPT (SwiGLU, RMSNorm, RoPE), vocabulary padded as Megatron pads it.
+GPU_MODEL = {
+    "num_layers": 16,
+    "hidden_size": 2048,
+    "num_attention_heads": 16,
+    "num_query_groups": 4,
+    "vocab_size": 32000,
+}
+#: Tokens per step of the throughput comparison (sequences per step = this / length).
+COMPARE_TOKENS = 16384
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,13 +105,21 @@ class Sizes:
     """Sequence lengths of the HDP-vs-Megatron comparison (one sequence per micro-batch)."""
     compare_tokens: int
     """Tokens per step of the comparison (sequences per step = this / length)."""
+    check_lengths: tuple[int, ...]
+    """The check's repeated batch: one sequence of each length, one per micro-batch."""
+    check_steps: int
     warmup: int
     steps: int
     """Timed steps (their median is reported)."""
 
 
+def check_lengths(mode: Mode) -> tuple[int, ...]:
+    """Sequence lengths of the check's repeated batch."""
+    return (128, 128) if mode.cpu else (4096, 4096)
+
+
 def sizes(mode: Mode) -> Sizes:
-    """The ~1B bf16 model on GPU (sizes up to the mode's largest speed size), a tiny one on CPU."""
+    """The ~1B bf16 model on GPU (the mode's train sizes), a tiny one on CPU."""
     from megatron_hdp.megatron.model import GPTConfig
 
     if mode.cpu:
@@ -88,20 +131,29 @@ def sizes(mode: Mode) -> Sizes:
             vocab_size=256,
             params_dtype="float32",
         )
-        return Sizes(cfg, (256, 512), (128, 256), 256, warmup=1, steps=2)
-    cfg = GPTConfig(
-        num_layers=16,
-        hidden_size=2048,
-        num_attention_heads=16,
-        num_query_groups=4,
-        vocab_size=padded_vocab(32000),
-        params_dtype="bfloat16",
-    )
-    largest = max(mode.speed_tokens)
-    packed = tuple(t for t in (16384, 32768, 65536) if t <= largest)
-    compare = (4096, 8192) if largest >= 65536 else (4096,)
+        return Sizes(
+            cfg,
+            mode.train_packed,
+            mode.train_compare,
+            256,
+            check_lengths(mode),
+            CHECK_STEPS,
+            warmup=1,
+            steps=2,
+        )
+    dims = dict(GPU_MODEL, vocab_size=padded_vocab(GPU_MODEL["vocab_size"]))
+    cfg = GPTConfig(**dims, params_dtype="bfloat16")
     steps = 5 if mode.repeats >= 10 else 3
-    return Sizes(cfg, packed, compare, 16384, warmup=2, steps=steps)
+    return Sizes(
+        cfg,
+        mode.train_packed,
+        mode.train_compare,
+        COMPARE_TOKENS,
+        check_lengths(mode),
+        CHECK_STEPS,
+        warmup=2,
+        steps=steps,
+    )
 
 
 def padded_vocab(vocab: int, multiple: int = 128) -> int:
@@ -308,6 +360,36 @@ def throughput(cfg, timing: dict, doc_lengths, peak: float | None) -> dict:
     }
 
 
+def attention_grad_norms(module) -> dict[str, float]:
+    """Gradient norm of each layer's `linear_qkv` and `linear_proj` weight (DDP's main_grad)."""
+    norms = {}
+    for name, param in module.named_parameters():
+        if name.endswith(("linear_qkv.weight", "linear_proj.weight")):
+            grad = getattr(param, "main_grad", None)
+            grad = param.grad if grad is None else grad
+            norms[name] = None if grad is None else float(grad.float().norm())
+    return norms
+
+
+def tracked_steps(engine, step, steps: int) -> dict:
+    """`steps` calls of `step()` (-> loss, grad norm) on one batch: every loss, and the
+    attention projections' gradient norms of the first step, read when the optimizer steps."""
+    first_norms: dict[str, float] = {}
+    real = engine.optimizer.step
+
+    def recording(*args, **kwargs):
+        if not first_norms:
+            first_norms.update(attention_grad_norms(engine.model.module))
+        return real(*args, **kwargs)
+
+    engine.optimizer.step = recording
+    try:
+        losses = [float(step()[0]) for _ in range(steps)]
+    finally:
+        engine.optimizer.step = real
+    return {"losses": losses, "attention_grad_norms": first_norms}
+
+
 def attempt(fn, what: str, say) -> tuple[object, str | None]:
     """`fn()`, or None and the reason when the device runs out of memory."""
     try:
@@ -332,12 +414,12 @@ def _hdp_run(sz: Sizes, layout, device, kernel_name: str, peak, say) -> tuple[di
     Returns the results and the model's initial weights (on the CPU).
     """
     from megatron_hdp.data.batching import InMemoryTokens
-    from megatron_hdp.megatron.engine import OptimConfig, build_engine
+    from megatron_hdp.megatron.engine import OptimConfig
     from megatron_hdp.megatron.step import StepRuntime, train_step
     from megatron_hdp.scheduler import plan_step
 
     cfg = sz.cfg
-    engine = build_engine(cfg, OptimConfig())
+    engine = build_engine_sharpened(cfg, OptimConfig())
     module = engine.model.module
     weights = {
         k: v.detach().to("cpu", copy=True)
@@ -350,7 +432,7 @@ def _hdp_run(sz: Sizes, layout, device, kernel_name: str, peak, say) -> tuple[di
     )
     out = {"parameters": sum(p.numel() for p in module.parameters()), "compare": {}, "packed": []}
 
-    def hdp_steps(seqs, capacity):
+    def hdp_step(seqs, capacity):
         source = InMemoryTokens([t for t, _ in seqs], [lab for _, lab in seqs])
         plan = plan_step(source.seqlens, pool_size=1, capacity=capacity, policy="greedy")
 
@@ -358,8 +440,21 @@ def _hdp_run(sz: Sizes, layout, device, kernel_name: str, peak, say) -> tuple[di
             result = train_step(engine, plan, source, runtime)
             return result.loss, result.grad_norm
 
-        timing = timed_steps(step, device, sz.warmup, sz.steps)
-        return timing, len(plan.micro_batches)
+        return step, len(plan.micro_batches)
+
+    def hdp_steps(seqs, capacity):
+        step, micro_batches = hdp_step(seqs, capacity)
+        return timed_steps(step, device, sz.warmup, sz.steps), micro_batches
+
+    check = check_sequences(sz)
+    step, micro_batches = hdp_step(check, max(sz.check_lengths))
+    out["check"], oom = attempt(
+        lambda: tracked_steps(engine, step, sz.check_steps), "HDP check", say
+    )
+    if oom:
+        out["check"] = {"oom": oom}
+    else:
+        out["check"]["micro_batches"] = micro_batches
 
     for length in sz.compare_lengths:
         seqs = compare_sequences(sz, length)
@@ -392,6 +487,36 @@ def _hdp_run(sz: Sizes, layout, device, kernel_name: str, peak, say) -> tuple[di
     return out, weights
 
 
+def check_sequences(sz: Sizes):
+    """The check's one batch, the same for both models and for every step."""
+    return random_sequences(sz.check_lengths, sz.cfg.vocab_size, seed=7)
+
+
+def qkv_init_scale(cfg) -> float:
+    """Factor on `linear_qkv` that gives attention scores of std `CHECK_SCORE_STD` at init."""
+    score_std = cfg.init_method_std**2 * cfg.hidden_size
+    return max(1.0, math.sqrt(CHECK_SCORE_STD / score_std))
+
+
+def build_engine_sharpened(cfg, optim):
+    """Collective (one rank): `build_engine`, its model's `linear_qkv` weights scaled by
+    `qkv_init_scale` before the optimizer copies them (so both models start sharp)."""
+    from megatron_hdp.megatron import engine as engine_module
+
+    real, scale = engine_module.build_gpt, qkv_init_scale(cfg)
+
+    def build(cfg, **kwargs):
+        model = real(cfg, **kwargs)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("linear_qkv.weight"):
+                    param.mul_(scale)
+        return model
+
+    with mock.patch.object(engine_module, "build_gpt", build):
+        return engine_module.build_engine(cfg, optim)
+
+
 def compare_sequences(sz: Sizes, length: int):
     """The comparison's sequences of `length` tokens (the same for both models)."""
     count = max(1, sz.compare_tokens // length)
@@ -409,6 +534,14 @@ def _megatron_run(sz: Sizes, device, weights: dict, peak, say) -> dict:
         torch.equal(p.detach().cpu(), weights[name]) for name, p in params.items()
     )
     out = {"weights_equal": same, "compare": {}}
+    check = check_sequences(sz)
+    out["check"], oom = attempt(
+        lambda: tracked_steps(engine, lambda: megatron_step(engine, check, device), sz.check_steps),
+        "Megatron check",
+        say,
+    )
+    if oom:
+        out["check"] = {"oom": oom}
     for length in sz.compare_lengths:
         seqs = compare_sequences(sz, length)
 
@@ -440,24 +573,46 @@ def _percent(mfu: float | None) -> str:
     return "n/a" if mfu is None else f"{100 * mfu:.1f}%"
 
 
-def same_start(sz: Sizes, hdp: dict, megatron: dict) -> dict:
-    """The check: equal weights, and equal first-step loss and grad norm within tolerance."""
-    first = sz.compare_lengths[0]
-    a, b = hdp["compare"][first], megatron["compare"][first]
+def attention_check(sz: Sizes, hdp: dict, megatron: dict) -> dict:
+    """The check: equal weights; losses at every step and step-1 attention gradient norms
+    of the two models within tolerance; the loss fell (else the check could see nothing)."""
     tolerance = TOLERANCE[sz.cfg.dtype]
-    loss_diff = _relative(a.get("first_loss"), b.get("first_loss"))
-    norm_diff = _relative(a.get("first_grad_norm"), b.get("first_grad_norm"))
-    return {
-        "sequence_length": first,
+    a, b = hdp["check"], megatron["check"]
+    result = {
+        "sequence_lengths": list(sz.check_lengths),
+        "steps": sz.check_steps,
         "weights_equal": megatron["weights_equal"],
-        "first_loss_hdp": a.get("first_loss"),
-        "first_loss_megatron": b.get("first_loss"),
-        "loss_relative_difference": loss_diff,
-        "first_grad_norm_hdp": a.get("first_grad_norm"),
-        "first_grad_norm_megatron": b.get("first_grad_norm"),
-        "grad_norm_relative_difference": norm_diff,
         "tolerance": tolerance,
-        "ok": megatron["weights_equal"] and loss_diff <= tolerance and norm_diff <= tolerance,
+    }
+    if "oom" in a or "oom" in b:
+        return {**result, "oom": a.get("oom") or b.get("oom"), "ok": False}
+    loss_diffs = [_relative(x, y) for x, y in zip(a["losses"], b["losses"], strict=True)]
+    norms = {
+        name: {
+            "hdp": a["attention_grad_norms"].get(name),
+            "megatron": value,
+            "relative_difference": _relative(a["attention_grad_norms"].get(name), value),
+        }
+        for name, value in b["attention_grad_norms"].items()
+    }
+    worst_norm = max((n["relative_difference"] for n in norms.values()), default=math.inf)
+    losses = b["losses"]
+    fell = losses[-1] < CHECK_LOSS_FALLS_TO * losses[0]
+    return {
+        **result,
+        "losses_hdp": a["losses"],
+        "losses_megatron": losses,
+        "loss_relative_differences": loss_diffs,
+        "max_loss_relative_difference": max(loss_diffs),
+        "attention_grad_norms_step1": norms,
+        "max_grad_norm_relative_difference": worst_norm,
+        "loss_fell": fell,
+        "ok": (
+            megatron["weights_equal"]
+            and fell
+            and max(loss_diffs) <= tolerance["loss"]
+            and worst_norm <= tolerance["grad_norm"]
+        ),
     }
 
 
@@ -490,7 +645,7 @@ def run(mode: Mode, say, kernel_name: str) -> dict:
         _free(device)
         megatron = _megatron_run(sz, device, weights, peak, say)
         _free(device)
-    check = same_start(sz, hdp, megatron)
+    check = attention_check(sz, hdp, megatron)
     comparison = []
     for length in sz.compare_lengths:
         a, b = hdp["compare"][length], megatron["compare"][length]
@@ -507,12 +662,7 @@ def run(mode: Mode, say, kernel_name: str) -> dict:
             f"train    {length:6d}-token sequences: HDP {_rate(a)}, Megatron attention {_rate(b)}"
             + (f" ({row['hdp_over_megatron']:.2f}x)" if "hdp_over_megatron" in row else "")
         )
-    say(
-        f"train    same start: loss {check['first_loss_hdp']} vs {check['first_loss_megatron']} "
-        f"(rel {check['loss_relative_difference']:.1e}), grad norm rel "
-        f"{check['grad_norm_relative_difference']:.1e}, tolerance {check['tolerance']:g}: "
-        + ("ok" if check["ok"] else "FAILED")
-    )
+    say(_check_line(check))
     cfg = sz.cfg
     return {
         "ok": check["ok"],
@@ -538,9 +688,23 @@ def run(mode: Mode, say, kernel_name: str) -> dict:
         "timed_steps": sz.steps,
         "hdp_packed": hdp["packed"],
         "attention_comparison": comparison,
-        "same_start": check,
+        "attention_check": check,
         "goals": {"hdp_over_megatron": 1.0},
     }
+
+
+def _check_line(check: dict) -> str:
+    verdict = "ok" if check["ok"] else "FAILED"
+    if "oom" in check:
+        return f"train    attention check: out of memory ({check['oom']}): {verdict}"
+    return (
+        f"train    attention check, {check['steps']} steps on one batch: loss "
+        f"{check['losses_megatron'][0]:.4f} -> {check['losses_megatron'][-1]:.4f} (Megatron), "
+        f"worst step rel diff {check['max_loss_relative_difference']:.1e}, step-1 qkv/proj "
+        f"grad norms rel diff {check['max_grad_norm_relative_difference']:.1e} "
+        f"(tolerance {check['tolerance']['loss']:g}/{check['tolerance']['grad_norm']:g}): "
+        + verdict
+    )
 
 
 def _rate(entry: dict) -> str:

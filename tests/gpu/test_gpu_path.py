@@ -1,4 +1,7 @@
-"""The GPU path on a real GPU: `python -m pytest -m gpu tests/gpu` (torch alone is enough).
+"""The GPU path on a real GPU: `python -m pytest -m gpu tests/gpu`.
+
+Torch alone is enough, but for the last test (a batch through the planner, which needs
+numpy): without numpy it is skipped.
 
 Skipped without CUDA; the same checks run on CPU in every CI run through
 `scripts/gpu/verify.py --cpu` (tests/unit/test_gpu_verify.py). These assert correctness
@@ -59,6 +62,7 @@ def test_fp32_is_refused_here_with_the_precision_flag():
 
 
 def test_a_batch_reaches_the_gpu_intact_through_one_pinned_copy():
+    pytest.importorskip("numpy", reason="the planner (megatron_hdp.scheduler) needs numpy")
     from megatron_hdp.data.batching import InMemoryTokens, gather_local_batch
     from megatron_hdp.scheduler.placement import plan_step
 
