@@ -35,7 +35,13 @@ def latest_iteration(root: str | Path) -> int:
     distributed = (folder / DIST_METADATA).exists()
     legacy = (folder / "common.pt").exists() and (folder / META).exists()
     if not (distributed or legacy):
-        raise ValueError(f"{tracker} names iteration {iteration}, but {folder} is incomplete")
+        missing = DIST_METADATA if folder.is_dir() else "the folder"
+        if folder.is_dir() and not any(folder.glob("*.distcp")) and (folder / "common.pt").exists():
+            missing = META  # the per-rank format
+        raise ValueError(
+            f"{tracker} names iteration {iteration}, but {folder} is incomplete "
+            f"({folder.name}/{missing} is missing)"
+        )
     return iteration
 
 
