@@ -1,7 +1,8 @@
 # ruff: noqa: E501 - one case per line reads better in the tables below
 """A sweep of what a demanding user gets wrong, run as `python -m tests.sweep.sweep_failures`.
 
-Classes (issue 35): bad flags, the data spec, Ray faults, resume, disk. Every case runs the
+Classes (issues 35, 45): bad flags, the data spec, Ray faults, resume (damaged, foreign and
+half-copied checkpoints too), disk, offload memory, data content. Every case runs the
 real entry point (`pretrain_hdp.main`) and is classified by what the user sees:
 
 - `clear`: exit status 1 or 2 with exactly one line `pretrain_hdp.py: error: ...` that
@@ -555,6 +556,66 @@ def sweep_flags_at_run_time(tmp: Path, cache: Path):
         yield f"{name} {value} (2 steps)", outcome, detail
 
 
+def sweep_offload_memory(tmp: Path, cache: Path):
+    """Issue 45: offload pools the machine cannot hold, refused before start-up."""
+    from megatron_hdp.offload.host_budget import available_memory_bytes
+
+    available_gb = (available_memory_bytes() or 2**40) / 1e9
+    cases = [
+        ("1e6 GB", ["--hdp-host-memory-gb", "1e6"], "1", True),
+        (
+            "4 ranks of 8 GB on this machine",
+            ["--hdp-host-memory-gb", f"{available_gb / 3:.3g}"],
+            "4",
+            True,
+        ),  # fmt: skip
+        ("the default (a share of available memory)", [], "4", False),
+        ("a budget that fits", ["--hdp-host-memory-gb", "0.5"], "4", False),
+    ]
+    for name, extra, local, refuse in cases:
+        os.environ["LOCAL_WORLD_SIZE"] = local
+        try:
+            result = run_main(small_job(cache, ["--hdp-offload", *extra]))
+        finally:
+            del os.environ["LOCAL_WORLD_SIZE"]
+        names = "--hdp-host-memory-gb" if refuse else None
+        yield f"offload: {name}", *classify(result, refuse=refuse, names=names)
+
+
+def sweep_data_content(tmp: Path, cache: Path):
+    """Issue 45: a resume checks its datasets by content, wherever they live."""
+    from megatron_hdp.data.indexed import write_indexed_dataset
+    from tests.e2e.harness import SMALL_MODEL
+
+    (tmp / "data").mkdir()
+    docs = [[(7 * i + j) % 250 for j in range(40 + 13 * (i % 9))] + [256] for i in range(60)]
+    write_indexed_dataset(tmp / "data" / "a", docs, vocab_size=257)
+
+    def job(prefix, *extra):
+        return [
+            *SMALL_MODEL,
+            *("--seq-length", "256", "--hdp-capacity", "128", "--lr", "3e-3"),
+            *("--lr-decay-iters", "4"),
+            *("--split", "100,0,0", "--data-path", str(prefix), *extra),
+        ]
+
+    kind, _ = _train([*job(tmp / "data" / "a", "--train-iters", "1", "--save", str(tmp / "ck"))])
+    if kind != "ok":
+        yield "data: the run to resume", "traceback", kind
+        return
+    moved = tmp / "moved"
+    shutil.copytree(tmp / "data", moved)
+    resume = ["--train-iters", "2", "--load", str(tmp / "ck"), "--hdp-validate-only"]
+    yield "data: a moved copy", *classify(run_main(job(moved / "a", *resume)), refuse=False, names=None)  # fmt: skip
+    data = bytearray((moved / "a.bin").read_bytes())
+    (moved / "a.bin").write_bytes(bytes((x + 1) % 250 for x in data))  # same lengths
+    result = run_main(job(moved / "a", *resume))
+    yield (
+        "data: rewritten with the same lengths",
+        *classify(result, refuse=True, names="fingerprint"),
+    )
+
+
 CLASSES = {
     "bad flags": sweep_flags,
     "bad flags, run": sweep_flags_at_run_time,
@@ -562,6 +623,8 @@ CLASSES = {
     "Ray faults": sweep_ray,
     "resume": sweep_resume,
     "disk": sweep_disk,
+    "offload memory": sweep_offload_memory,
+    "data content": sweep_data_content,
 }
 
 
