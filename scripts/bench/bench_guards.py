@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_hdp.attention.kernels.registry import CHOICES, job_kernel
+from megatron_hdp.attention.kernels.registry import add_kernel_flags, job_kernel
 from megatron_hdp.data.batching import InMemoryTokens
 from megatron_hdp.distributed.layout import ParallelDims
 from megatron_hdp.distributed.stop_signal import StopSignal
@@ -49,13 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument(
-        "--hdp-attention-backend",
-        choices=CHOICES,
-        default="auto",
-        help="attention kernel, resolved for the device as the job resolves it",
-    )
-    p.add_argument("--bf16", action="store_true", help="bfloat16 (GPU flash kernels need it)")
+    add_kernel_flags(p)
     args = p.parse_args(argv)
     if args.steps < 5:
         p.error(f"--steps must be >= 5 for a median, got {args.steps}")

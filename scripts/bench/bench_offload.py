@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_hdp.attention.kernels.registry import CHOICES, job_kernel
+from megatron_hdp.attention.kernels.registry import add_kernel_flags, job_kernel
 from megatron_hdp.data.batching import InMemoryTokens
 from megatron_hdp.distributed.layout import ParallelDims
 from megatron_hdp.launch import init_distributed, megatron_device_context, setup_logging
@@ -63,13 +63,7 @@ def parse_args(argv=None):
         default=4.0,
         help="host pool of each rank's copy engine, allocated (pinned on GPU) per ratio",
     )
-    p.add_argument(
-        "--hdp-attention-backend",
-        choices=CHOICES,
-        default="auto",
-        help="attention kernel, resolved for the device as the job resolves it",
-    )
-    p.add_argument("--bf16", action="store_true", help="bfloat16 (GPU flash kernels need it)")
+    add_kernel_flags(p)
     return p.parse_args(argv)
 
 

@@ -139,3 +139,17 @@ def step_kernel(name: str | None, device: torch.device | str) -> str:
         reason = kernel.unavailable_reason(DeviceFacts(device.type), dtype=None, head_dim=0)
         raise ValueError(f"attention backend {name!r} cannot run on {device}: {reason}")
     return name
+
+
+def add_kernel_flags(parser) -> None:
+    """`--hdp-attention-backend` and `--bf16` for a benchmark or tool (an argparse parser).
+
+    Resolve the kernel from them with `job_kernel`, as the job does.
+    """
+    parser.add_argument(
+        "--hdp-attention-backend",
+        choices=CHOICES,
+        default="auto",
+        help="attention kernel, resolved for the device as the job resolves it",
+    )
+    parser.add_argument("--bf16", action="store_true", help="bfloat16 (GPU flash kernels need it)")
