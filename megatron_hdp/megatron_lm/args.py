@@ -198,6 +198,14 @@ def _hdp_flags() -> dict[str, tuple[str, object]]:
     return {a.dest: (a.option_strings[0], a.default) for a in parser._actions}  # noqa: SLF001
 
 
+def one_message(problems: list[str]) -> str:
+    """Every refusal of one launch in one line: the one, or `N problems: (1) ...; (2) ...`."""
+    if len(problems) == 1:
+        return problems[0]
+    listed = "; ".join(f"({n}) {p}" for n, p in enumerate(problems, start=1))
+    return f"{len(problems)} problems with this launch: {listed}"
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Before Megatron-LM's `validate_args`: refuse what HDP cannot run, set what it implies.
 
@@ -205,54 +213,22 @@ def check_args(args: argparse.Namespace) -> None:
 
     With `--hdp` this sets `--dataloader-type external` and `--calculate-per-token-loss`
     (HDP's data iterator and per-token loss), and records whether `--global-batch-size` was
-    given (Megatron-LM fills in a default afterwards). Raises ValueError naming the flag.
+    given (Megatron-LM fills in a default afterwards). Raises one ValueError naming every
+    refused flag of the launch (`one_message`), so a recipe is fixed in one round.
     """
     flags = _hdp_flags()
     if not getattr(args, "hdp", False):
-        for dest, (flag, default) in flags.items():
-            if dest != "hdp" and getattr(args, dest, default) != default:
-                raise ValueError(f"{flag} has no effect without --hdp")
+        problems = [
+            f"{flag} has no effect without --hdp"
+            for dest, (flag, default) in flags.items()
+            if dest != "hdp" and getattr(args, dest, default) != default
+        ]
+        if problems:
+            raise ValueError(one_message(problems))
         return
-    for dest, (flag, reason) in REFUSED_HDP_FLAGS.items():
-        if getattr(args, dest, flags[dest][1]) != flags[dest][1]:
-            raise ValueError(f"{flag} is not supported with Megatron-LM's pretrain(): {reason}")
-    for dest, refused, message in _REFUSED_MEGATRON:
-        if dest in args and refused(getattr(args, dest)):
-            raise ValueError(f"{message} (with --hdp)")
-    if getattr(args, "dataloader_type", None) not in (None, "external"):
-        raise ValueError(
-            f"--dataloader-type {args.dataloader_type}: --hdp brings its own data iterator "
-            "(Megatron-LM's 'external' type); drop the flag"
-        )
-    if args.position_embedding_type not in POSITION_EMBEDDINGS:
-        raise ValueError(
-            f"--position-embedding-type {args.position_embedding_type}: HDP supports "
-            f"{' and '.join(POSITION_EMBEDDINGS)}"
-        )
-    if args.normalization not in ("LayerNorm", "RMSNorm"):
-        raise ValueError(f"--normalization {args.normalization}: HDP supports LayerNorm, RMSNorm")
-    if args.tokenizer_type in REFUSED_TOKENIZERS:
-        raise ValueError(
-            f"--tokenizer-type {args.tokenizer_type}: {REFUSED_TOKENIZERS[args.tokenizer_type]}"
-        )
-    model = getattr(args, "tokenizer_model", None)
-    if args.tokenizer_type == "HuggingFaceTokenizer" and model and os.path.isfile(model):
-        raise ValueError(
-            f"--tokenizer-model {model}: Megatron-LM's HuggingFaceTokenizer "
-            "(transformers.AutoTokenizer.from_pretrained) takes the folder that holds "
-            f"tokenizer.json ({os.path.dirname(model) or '.'}) or a hub id, not the file"
-        )
-    if args.hdp_data_spec is not None and args.data_path:
-        raise ValueError("--hdp-data-spec and --data-path: give one of them")
-    if args.hdp_global_batch_tokens is not None and args.global_batch_size is not None:
-        raise ValueError(
-            "--hdp-global-batch-tokens and --global-batch-size: give one of them (a token "
-            "budget or a number of sequences per step)"
-        )
-    if args.hdp_capacity is not None and args.hdp_capacity <= 0:
-        raise ValueError(f"--hdp-capacity must be positive, got {args.hdp_capacity}")
-    if args.hdp_prefetch_depth < 0:
-        raise ValueError(f"--hdp-prefetch-depth must be >= 0, got {args.hdp_prefetch_depth}")
+    problems = _refusals(args, flags)
+    if problems:
+        raise ValueError(one_message(problems))
     if args.micro_batch_size not in (None, 1):
         logger.warning(
             "--micro-batch-size %d has no effect with --hdp: HDP packs micro-batches up to "
@@ -262,6 +238,52 @@ def check_args(args: argparse.Namespace) -> None:
     args.hdp_global_batch_units = args.global_batch_size
     args.dataloader_type = "external"
     args.calculate_per_token_loss = True
+
+
+def _refusals(args: argparse.Namespace, flags: dict) -> list[str]:
+    """Every flag of this `--hdp` launch that HDP cannot run, one phrase each."""
+    problems = []
+    for dest, (flag, reason) in REFUSED_HDP_FLAGS.items():
+        if getattr(args, dest, flags[dest][1]) != flags[dest][1]:
+            problems.append(f"{flag} is not supported with Megatron-LM's pretrain(): {reason}")
+    for dest, refused, message in _REFUSED_MEGATRON:
+        if dest in args and refused(getattr(args, dest)):
+            problems.append(f"{message} (with --hdp)")
+    if getattr(args, "dataloader_type", None) not in (None, "external"):
+        problems.append(
+            f"--dataloader-type {args.dataloader_type}: --hdp brings its own data iterator "
+            "(Megatron-LM's 'external' type); drop the flag"
+        )
+    if args.position_embedding_type not in POSITION_EMBEDDINGS:
+        problems.append(
+            f"--position-embedding-type {args.position_embedding_type}: HDP supports "
+            f"{' and '.join(POSITION_EMBEDDINGS)}"
+        )
+    if args.normalization not in ("LayerNorm", "RMSNorm"):
+        problems.append(f"--normalization {args.normalization}: HDP supports LayerNorm, RMSNorm")
+    if args.tokenizer_type in REFUSED_TOKENIZERS:
+        problems.append(
+            f"--tokenizer-type {args.tokenizer_type}: {REFUSED_TOKENIZERS[args.tokenizer_type]}"
+        )
+    model = getattr(args, "tokenizer_model", None)
+    if args.tokenizer_type == "HuggingFaceTokenizer" and model and os.path.isfile(model):
+        problems.append(
+            f"--tokenizer-model {model}: Megatron-LM's HuggingFaceTokenizer "
+            "(transformers.AutoTokenizer.from_pretrained) takes the folder that holds "
+            f"tokenizer.json ({os.path.dirname(model) or '.'}) or a hub id, not the file"
+        )
+    if args.hdp_data_spec is not None and args.data_path:
+        problems.append("--hdp-data-spec and --data-path: give one of them")
+    if args.hdp_global_batch_tokens is not None and args.global_batch_size is not None:
+        problems.append(
+            "--hdp-global-batch-tokens and --global-batch-size: give one of them (a token "
+            "budget or a number of sequences per step)"
+        )
+    if args.hdp_capacity is not None and args.hdp_capacity <= 0:
+        problems.append(f"--hdp-capacity must be positive, got {args.hdp_capacity}")
+    if args.hdp_prefetch_depth < 0:
+        problems.append(f"--hdp-prefetch-depth must be >= 0, got {args.hdp_prefetch_depth}")
+    return problems
 
 
 def pool_size(args: argparse.Namespace) -> int:

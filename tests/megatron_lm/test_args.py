@@ -74,6 +74,19 @@ def test_with_hdp_a_flag_it_cannot_honour_is_refused_by_name(trees, monkeypatch,
     assert message.startswith("pretrain_gpt.py: error: ") and flag in message, message
 
 
+def test_every_refusal_of_one_launch_comes_in_one_message(trees, monkeypatch, capsys):
+    """A recipe with several flags HDP cannot run is fixed in one round, not one per flag."""
+    flags = [*REFUSED["--fp16"], *REFUSED["--mock-data"], *REFUSED["--dataloader-type"]]
+    with pytest.raises(SystemExit) as stop:
+        _parse_and_validate(monkeypatch, [*BASE, "--hdp", *flags])
+    assert stop.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    message = lines[-1]
+    assert message.startswith("pretrain_gpt.py: error: 3 problems with this launch: (1) ")
+    for flag in ("--fp16", "--mock-data", "--dataloader-type"):
+        assert flag in message, message
+
+
 @pytest.mark.parametrize("extra", [["--hdp-capacity", "256"], ["--hdp-placement", "greedy"]])
 def test_an_hdp_flag_without_hdp_is_refused(trees, monkeypatch, capsys, extra):
     with pytest.raises(SystemExit):
