@@ -229,15 +229,46 @@ def check_args(args: argparse.Namespace) -> None:
     problems = _refusals(args, flags)
     if problems:
         raise ValueError(one_message(problems))
-    if args.micro_batch_size not in (None, 1):
-        logger.warning(
-            "--micro-batch-size %d has no effect with --hdp: HDP packs micro-batches up to "
-            "--hdp-capacity tokens per rank",
-            args.micro_batch_size,
-        )
+    if int(os.environ.get("RANK", "0") or 0) == 0:
+        for note in replaced_by_plan(args):
+            logger.warning("%s", note)
     args.hdp_global_batch_units = args.global_batch_size
     args.dataloader_type = "external"
     args.calculate_per_token_loss = True
+
+
+def replaced_by_plan(args: argparse.Namespace) -> list[str]:
+    """The flags of an `--hdp` launch that HDP's plan replaces, one note each (rank 0 logs).
+
+    Not refused: the job runs the same model and data; these only chose how Megatron-LM
+    would have split and batched it, which HDP's planner decides per step instead.
+    """
+    notes = []
+    if args.micro_batch_size not in (None, 1):
+        notes.append(
+            f"--micro-batch-size {args.micro_batch_size} has no effect with --hdp: HDP packs "
+            "micro-batches up to --hdp-capacity tokens per rank"
+        )
+    cp_comm = getattr(args, "cp_comm_type", None) or ["p2p"]
+    if any(kind != "p2p" for kind in cp_comm):
+        notes.append(
+            f"--cp-comm-type {' '.join(cp_comm)} has no effect with --hdp: a long sequence's "
+            "ring is HDP's point-to-point zigzag ring over the ranks the planner gives it"
+        )
+    if getattr(args, "hierarchical_context_parallel_sizes", None):
+        sizes = " ".join(str(n) for n in args.hierarchical_context_parallel_sizes)
+        notes.append(
+            f"--hierarchical-context-parallel-sizes {sizes} has no effect with --hdp: "
+            "--context-parallel-size is folded into the pool and rings are sized per sequence"
+        )
+    backend = getattr(args, "attention_backend", None)
+    name = getattr(backend, "name", backend)
+    if name not in (None, "auto"):
+        notes.append(
+            f"--attention-backend {name} has no effect with --hdp: HDP's attention runs the "
+            "kernel of --hdp-attention-backend (checked at start-up for this device)"
+        )
+    return notes
 
 
 def _refusals(args: argparse.Namespace, flags: dict) -> list[str]:

@@ -87,6 +87,21 @@ def test_every_refusal_of_one_launch_comes_in_one_message(trees, monkeypatch, ca
         assert flag in message, message
 
 
+def test_flags_the_plan_replaces_are_reported_once(trees, monkeypatch, caplog):
+    """--micro-batch-size and the CP communication flags: accepted, logged as replaced."""
+    import logging
+
+    flags = ["--micro-batch-size", "2", "--cp-comm-type", "a2a"]
+    flags += ["--attention-backend", "flash"]
+    with caplog.at_level(logging.WARNING, logger="megatron_hdp"):
+        _parse_and_validate(monkeypatch, [*BASE, "--hdp", *flags])
+    notes = [r.getMessage() for r in caplog.records if "has no effect with --hdp" in r.getMessage()]
+    assert len(notes) == 3, notes
+    assert notes[0].startswith("--micro-batch-size 2 has no effect with --hdp")
+    assert notes[1].startswith("--cp-comm-type a2a has no effect with --hdp")
+    assert notes[2].startswith("--attention-backend flash has no effect with --hdp")
+
+
 @pytest.mark.parametrize("extra", [["--hdp-capacity", "256"], ["--hdp-placement", "greedy"]])
 def test_an_hdp_flag_without_hdp_is_refused(trees, monkeypatch, capsys, extra):
     with pytest.raises(SystemExit):
