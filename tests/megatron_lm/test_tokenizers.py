@@ -62,12 +62,12 @@ def _tiktoken_vocab(texts) -> list[dict]:
     ]
 
 
-def _hub_cache(source, cache):
-    """`source` as the local hub cache holds a downloaded repo `local/tiny` (offline use)."""
+def _hub_cache(source, cache, repo_id="local/tiny"):
+    """`source` as the local hub cache holds a downloaded repo `repo_id` (offline use)."""
     import shutil
 
     revision = "0" * 40
-    repo = cache / "models--local--tiny"
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
     snapshot = repo / "snapshots" / revision
     snapshot.mkdir(parents=True)
     for path in source.iterdir():
@@ -82,6 +82,20 @@ def _hub_cache(source, cache):
         if not (snapshot / name).exists():
             (missing / name).write_text("")
     return cache
+
+
+def _use_local_hub(corpus, monkeypatch) -> None:
+    """Hugging Face reads hub repos from the corpus's local cache, offline.
+
+    The hub id case, and GPT2BPETokenizer from megatron-core 0.19 on, which Megatron-LM
+    builds as the hub model "gpt2" with the given vocabulary and merges.
+    """
+    if "hub" not in corpus:
+        return  # no transformers: nothing reads the hub
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(corpus["hub"]))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +142,12 @@ def corpus(tmp_path_factory):
         fast.save_pretrained(str(folder / "hf"))
         files["hf"] = folder / "hf"
         files["hub"] = _hub_cache(folder / "hf", folder / "hub")
+        # megatron-core >= 0.19 builds GPT2BPETokenizer as the hub model "gpt2" with the
+        # given vocab and merges: the same tiny files, as that repo, in the local cache
+        config = {"tokenizer_class": "GPT2Tokenizer"}
+        (gpt2 / "tokenizer_config.json").write_text(json.dumps(config))
+        (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+        _hub_cache(gpt2, folder / "hub", "gpt2")
     try:
         import sentencepiece
     except ImportError:
@@ -189,27 +209,11 @@ NEEDS = {
 TYPES = ["NullTokenizer", "GPT2BPETokenizer", *NEEDS]
 
 
-def _hub_only(kind: str) -> None:
-    """Skip where Megatron-LM's own tokenizer of `kind` cannot be built on this machine.
-
-    From megatron-core 0.19 Megatron-LM builds GPT2BPETokenizer through the library in
-    `megatron.core.tokenizers`, which loads the hub model "gpt2" (`AutoTokenizer`,
-    `megatron_hf_tokenizer.py`) whatever --vocab-file says: stock Megatron-LM cannot build
-    it without network either, so there is nothing for HDP to read with here.
-    """
-    import megatron.core
-
-    minor = tuple(int(x) for x in megatron.core.__version__.split(".")[:2])
-    if kind == "GPT2BPETokenizer" and minor >= (0, 19):
-        pytest.skip("Megatron-LM >= 0.19 builds GPT2BPETokenizer from the hub model 'gpt2'")
-
-
 @pytest.mark.parametrize("kind", TYPES)
 def test_the_data_layer_reads_with_megatron_lms_own_tokenizer(trees, corpus, monkeypatch, kind):
     """Same token ids, end-of-document token and vocabulary as Megatron-LM's object."""
     if kind in NEEDS:
         pytest.importorskip(NEEDS[kind])
-    _hub_only(kind)
     from megatron.training import global_vars
 
     from megatron_hdp.data.training_data import build_training_data
@@ -219,11 +223,8 @@ def test_the_data_layer_reads_with_megatron_lms_own_tokenizer(trees, corpus, mon
     texts, spec = corpus["texts"], corpus["spec"]
     if kind == "NullTokenizer":
         texts, spec = corpus["null"]["texts"], corpus["null"]["spec"]
-    if kind.endswith("-hub"):
-        from huggingface_hub import constants
-
-        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(corpus["hub"]))
-        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    if kind.endswith("-hub") or kind == "GPT2BPETokenizer":
+        _use_local_hub(corpus, monkeypatch)
     argv = [*BASE, "--hdp", "--hdp-data-spec", spec, "--tokenizer-type", kind.split("-")[0]]
     args = _parse_and_validate(monkeypatch, [*argv, *_flags(corpus, kind)])
     monkeypatch.setattr(global_vars, "_GLOBAL_TOKENIZER", None)
@@ -277,9 +278,9 @@ def test_pretrain_gpt_trains_with_the_tokenizer(trees, corpus, monkeypatch, kind
     tokenizer: finite losses, equal to a 1-rank run's."""
     if kind in NEEDS:
         pytest.importorskip(NEEDS[kind])
-    _hub_only(kind)
     _, patched = trees
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _use_local_hub(corpus, monkeypatch)  # forked ranks inherit it
     flags = [*SHARED, *MEGATRON_CPU, "--hdp", "--hdp-data-spec", corpus["spec"]]
     flags += ["--tokenizer-type", kind, *_flags(corpus, kind), "--train-iters", "2"]
     flags += ["--global-batch-size", "6", "--hdp-capacity", "512"]
