@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_hdp.offload.host_budget import available_memory_bytes
+
 #: Longest sequence a lengths file may give (2^40 tokens, about 1.1 x 10^12).
 MAX_LENGTH = 2**40
 #: Bytes and seconds per piece of the lengths file (held by the sampler).
@@ -134,12 +136,9 @@ def available_memory() -> tuple[float, str]:
     process's size; infinity with 'unknown' where none can be read.
     """
     found = []
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                found.append((int(line.split()[1]) * 1024.0, "MemAvailable"))
-    except (OSError, ValueError, IndexError):
-        pass
+    available = available_memory_bytes()
+    if available is not None:
+        found.append((float(available), "MemAvailable"))
     try:
         limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
         if limit != "max":

@@ -262,7 +262,7 @@ def _check_model_fits(args: argparse.Namespace) -> None:
     layer, embedding = _params_per_rank(args)
     layers = args.num_layers // args.pipeline_model_parallel_size
     need = (layer * layers + embedding) * MIN_BYTES_PER_PARAM
-    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    local_ranks = local_processes()
     if need * local_ranks <= memory:
         return
     sizes = ["num_layers", "hidden_size", "ffn_hidden_size", "num_experts", "moe_ffn_hidden_size"]
