@@ -80,6 +80,18 @@ _REFUSED_MEGATRON = (
     ),
     ("fp16", bool, "--fp16: HDP's schedule does not scale the loss; use --bf16"),
     (
+        "rampup_batch_size",
+        lambda v: v is not None,
+        "--rampup-batch-size: HDP would train the full batch from the first step while "
+        "Megatron-LM's sample count and learning rate follow the ramp; drop it",
+    ),
+    (
+        "softmax_type",
+        lambda v: v not in (None, "vanilla"),
+        "--softmax-type: HDP's attention has only the vanilla softmax (learnable or "
+        "off-by-one sinks would be dropped)",
+    ),
+    (
         "virtual_pipeline_model_parallel_size",
         lambda v: v is not None,
         "--virtual-pipeline-model-parallel-size / --num-layers-per-virtual-pipeline-stage: HDP "

@@ -52,6 +52,8 @@ REFUSED = {
     "--hdp-overwrite-checkpoints": ["--hdp-overwrite-checkpoints"],
     "--mock-data": ["--mock-data"],
     "--fp16": ["--fp16"],
+    "--rampup-batch-size": ["--rampup-batch-size", "2", "2", "100"],
+    "--softmax-type": ["--softmax-type", "learnable"],
     "--inprocess-restart": ["--inprocess-restart"],
     "--attention-dropout": ["--attention-dropout", "0.1"],
     "--tokenizer-type": ["--tokenizer-type", "SFTTokenizer"],
