@@ -253,7 +253,9 @@ def replaced_by_plan(args: argparse.Namespace) -> list[str]:
     """The flags of an `--hdp` launch that HDP's plan replaces, one note each (rank 0 logs).
 
     Not refused: the job runs the same model and data; these only chose how Megatron-LM
-    would have split and batched it, which HDP's planner decides per step instead.
+    would have split and batched it, which HDP's planner decides per step instead. Also the
+    flags whose meaning HDP changes until it counts them as Megatron-LM does (samples,
+    throughput), so the change is never silent.
     """
     notes = []
     if args.micro_batch_size not in (None, 1):
@@ -272,6 +274,19 @@ def replaced_by_plan(args: argparse.Namespace) -> list[str]:
         notes.append(
             f"--hierarchical-context-parallel-sizes {sizes} has no effect with --hdp: "
             "--context-parallel-size is folded into the pool and rings are sized per sequence"
+        )
+    for dest in ("train_samples", "lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples"):
+        if getattr(args, dest, None):
+            flag = "--" + dest.replace("_", "-")
+            notes.append(
+                f"{flag} {getattr(args, dest)} counts HDP's training sequences (documents, or "
+                "--seq-length pieces of longer ones), not Megatron-LM's packed --seq-length "
+                "samples: the run trains fewer tokens per sample than stock"
+            )
+    if getattr(args, "log_throughput", False):
+        notes.append(
+            "--log-throughput counts --seq-length tokens per sample: with --hdp the TFLOP/s it "
+            "logs are too high (HDP's samples are documents, mostly shorter)"
         )
     backend = getattr(args, "attention_backend", None)
     name = getattr(backend, "name", backend)

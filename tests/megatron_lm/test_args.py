@@ -94,11 +94,13 @@ def test_flags_the_plan_replaces_are_reported_once(trees, monkeypatch, caplog):
     import logging
 
     flags = ["--micro-batch-size", "2", "--cp-comm-type", "a2a"]
-    flags += ["--attention-backend", "flash"]
+    flags += ["--attention-backend", "flash", "--log-throughput"]
     with caplog.at_level(logging.WARNING, logger="megatron_hdp"):
         _parse_and_validate(monkeypatch, [*BASE, "--hdp", *flags])
     notes = [r.getMessage() for r in caplog.records if "has no effect with --hdp" in r.getMessage()]
     assert len(notes) == 3, notes
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("--log-throughput counts --seq-length tokens") for m in said), said
     assert notes[0].startswith("--micro-batch-size 2 has no effect with --hdp")
     assert notes[1].startswith("--cp-comm-type a2a has no effect with --hdp")
     assert notes[2].startswith("--attention-backend flash has no effect with --hdp")
