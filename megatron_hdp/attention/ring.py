@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,9 @@ from megatron_hdp.attention.ring_index import StepBlocks, ring_index
 from megatron_hdp.distributed.ring_comm import CommStats, RingComm
 from megatron_hdp.host_copy import to_device
 from megatron_hdp.sharding import RankShard, shard
+
+if TYPE_CHECKING:
+    from megatron_hdp.attention.dropout import AttentionDropout
 
 _TAG_FWD_KV, _TAG_BWD_KV, _TAG_BWD_DKV = 11, 12, 13
 
@@ -303,6 +307,7 @@ def hdp_attention(
     spec: RingAttentionSpec,
     *,
     softmax_scale: float | None = None,
+    dropout: AttentionDropout | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's tokens of a micro-batch; returns `[T, H, D]`.
 
@@ -316,6 +321,8 @@ def hdp_attention(
         v_TGD: Local values, G heads.
         spec: The micro-batch's documents, ring and backend.
         softmax_scale: Defaults to `1 / sqrt(D)`.
+        dropout: Keyed dropout of the probabilities (`attention.dropout`): the spec then
+            computes with its kernel, on blocks that carry their rows' keys.
     """
     num_tokens = spec.shards[spec.position].num_tokens
     if q_THD.shape[0] != num_tokens or k_TGD.shape != v_TGD.shape or k_TGD.shape[0] != num_tokens:
@@ -328,6 +335,8 @@ def hdp_attention(
             f"{q_THD.shape[1]} query heads are not a multiple of {k_TGD.shape[1]} key/value heads"
         )
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_THD.shape[-1])
+    if dropout is not None:
+        spec = dropout.bind(spec, q_THD.device)
     if len(spec.active) == 1:
         blocks = spec.step_blocks(q_THD.device)[spec.position].blocks
         return _PackAttention.apply(q_THD, k_TGD, v_TGD, blocks, spec.backend, scale)
