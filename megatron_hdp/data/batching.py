@@ -151,6 +151,9 @@ class LocalBatch:
     """The attention's step indices and offsets on the host, built when the batch was read."""
     device_steps: dict[int, StepBlocks] | None = None
     """`ring_index` on the device, set by `to()` (from the same copy as the tokens)."""
+    doc_ids: tuple[int, ...] = ()
+    """Index in the global batch of every document (`MicroBatch.seq_indices`): what
+    identifies a document within a step, whatever the placement (keyed dropout)."""
 
     @property
     def num_tokens(self) -> int:
@@ -251,6 +254,7 @@ def gather_local_batch(
         rank=rank,
         offload_ratio=micro_batch.offload_ratio,
         ring_index=index,
+        doc_ids=tuple(int(i) for i in micro_batch.seq_indices),
     )
 
 

@@ -131,14 +131,15 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         "--attention-dropout",
         type=float,
         default=0.0,
-        help="must be 0: HDP attention has no dropout (Megatron's default 0.1 is refused)",
+        help="dropout of the attention probabilities, keyed by token so that every layout "
+        "draws the same masks (Megatron's default is 0.1; 0 here; see docs/layouts.md)",
     )
     g.add_argument(
         "--hidden-dropout",
         type=float,
         default=0.0,
-        help="hidden dropout (Megatron's default is 0.1; 0 here so that placements give "
-        "identical losses)",
+        help="dropout of the embeddings and the attention and MLP outputs, keyed by token "
+        "(Megatron's default is 0.1; 0 here; see docs/layouts.md)",
     )
     g.add_argument(
         "--make-vocab-size-divisible-by",

@@ -258,7 +258,7 @@ def checkpoint_args(
         padded_vocab_size=cfg.vocab_size,
         init_method_std=cfg.init_method_std,
         hidden_dropout=cfg.hidden_dropout,
-        attention_dropout=0.0,
+        attention_dropout=cfg.attention_dropout,
         bf16=cfg.params_dtype == "bfloat16",
         fp16=False,
         tensor_model_parallel_size=engine.tp_size,

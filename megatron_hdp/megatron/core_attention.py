@@ -3,10 +3,16 @@
 Megatron builds it in place of `DotProductAttention` / `TEDotProductAttention`; it gets
 THD tensors (`[t, heads, dim]`) and the micro-batch's `HDPPackedSeqParams`, applies RoPE at
 the tokens' original positions and runs `hdp_attention` (local or ring).
+
+Attention dropout (`attention_dropout`, Megatron's meaning: dropout of the probabilities in
+training) is keyed (`attention.dropout`): the masks depend on the tokens, not on where they
+run. It computes dense `[heads, q, k]` blocks per document (the math path), on every device:
+the flash kernels draw their own Philox masks and cannot take a keyed one.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -14,8 +20,12 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_hdp.attention.dropout import MicroBatchKeys, check_probability
 from megatron_hdp.attention.ring import RingAttentionSpec, hdp_attention
 from megatron_hdp.attention.rope import RotaryTable
+from megatron_hdp.megatron import dropout as keyed
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -25,10 +35,13 @@ class HDPPackedSeqParams(PackedSeqParams):
     Attributes:
         attention: Documents, ring and backend of the micro-batch on this rank.
         rotary: cos/sin at the local tokens' original positions; None without RoPE.
+        dropout: What identifies the local tokens, for keyed dropout; None when the model
+            has no dropout.
     """
 
     attention: RingAttentionSpec | None = None
     rotary: RotaryTable | None = None
+    dropout: MicroBatchKeys | None = None
 
 
 class HDPCoreAttention(MegatronModule):
@@ -48,8 +61,13 @@ class HDPCoreAttention(MegatronModule):
     ) -> None:
         super().__init__(config=config)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-        if dropout:
-            raise ValueError(f"HDP attention has no dropout; got attention_dropout={dropout}")
+        self.dropout = check_probability(float(dropout), "attention_dropout")
+        if self.dropout and layer_number == 1:
+            logger.info(
+                "attention dropout %g: keyed masks on HDP's dense math kernel ([heads, q, k] "
+                "scores per document), not the configured flash kernel",
+                self.dropout,
+            )
         if attention_type != "self":
             raise ValueError(f"HDP attention supports self-attention only, got {attention_type!r}")
         if attn_mask_type != AttnMaskType.causal:
@@ -88,7 +106,22 @@ class HDPCoreAttention(MegatronModule):
         rotary = params.rotary
         if rotary is not None:
             query, key = rotary.apply(query), rotary.apply(key)
-        out = hdp_attention(query, key, value, spec, softmax_scale=self.softmax_scale)
+        # The layer's bias-dropout-adds follow (also when the layer is recomputed).
+        keyed.set_current(params.dropout)
+        dropout = None
+        if self.training and self.dropout > 0:
+            if params.dropout is None:
+                raise ValueError(
+                    f"attention_dropout {self.dropout} needs the micro-batch's dropout keys "
+                    "(HDPPackedSeqParams.dropout)"
+                )
+            heads = query.shape[1]
+            dropout = params.dropout.attention(
+                self.dropout, self.layer_number, keyed.tensor_parallel_rank(self.config) * heads
+            )
+        out = hdp_attention(
+            query, key, value, spec, softmax_scale=self.softmax_scale, dropout=dropout
+        )
         out = out.reshape(out.shape[0], -1)
         if padded != real:
             out = torch.nn.functional.pad(out, (0, 0, 0, padded - real))

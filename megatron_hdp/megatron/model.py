@@ -21,9 +21,11 @@ from megatron.core.transformer.transformer_layer import (
 )
 from torch.nn import functional
 
+from megatron_hdp.attention.dropout import check_probability
 from megatron_hdp.distributed.layout import ParallelDims, moe_problems, pipeline_problems
 from megatron_hdp.megatron import compat
 from megatron_hdp.megatron.core_attention import HDPCoreAttention
+from megatron_hdp.megatron.dropout import install_keyed_dropout
 from megatron_hdp.megatron.moe import GlobalIndexSequentialMLP, SequenceAuxLossRouter
 from megatron_hdp.scheduler.cost import ModelShape
 
@@ -65,7 +67,11 @@ class GPTConfig:
     """Share input embedding and output layer (Megatron's default unless
     --untie-embeddings-and-output-weights)."""
     hidden_dropout: float = 0.0
-    """Dropout after attention and MLP (--hidden-dropout)."""
+    """Dropout of the embeddings and after attention and MLP (--hidden-dropout); keyed by
+    token identity (`megatron.dropout`), so every layout draws the same masks."""
+    attention_dropout: float = 0.0
+    """Dropout of the attention probabilities (--attention-dropout); keyed
+    (`attention.dropout`)."""
     params_dtype: str = "float32"
     """"float32", "bfloat16" or "float64"."""
     tensor_model_parallel_size: int = 1
@@ -127,11 +133,8 @@ class GPTConfig:
             )
         if self.sequence_parallel and tp == 1:
             raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
-        if self.sequence_parallel and self.hidden_dropout and not torch.cuda.is_available():
-            raise ValueError(
-                "sequence parallelism with hidden dropout needs the CUDA RNG tracker; on CPU use "
-                "hidden_dropout 0"
-            )
+        for name in ("hidden_dropout", "attention_dropout"):
+            check_probability(getattr(self, name), name)
         if self.vocab_size % tp:
             raise ValueError(
                 f"vocab_size {self.vocab_size} is not divisible by tensor_model_parallel_size "
@@ -215,7 +218,7 @@ def model_shape(cfg: GPTConfig) -> ModelShape:
 
 
 def transformer_config(cfg: GPTConfig) -> TransformerConfig:
-    """Megatron `TransformerConfig` for `cfg`: no dropout, unfused kernels, per-token loss."""
+    """Megatron `TransformerConfig` for `cfg`: unfused kernels, per-token loss."""
     return TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -228,7 +231,7 @@ def transformer_config(cfg: GPTConfig) -> TransformerConfig:
         add_bias_linear=cfg.add_bias_linear,
         init_method_std=cfg.init_method_std,
         hidden_dropout=cfg.hidden_dropout,
-        attention_dropout=0.0,
+        attention_dropout=cfg.attention_dropout,
         params_dtype=cfg.dtype,
         pipeline_dtype=cfg.dtype,
         bf16=cfg.dtype == torch.bfloat16,
@@ -426,6 +429,7 @@ def build_seeded(cfg: GPTConfig, construct: Callable[[], GPTModel], *, tp_rank: 
 
     The weights depend on the torch seed alone: the embedding comes from the global stream,
     every layer from a seed of its global number, the output layer from one of its own.
+    Hidden dropout is keyed by token identity (`dropout.install_keyed_dropout`).
 
     Megatron-LM's model builder under `--hdp` uses it, so that its weights are
     `pretrain_hdp.py`'s for the same seed, whatever the layout.
@@ -437,4 +441,5 @@ def build_seeded(cfg: GPTConfig, construct: Callable[[], GPTModel], *, tp_rank: 
     finally:
         _INIT_SEED.reset(token)
     _redraw_output_layer(model, cfg, base + cfg.num_layers + 1, tp_rank)
+    install_keyed_dropout(model)
     return model

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.distributed import finalize_model_grads
 
+from megatron_hdp.attention.dropout import PAD_DOC, MicroBatchKeys
 from megatron_hdp.attention.kernels.registry import step_kernel
 from megatron_hdp.attention.ring import build_ring_spec
 from megatron_hdp.attention.rope import RotaryTable
@@ -60,6 +61,9 @@ class StepRuntime:
             over it.
         pipeline_group: The stages of this rank's pipeline (the layout's `pp_group`); None:
             no pipeline parallelism. Only the Megatron-LM drop-in needs it.
+        seed: The job's seed (`--seed`): keys the dropout masks (`attention.dropout`).
+        iteration: The training iteration the next micro-batches belong to (steps completed
+            before them): keys the dropout masks; the loop sets it before each step.
     """
 
     group: dist.ProcessGroup
@@ -72,6 +76,8 @@ class StepRuntime:
     progress: Callable[[str], None] | None = None
     job_group: dist.ProcessGroup | None = None
     pipeline_group: dist.ProcessGroup | None = None
+    seed: int = 0
+    iteration: int = 0
 
     def __post_init__(self) -> None:
         """Resolve "auto" for the device, or refuse a kernel that cannot run there."""
@@ -147,6 +153,37 @@ def packed_seq_params(
             steps=batch.attention_steps(),
         ),
         rotary=rotary,
+        dropout=dropout_keys(batch, cfg, runtime),
+    )
+
+
+def dropout_keys(batch: LocalBatch, cfg: GPTConfig, runtime: StepRuntime) -> MicroBatchKeys | None:
+    """What identifies `batch`'s tokens for keyed dropout; None if the model has no dropout.
+
+    A token is (its document's index in the global batch, its position in the document);
+    the sequence-parallel pad tokens get `PAD_DOC`. Built on the host, one device copy.
+    """
+    if not (cfg.hidden_dropout or cfg.attention_dropout):
+        return None
+    if len(batch.doc_ids) != len(batch.full_doc_lengths):
+        raise ValueError("keyed dropout needs the batch's document ids (LocalBatch.doc_ids)")
+    pad = sequence_parallel_pad(batch, cfg)
+    docs = torch.repeat_interleave(
+        torch.tensor(batch.doc_ids, dtype=torch.int64),
+        torch.tensor(batch.shard.local_doc_lengths(), dtype=torch.int64),
+    )
+    positions = torch.tensor(batch.shard.positions(), dtype=torch.int64)
+    if pad:
+        docs = torch.nn.functional.pad(docs, (0, pad), value=PAD_DOC)
+        positions = torch.nn.functional.pad(positions, (0, pad))
+    host, lengths = pack_int64([docs, positions])
+    docs, positions = unpack(to_device(host, batch.tokens.device), lengths)
+    return MicroBatchKeys(
+        seed=runtime.seed,
+        iteration=runtime.iteration,
+        doc_ids=batch.doc_ids,
+        token_docs=docs,
+        token_positions=positions,
     )
 
 

@@ -410,6 +410,7 @@ class Trainer:
                 raise item.error
             plan, source, read, predictions = item.value
             start = time.perf_counter()
+            self.runtime.iteration = self.iteration  # keys this step's dropout masks
             result = train_step(self.engine, plan, source, self.runtime, prepared=read)
         except DataServiceError as err:  # the batch or its tokens (read ahead) did not come
             raise DataServiceError(f"{err}. {self.checkpoint_note()}") from err
@@ -643,4 +644,5 @@ def runtime_for(args, layout: ParallelLayout, device) -> StepRuntime:
         device=device,
         check_plans=args.hdp_check_plans,
         check_nonfinite=args.check_for_nan_in_loss_and_grad,
+        seed=args.seed,
     )

@@ -142,7 +142,7 @@ MAX_PREFETCH_DEPTH = 64
 MAX_SEED = 2**63 - 2**20
 
 #: Flags whose value must lie in [0, 1).
-UNIT_INTERVAL = ("adam_beta1", "adam_beta2", "hidden_dropout")
+UNIT_INTERVAL = ("adam_beta1", "adam_beta2", "hidden_dropout", "attention_dropout")
 
 
 @functools.cache
@@ -382,17 +382,10 @@ def _check_layout(args: argparse.Namespace, world_size: int, *, here: bool = Tru
     if here:
         _check_model_fits(args)
         _check_offload_memory(args)
-    if args.sequence_parallel and args.hidden_dropout:
-        raise ValueError(
-            f"--sequence-parallel with --hidden-dropout {args.hidden_dropout} is not supported "
-            "yet (dropout in a sequence-parallel region needs the CUDA RNG tracker); use 0"
-        )
     if args.micro_batch_size != 1:
         raise ValueError(
             f"--micro-batch-size {args.micro_batch_size}: HDP packs micro-batches itself; use 1"
         )
-    if args.attention_dropout != 0:
-        raise ValueError(f"--attention-dropout {args.attention_dropout}: must be 0 with HDP")
     if args.global_batch_size is not None and args.hdp_global_batch_tokens is not None:
         raise ValueError("give --global-batch-size or --hdp-global-batch-tokens, not both")
     if args.hdp_global_batch_tokens is not None and args.hdp_global_batch_tokens < args.seq_length:

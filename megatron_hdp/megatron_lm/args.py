@@ -159,12 +159,6 @@ _REFUSED_MEGATRON = (
         bool,
         "--inprocess-restart: HDP's schedule keeps the process groups of the first start",
     ),
-    (
-        "attention_dropout",
-        lambda v: v != 0,
-        "--attention-dropout: HDP attention has no dropout; pass --attention-dropout 0 "
-        "(Megatron-LM's default is 0.1)",
-    ),
 )
 
 #: `--tokenizer-type` values HDP's data layer cannot read with, and why (refused at start-up).

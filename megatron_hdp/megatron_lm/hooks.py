@@ -146,6 +146,7 @@ class _Schedule:
             backend=args.hdp_attention_backend,
             device=device,
             check_plans=args.hdp_check_plans,
+            seed=args.seed,
         )
         self.schedule = hdp_forward_backward(self.runtime, cfg)
 
@@ -153,6 +154,10 @@ class _Schedule:
         """Collective over the HDP pool (and the pipeline): one step of HDP micro-batches."""
         if self.schedule is None:
             self._build()
+        from megatron.training import get_args
+
+        # Keys this step's dropout masks (Megatron-LM sets it before each train_step).
+        self.runtime.iteration = int(getattr(get_args(), "curr_iteration", 0) or 0)
         if self.runtime.check_plans:
             from megatron_hdp.distributed.plan_check import check_plan_agreement
 

@@ -41,6 +41,7 @@ def gpt_config(args: argparse.Namespace, vocab_size: int | None = None) -> GPTCo
         init_method_std=args.init_method_std,
         tie_embeddings=not args.untie_embeddings_and_output_weights,
         hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
         params_dtype="bfloat16" if args.bf16 else "float32",
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
