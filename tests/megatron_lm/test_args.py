@@ -55,7 +55,6 @@ REFUSED = {
     "--rampup-batch-size": ["--rampup-batch-size", "2", "2", "100"],
     "--softmax-type": ["--softmax-type", "learnable"],
     "--inprocess-restart": ["--inprocess-restart"],
-    "--attention-dropout": ["--attention-dropout", "0.1"],
     "--tokenizer-type": ["--tokenizer-type", "SFTTokenizer"],
     "--dataloader-type": ["--dataloader-type", "single"],
     "--num-experts": ["--num-experts", "4"],

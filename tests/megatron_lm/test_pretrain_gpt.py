@@ -44,6 +44,23 @@ def test_hdp_losses_equal_pretrain_hdp(trees, data):
     assert ran["valid"] == pytest.approx(valid * 2, abs=6e-5)  # logged with 4 decimals
 
 
+def test_dropout_losses_equal_pretrain_hdp(trees, data):
+    """Attention and hidden dropout 0.1 (Megatron-LM's defaults) on two ranks with rings:
+    the keyed masks of pretrain_hdp.py (itself equal to one rank, tests/e2e/test_dropout.py)."""
+    _, patched = trees
+    flags = [*SHARED, "--data-path", data, "--train-iters", "2", "--global-batch-size", "8"]
+    flags += ["--hdp-capacity", "256", "--eval-interval", "1000", "--eval-iters", "0"]
+    dropout = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
+    ran = run_megatron_lm(patched / "pretrain_gpt.py", 2, [*flags, *MEGATRON_CPU, "--hdp", *dropout])
+    reference = run_pretrain(2, [*flags, *dropout, "--no-progress-bar"])
+    plain = run_pretrain(2, [*flags, "--no-progress-bar"])
+    assert max(r["max_ranks_per_sequence"] for r in reference) == 2  # rings ran
+    assert [i for i, _, _ in ran["train"]] == [1, 2]
+    _close([loss for _, loss, _ in ran["train"]], [r["loss"] for r in reference])
+    _close([norm for _, _, norm in ran["train"]], [r["grad_norm"] for r in reference])
+    assert abs(plain[0]["loss"] - reference[0]["loss"]) > 1e-4  # the dropout is there
+
+
 def test_launcher_runs_the_unmodified_script_with_hdp(trees, data):
     """`python -m megatron_hdp.megatron_lm pretrain_gpt.py --hdp`: the same losses, no edit.
 
