@@ -11,8 +11,8 @@ these things, process-locally, and undoes them on exit:
 - P3: `Tensor.type()` reports CPU float tensors as `torch.cuda.*Tensor`, which the
   optimizer's dtype dispatch and grad clipping insist on;
 - P4: the tensor-parallel CUDA RNG tracker's `fork()` (entered by sequence-parallel
-  regions around their dropout) does nothing, since no CUDA RNG state exists. Sequence
-  parallelism with dropout is refused on CPU (`GPTConfig`), so no random draw depends on it;
+  regions around their dropout) does nothing, since no CUDA RNG state exists. HDP's
+  dropout is keyed by token (`megatron.dropout`), so no random draw depends on it;
 - P5: `torch.cuda.Stream`, `torch.cuda.current_stream` and `torch.cuda.stream` give host
   stand-ins whose waits and events do nothing (the MoE all-to-all token dispatcher copies
   its split sizes to the host on a side stream; on CPU every op is already synchronous);
