@@ -1,8 +1,8 @@
 """pretrain_hdp.py with attention and hidden dropout 0.1: every layout gives 1 rank's losses.
 
 The masks are keyed by token identity (`attention.dropout`), so 2 ranks with rings (capacity
-256: the 512-token sequences ring over both) and tensor + sequence parallelism draw the
-masks of the single process, and the losses and gradient norms agree.
+256: the 512-token sequences ring over both), tensor + sequence parallelism and two pipeline
+stages draw the masks of the single process, and the losses and gradient norms agree.
 """
 
 import pytest
@@ -38,7 +38,9 @@ def args(cache, *, capacity, extra=()):
     ]
 
 
-def test_dropout_losses_equal_one_rank_with_rings_and_sequence_parallelism(corpus_cache):
+def test_dropout_losses_equal_one_rank_with_rings_sequence_and_pipeline_parallelism(
+    corpus_cache,
+):
     single = run_pretrain(1, args(corpus_cache, capacity=512, extra=DROPOUT))
     rings = run_pretrain(2, args(corpus_cache, capacity=256, extra=DROPOUT))
     sp = run_pretrain(
@@ -49,8 +51,12 @@ def test_dropout_losses_equal_one_rank_with_rings_and_sequence_parallelism(corpu
             extra=[*DROPOUT, "--tensor-model-parallel-size", "2", "--sequence-parallel"],
         ),
     )
+    pp = run_pretrain(
+        2,
+        args(corpus_cache, capacity=512, extra=[*DROPOUT, "--pipeline-model-parallel-size", "2"]),
+    )
     plain = run_pretrain(1, args(corpus_cache, capacity=512))
-    for run in (rings, sp):
+    for run in (rings, sp, pp):
         assert [s["units"] for s in run] == [s["units"] for s in single]
         assert [s["loss"] for s in run] == pytest.approx([s["loss"] for s in single], rel=1e-5)
         assert [s["grad_norm"] for s in run] == pytest.approx(
