@@ -96,6 +96,8 @@ class KeyedBiasDropoutAdd:
         self.layer_number, self.site, self.config = layer_number, site, config
 
     def __call__(self, training: bool, fused: bool = False):
+        """The bias-dropout-add function for `training` (Megatron's `get_bias_dropout_add`)."""
+
         def bias_dropout_add(x_with_bias, residual, prob):
             x, bias = x_with_bias
             if training and prob > 0:

@@ -263,6 +263,15 @@ def hdp_forward_backward(
             raise ValueError("HDP needs calculate_per_token_loss=True (token-level loss)")
         step = next(data_iterator)
         step.plan.check_pool(torch.distributed.get_world_size(runtime.group))
+        reports = _run(step, model_chunk, config, forward_step_func, forward_only, force_all_reduce)
+        if not forward_only:
+            # The next training call is the next iteration (it keys the dropout masks); a loop
+            # that resumes sets `runtime.iteration` itself, as the Megatron-LM drop-in does.
+            runtime.iteration += 1
+        return reports
+
+    def _run(step, model_chunk, config, forward_step_func, forward_only, force_all_reduce):
+        chunks = [model_chunk]
         if cfg.pipeline_model_parallel_size > 1:
             return _pipelined(step, model_chunk, forward_step_func, forward_only, force_all_reduce)
         reports = []

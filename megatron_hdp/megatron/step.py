@@ -63,7 +63,9 @@ class StepRuntime:
             no pipeline parallelism. Only the Megatron-LM drop-in needs it.
         seed: The job's seed (`--seed`): keys the dropout masks (`attention.dropout`).
         iteration: The training iteration the next micro-batches belong to (steps completed
-            before them): keys the dropout masks; the loop sets it before each step.
+            before them): keys the dropout masks. `pretrain_hdp.py`'s loop and the
+            Megatron-LM drop-in set it before each step; `schedule.hdp_forward_backward`
+            advances it after each training call (a loop of your own that resumes sets it).
     """
 
     group: dist.ProcessGroup

@@ -55,7 +55,9 @@ def test_masks_depend_on_the_key_not_on_the_split():
     other = attention_keep(base, heads, docs + 1, q_pos, k_pos, P)
     assert not torch.equal(other, full)
     assert not torch.equal(
-        attention_keep(key_base(ATTENTION, SEED, ITERATION + 1, LAYER), heads, docs, q_pos, k_pos, P),
+        attention_keep(
+            key_base(ATTENTION, SEED, ITERATION + 1, LAYER), heads, docs, q_pos, k_pos, P
+        ),
         full,
     )
     hidden = hidden_keep(base, docs, q_pos, 64, P)
@@ -125,7 +127,12 @@ def _body(rank, world_size, rings, doc_lengths, doc_ids):
         of = reference_dropout_attention(qf, kf, vf, doc_ids[d])
         of.backward(ddout)
         ref[d] = (of.detach(), qf.grad, kf.grad, vf.grad)
-    for name, got, i in (("out", out.detach(), 0), ("dq", q.grad, 1), ("dk", k.grad, 2), ("dv", v.grad, 3)):
+    for name, got, i in (
+        ("out", out.detach(), 0),
+        ("dq", q.grad, 1),
+        ("dk", k.grad, 2),
+        ("dv", v.grad, 3),
+    ):
         want = torch.cat([ref[d][i][s : s + n] for d, s, n in pieces])
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10, msg=f"{name}, rank {rank}")
     # Without the mask the output differs: the test sees the dropout.
@@ -148,10 +155,16 @@ def test_ring_dropout_equals_dense_reference(rings):
 
 
 def test_tensor_parallel_heads_take_their_global_masks():
-    """Heads 2-3 computed alone (TP rank 1 of 2) get the full model's heads 2-3."""
+    """Heads 2-3 and their KV group computed alone (TP rank 1 of 2) get the full model's
+    heads 2-3: output and gradients."""
     (q, k, v, dout), n = _docs([13], seed=8)[0], 13
     spec = build_ring_spec([n], (0,), rank=0, group=None, backend="math")
-    keys = _keys([4])
-    out = hdp_attention(q[:, 2:], k[:, 1:], v[:, 1:], spec, dropout=keys.attention(P, LAYER, 2))
-    want = reference_dropout_attention(q, k, v, 4)[:, 2:]
+    part = [t.clone().requires_grad_() for t in (q[:, 2:], k[:, 1:], v[:, 1:])]
+    out = hdp_attention(*part, spec, dropout=_keys([4]).attention(P, LAYER, 2))
+    out.backward(dout[:, 2:])
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = reference_dropout_attention(*full, 4)[:, 2:]
+    want.backward(dout[:, 2:])
     torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+    for got, ref, sl in zip(part, full, (slice(2, None), slice(1, None), slice(1, None))):
+        torch.testing.assert_close(got.grad, ref.grad[:, sl], rtol=1e-10, atol=1e-10)

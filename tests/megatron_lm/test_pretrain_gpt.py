@@ -51,7 +51,9 @@ def test_dropout_losses_equal_pretrain_hdp(trees, data):
     flags = [*SHARED, "--data-path", data, "--train-iters", "2", "--global-batch-size", "8"]
     flags += ["--hdp-capacity", "256", "--eval-interval", "1000", "--eval-iters", "0"]
     dropout = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
-    ran = run_megatron_lm(patched / "pretrain_gpt.py", 2, [*flags, *MEGATRON_CPU, "--hdp", *dropout])
+    ran = run_megatron_lm(
+        patched / "pretrain_gpt.py", 2, [*flags, *MEGATRON_CPU, "--hdp", *dropout]
+    )
     reference = run_pretrain(2, [*flags, *dropout, "--no-progress-bar"])
     plain = run_pretrain(2, [*flags, "--no-progress-bar"])
     assert max(r["max_ranks_per_sequence"] for r in reference) == 2  # rings ran
