@@ -64,3 +64,24 @@ def test_dropout_losses_equal_one_rank_with_rings_sequence_and_pipeline_parallel
         )
     # The dropout is there: without it the first step's loss (same weights, same batch) moves.
     assert abs(plain[0]["loss"] - single[0]["loss"]) > 1e-3
+
+
+def test_dropout_run_resumes_exactly(corpus_cache, tmp_path):
+    """Stop after step 2, resume: step 3 draws the uninterrupted run's masks of iteration 3."""
+    ckpt = tmp_path / "ckpt"
+    straight = run_pretrain(2, args(corpus_cache, capacity=256, extra=DROPOUT))
+    first = run_pretrain(
+        2,
+        args(
+            corpus_cache,
+            capacity=256,
+            extra=[*DROPOUT, "--save", str(ckpt), "--exit-interval", "2"],
+        ),
+    )
+    second = run_pretrain(
+        2, args(corpus_cache, capacity=256, extra=[*DROPOUT, "--load", str(ckpt)])
+    )
+    assert [s["iteration"] for s in first + second] == [1, 2, 3]
+    assert [s["loss"] for s in first + second] == pytest.approx(
+        [s["loss"] for s in straight], rel=1e-6
+    )
