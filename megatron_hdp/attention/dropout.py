@@ -53,19 +53,30 @@ EMBEDDING, ATTENTION_OUTPUT, MLP_OUTPUT = 0, 1, 2
 PAD_DOC = _M32
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """`x * c mod 2**32` for int64 tensors of 32-bit words, without int64 overflow."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+def _mul32_(x: torch.Tensor, c: int) -> torch.Tensor:
+    """`x = x * c mod 2**32` in place, for int64 tensors of 32-bit words (no int64 overflow)."""
+    high = x * (c >> 16)
+    high &= 0xFFFF
+    high <<= 16
+    x *= c & 0xFFFF
+    x += high
+    x &= _M32
+    return x
+
+
+def _mix32_(x: torch.Tensor) -> torch.Tensor:
+    """`mix32` in place (on a fresh tensor: in-place integer ops save most of the time)."""
+    x ^= x >> 16
+    _mul32_(x, 0x7FEB352D)
+    x ^= x >> 15
+    _mul32_(x, 0x846CA68B)
+    x ^= x >> 16
+    return x
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
     """`lowbias32` of every 32-bit word of the int64 tensor `x` (a bijection on 32 bits)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
+    return _mix32_(x.to(torch.int64, copy=True))
 
 
 def _mix_int(h: int) -> int:
@@ -117,9 +128,9 @@ def attention_keep(
     `q_docs` / `q_positions` the document and position of each query row, `k_positions`
     the position of each key row (of the same document).
     """
-    rows = mix32(mix32(base ^ q_docs.to(torch.int64)) ^ q_positions.to(torch.int64))
-    rows = mix32(rows.unsqueeze(0) ^ heads.to(torch.int64).unsqueeze(1))  # [H, Tq]
-    bits = mix32(rows.unsqueeze(-1) ^ k_positions.to(torch.int64).view(1, 1, -1))
+    rows = _mix32_(mix32(base ^ q_docs.to(torch.int64)) ^ q_positions.to(torch.int64))
+    rows = _mix32_(rows.unsqueeze(0) ^ heads.to(torch.int64).unsqueeze(1))  # [H, Tq]
+    bits = _mix32_(rows.unsqueeze(-1) ^ k_positions.to(torch.int64).view(1, 1, -1))
     return bits >= _threshold(p)
 
 
@@ -131,9 +142,9 @@ def hidden_keep(
     `base` is `key_base(HIDDEN, seed, iteration, layer, site)`; `docs` and `positions`
     identify each token (document of the global batch, position in it).
     """
-    tokens = mix32(mix32(base ^ docs.to(torch.int64)) ^ positions.to(torch.int64))
+    tokens = _mix32_(mix32(base ^ docs.to(torch.int64)) ^ positions.to(torch.int64))
     hidden = torch.arange(width, dtype=torch.int64, device=tokens.device)
-    return mix32(tokens.unsqueeze(-1) ^ hidden) >= _threshold(p)
+    return _mix32_(tokens.unsqueeze(-1) ^ hidden) >= _threshold(p)
 
 
 def keyed_dropout(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
