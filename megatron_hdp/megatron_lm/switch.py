@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import warnings
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,9 @@ def startup_problems(args: argparse.Namespace) -> list[str]:
         return []
     try:
         iteration = tracked_iteration(args)
-        ckpt_args = None if iteration is None else saved_args(args, iteration)
+        with warnings.catch_warnings():  # DCP warns that no process group exists yet
+            warnings.simplefilter("ignore", UserWarning)
+            ckpt_args = None if iteration is None else saved_args(args, iteration)
     except (OSError, RuntimeError, ValueError, EOFError) as err:
         logger.debug("--load %s: not read at start-up (%s)", args.load, err)
         return []

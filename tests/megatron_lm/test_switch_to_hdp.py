@@ -17,6 +17,7 @@ import functools
 import inspect
 import logging
 
+import pytest
 import torch
 
 from tests.dist import run_ranks
@@ -180,19 +181,30 @@ def _same_state(got, want):
                 assert value == state_want[key], key
 
 
-def test_a_stock_job_switches_to_hdp_with_its_optimizer_schedule_and_position(
-    trees, data, tmp_path
-):
-    stock, patched = trees
-    ckpt = str(tmp_path / "stock")
+def _flags(data):
     flags = [*SHARED, *DECAY, *MEGATRON_CPU, *QUIET, "--data-path", data, "--train-iters", "4"]
     flags += ["--global-batch-size", str(GLOBAL_BATCH), "--use-distributed-optimizer"]
-    flags += ["--ckpt-format", "torch_dist"]
+    return [*flags, "--ckpt-format", "torch_dist"]
+
+
+@pytest.fixture(scope="module")
+def stock_checkpoint(trees, data, tmp_path_factory):
+    """Stock pretrain_gpt.py (no --hdp): 2 of 4 steps on 2 ranks, saved at step 2."""
+    stock, _ = trees
+    ckpt = str(tmp_path_factory.mktemp("switch") / "stock")
     first = _run(
         stock / "pretrain_gpt.py",
-        [*flags, "--exit-interval", "2", "--save", ckpt, "--save-interval", "2"],
+        [*_flags(data), "--exit-interval", "2", "--save", ckpt, "--save-interval", "2"],
     )
     assert [i for i, _, _ in first[-1]["train"]] == [1, 2]
+    return ckpt
+
+
+def test_a_stock_job_switches_to_hdp_with_its_optimizer_schedule_and_position(
+    trees, data, stock_checkpoint
+):
+    stock, patched = trees
+    ckpt, flags = stock_checkpoint, _flags(data)
     # On CPU Megatron-LM saves no CUDA RNG state to load. Both runs report the keys that
     # the checkpoint and the model they built do not share (`log_all`).
     resume = [*flags, "--load", ckpt, "--no-load-rng", "--dist-ckpt-strictness", "log_all"]
@@ -223,3 +235,31 @@ def test_a_stock_job_switches_to_hdp_with_its_optimizer_schedule_and_position(
     assert len(note) == 1 and f"after the {tokens} tokens it trained" in note[0]
     assert f"skips its first {skipped} tokens" in note[0]
     assert not [line for line in got[1]["notes"] if "stock Megatron-LM" in line]  # rank 0 only
+
+
+def test_a_stock_checkpoint_of_another_shape_is_refused_at_startup(
+    trees, data, stock_checkpoint, monkeypatch, capsys
+):
+    """Through Megatron-LM's real parser and the hooked `validate_args`, before any process
+    group: the shape stock Megatron-LM stored with its checkpoint is compared by flag."""
+    import torch.distributed as dist
+    from megatron.training import arguments
+
+    from megatron_hdp.megatron_lm.hooks import _checked_validate_args, with_hdp_args
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    argv = [*_flags(data), "--load", stock_checkpoint, "--hdp", "--ffn-hidden-size", "192"]
+    monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *argv])
+    args = arguments.parse_args(with_hdp_args(None))
+    with pytest.raises(SystemExit) as exit_info:
+        _checked_validate_args(arguments.validate_args)(args, {})
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--ffn-hidden-size: 128 -> 192" in err and "iteration 2" in err
+    assert not dist.is_initialized()
+    # The same launch with the checkpoint's shape passes these checks.
+    monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *argv[:-2]])
+    args = arguments.parse_args(with_hdp_args(None))
+    _checked_validate_args(arguments.validate_args)(args, {})
+    assert args.hdp_checked
