@@ -111,7 +111,10 @@ def _body(rank, world_size, script, argv):
     # overwrites it), for the stock and the --hdp runs alike.
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from megatron_hdp.megatron.dist_checkpoint import _allocate_optimizer_state
+    from megatron_hdp.megatron.dist_checkpoint import (
+        _allocate_optimizer_state,
+        _steps_kept_on_load,
+    )
 
     stock_sharded = DistributedOptimizer.sharded_state_dict
 
@@ -123,14 +126,23 @@ def _body(rank, world_size, script, argv):
     # And its load copies into fp32 parameter shards, views of parameters that require
     # grad, outside `torch.no_grad()` (a float16/bf16 job copies into separate main
     # parameters): the load runs under no_grad here, for both runs alike.
+    # (`load_parameter_state`: the legacy `torch` format's separate optimizer file.)
     stock_load = DistributedOptimizer.load_state_dict
+    stock_load_file = DistributedOptimizer.load_parameter_state
 
     def load_state_dict(self, *args, **kwargs):
         with torch.no_grad():
             return stock_load(self, *args, **kwargs)
 
+    def load_parameter_state(self, *args, **kwargs):
+        # That file holds no torch Adam `step` per parameter: kept from the allocated state
+        # (the step itself comes from the checkpoint's param groups).
+        with torch.no_grad(), _steps_kept_on_load():
+            return stock_load_file(self, *args, **kwargs)
+
     DistributedOptimizer.sharded_state_dict = sharded_state_dict
     DistributedOptimizer.load_state_dict = load_state_dict
+    DistributedOptimizer.load_parameter_state = load_parameter_state
     notes = Notes(logging.INFO)
     logging.getLogger("megatron_hdp.megatron_lm").addHandler(notes)
     logging.getLogger("megatron_hdp.megatron_lm").setLevel(logging.INFO)
@@ -143,6 +155,7 @@ def _body(rank, world_size, script, argv):
         hdp_data.TrainBatches.__init__ = stock_init
         DistributedOptimizer.sharded_state_dict = stock_sharded
         DistributedOptimizer.load_state_dict = stock_load
+        DistributedOptimizer.load_parameter_state = stock_load_file
         validation.maybe_report_missing_and_unexpected_keys = stock_report
         logging.getLogger("megatron_hdp.megatron_lm").removeHandler(notes)
     return {**records, **probe}
@@ -181,30 +194,33 @@ def _same_state(got, want):
                 assert value == state_want[key], key
 
 
-def _flags(data):
+def _flags(data, ckpt_format="torch_dist"):
     flags = [*SHARED, *DECAY, *MEGATRON_CPU, *QUIET, "--data-path", data, "--train-iters", "4"]
     flags += ["--global-batch-size", str(GLOBAL_BATCH), "--use-distributed-optimizer"]
-    return [*flags, "--ckpt-format", "torch_dist"]
+    return [*flags, "--ckpt-format", ckpt_format]
 
 
-@pytest.fixture(scope="module")
-def stock_checkpoint(trees, data, tmp_path_factory):
-    """Stock pretrain_gpt.py (no --hdp): 2 of 4 steps on 2 ranks, saved at step 2."""
+@pytest.fixture(scope="module", params=["torch_dist", "torch"])
+def stock_checkpoint(trees, data, tmp_path_factory, request):
+    """Stock pretrain_gpt.py (no --hdp): 2 of 4 steps on 2 ranks, saved at step 2 in the
+    `--ckpt-format` of the parameter: (folder, that format)."""
     stock, _ = trees
     ckpt = str(tmp_path_factory.mktemp("switch") / "stock")
     first = _run(
         stock / "pretrain_gpt.py",
-        [*_flags(data), "--exit-interval", "2", "--save", ckpt, "--save-interval", "2"],
+        [*_flags(data, request.param), "--exit-interval", "2", "--save", ckpt]
+        + ["--save-interval", "2"],
     )
     assert [i for i, _, _ in first[-1]["train"]] == [1, 2]
-    return ckpt
+    return ckpt, request.param
 
 
 def test_a_stock_job_switches_to_hdp_with_its_optimizer_schedule_and_position(
     trees, data, stock_checkpoint
 ):
     stock, patched = trees
-    ckpt, flags = stock_checkpoint, _flags(data)
+    ckpt, ckpt_format = stock_checkpoint
+    flags = _flags(data, ckpt_format)
     # On CPU Megatron-LM saves no CUDA RNG state to load. Both runs report the keys that
     # the checkpoint and the model they built do not share (`log_all`).
     resume = [*flags, "--load", ckpt, "--no-load-rng", "--dist-ckpt-strictness", "log_all"]
@@ -214,7 +230,9 @@ def test_a_stock_job_switches_to_hdp_with_its_optimizer_schedule_and_position(
     assert [i for i, _, _ in got[-1]["train"]] == [3, 4]  # the last rank logs the loss
     for mine, theirs in zip(got, want, strict=True):
         # The HDP model and its optimizer ask for exactly the stock model's keys.
-        assert mine["key_report"] == theirs["key_report"] == [(set(), {"rng_state"})]
+        assert mine["key_report"] == theirs["key_report"]
+        if ckpt_format == "torch_dist":
+            assert mine["key_report"] == [(set(), {"rng_state"})]
         assert [i for i, _ in mine["lr"]] == [3, 4]
         assert mine["lr"] == theirs["lr"]  # the same scheduler state: exactly equal
         assert len({lr for _, lr in mine["lr"]}) == 2  # the schedule decays
@@ -249,7 +267,8 @@ def test_a_stock_checkpoint_of_another_shape_is_refused_at_startup(
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    argv = [*_flags(data), "--load", stock_checkpoint, "--hdp", "--ffn-hidden-size", "192"]
+    ckpt, ckpt_format = stock_checkpoint
+    argv = [*_flags(data, ckpt_format), "--load", ckpt, "--hdp", "--ffn-hidden-size", "192"]
     monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *argv])
     args = arguments.parse_args(with_hdp_args(None))
     with pytest.raises(SystemExit) as exit_info:
