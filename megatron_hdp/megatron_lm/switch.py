@@ -8,9 +8,10 @@ samples of its `GPTDataset`, HDP plans documents. The rule here (`continue_stock
 HDP's document stream skips as many tokens as the stock job trained,
 `consumed_train_samples x --seq-length` (the checkpoint's), in HDP's own order.
 
-`startup_problems(args)` runs before any process group (from `args.finish_args`): a stock
-checkpoint whose model differs from this launch's is refused there, by flag, instead of
-after the model and optimizer are built. Reads local files only; no communication.
+`startup_problems(args)` runs before any process group (from `args.finish_args`): a
+checkpoint whose model differs from this launch's is refused there, by flag, and an `--hdp`
+checkpoint that lost its data-position file, instead of after the model and optimizer are
+built. Reads local files only; no communication.
 """
 
 from __future__ import annotations
@@ -107,9 +108,10 @@ def shape_changes(args: argparse.Namespace, ckpt_args) -> list[str]:
 def startup_problems(args: argparse.Namespace) -> list[str]:
     """Before any process group: why `--load` of this launch cannot work, one phrase each.
 
-    Only a checkpoint whose model shape differs from this launch's (not with
-    `--use-checkpoint-args`, which takes the checkpoint's shape); anything unreadable is
-    left to Megatron-LM's own load.
+    A checkpoint whose model shape differs from this launch's (not checked with
+    `--use-checkpoint-args`, which takes the checkpoint's shape); an `--hdp` checkpoint
+    without its data-position file (a full resume only). Anything unreadable is left to
+    Megatron-LM's own load.
     """
     if not getattr(args, "load", None) or getattr(args, "use_checkpoint_args", False):
         return []
@@ -123,13 +125,44 @@ def startup_problems(args: argparse.Namespace) -> list[str]:
         return []
     if ckpt_args is None:
         return []
+    problems = []
     changes = shape_changes(args, ckpt_args)
-    if not changes:
-        return []
-    return [
-        f"--load {args.load}: the model of its iteration {iteration} differs from this "
-        f"launch's ({', '.join(changes)}): its weights cannot load"
-    ]
+    if changes:
+        problems.append(
+            f"--load {args.load}: the model of its iteration {iteration} differs from this "
+            f"launch's ({', '.join(changes)}): its weights cannot load"
+        )
+    lost = _lost_data_position(args, iteration, ckpt_args)
+    if lost is not None:
+        problems.append(
+            f"--load {args.load}: its iteration {iteration} was written by an --hdp job but "
+            f"its HDP data position {lost} is missing: restore the file, or load with "
+            "--finetune to start the data from its first batch"
+        )
+    return problems
+
+
+def _lost_data_position(args: argparse.Namespace, iteration: int, ckpt_args) -> str | None:
+    """The data-position file an `--hdp` checkpoint should hold but does not (None: fine).
+
+    Only for a full resume (no `--finetune`) of a checkpoint whose saved args have `--hdp`.
+    """
+    if getattr(args, "finetune", False) or not getattr(ckpt_args, "hdp", False):
+        return None
+    from megatron.training.checkpointing import get_checkpoint_name
+
+    from megatron_hdp.megatron_lm.data import STATE_FILE
+
+    path = get_checkpoint_name(
+        args.load,
+        iteration,
+        pipeline_parallel=args.pipeline_model_parallel_size > 1,
+        tensor_rank=0,
+        pipeline_rank=0,
+        expert_parallel=False,
+        basename=STATE_FILE,
+    )
+    return None if os.path.exists(path) else path
 
 
 def continue_stock_data(sampler, args: argparse.Namespace, ckpt_args) -> str:

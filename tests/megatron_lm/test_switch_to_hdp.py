@@ -12,16 +12,19 @@ HDP's plain sampler drawn unit by unit.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import functools
+import glob
 import inspect
 import logging
+import os
 
 import pytest
 import torch
 
 from tests.dist import run_ranks
-from tests.megatron_lm.harness import MEGATRON_CPU, SHARED
+from tests.megatron_lm.harness import MEGATRON_CPU, SHARED, run_megatron_lm
 
 QUIET = ["--eval-iters", "0", "--eval-interval", "1000"]
 DECAY = ["--lr-decay-style", "linear", "--lr-decay-iters", "4", "--lr-warmup-iters", "1"]
@@ -255,30 +258,58 @@ def test_a_stock_job_switches_to_hdp_with_its_optimizer_schedule_and_position(
     assert not [line for line in got[1]["notes"] if "stock Megatron-LM" in line]  # rank 0 only
 
 
-def test_a_stock_checkpoint_of_another_shape_is_refused_at_startup(
-    trees, data, stock_checkpoint, monkeypatch, capsys
-):
-    """Through Megatron-LM's real parser and the hooked `validate_args`, before any process
-    group: the shape stock Megatron-LM stored with its checkpoint is compared by flag."""
-    import torch.distributed as dist
+def _validate(monkeypatch, argv) -> argparse.Namespace:
+    """Megatron-LM's real parser and the hooked `validate_args`, as at start-up (rank 0 of 2)."""
     from megatron.training import arguments
 
     from megatron_hdp.megatron_lm.hooks import _checked_validate_args, with_hdp_args
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    ckpt, ckpt_format = stock_checkpoint
-    argv = [*_flags(data, ckpt_format), "--load", ckpt, "--hdp", "--ffn-hidden-size", "192"]
     monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *argv])
     args = arguments.parse_args(with_hdp_args(None))
+    _checked_validate_args(arguments.validate_args)(args, {})
+    return args
+
+
+def test_a_stock_checkpoint_of_another_shape_is_refused_at_startup(
+    trees, data, stock_checkpoint, monkeypatch, capsys
+):
+    """Before any process group: the shape stock Megatron-LM stored with its checkpoint is
+    compared by flag."""
+    import torch.distributed as dist
+
+    ckpt, ckpt_format = stock_checkpoint
+    argv = [*_flags(data, ckpt_format), "--load", ckpt, "--hdp"]
     with pytest.raises(SystemExit) as exit_info:
-        _checked_validate_args(arguments.validate_args)(args, {})
+        _validate(monkeypatch, [*argv, "--ffn-hidden-size", "192"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "--ffn-hidden-size: 128 -> 192" in err and "iteration 2" in err
     assert not dist.is_initialized()
-    # The same launch with the checkpoint's shape passes these checks.
-    monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *argv[:-2]])
-    args = arguments.parse_args(with_hdp_args(None))
-    _checked_validate_args(arguments.validate_args)(args, {})
-    assert args.hdp_checked
+    assert _validate(monkeypatch, argv).hdp_checked  # the checkpoint's shape passes
+
+
+def test_an_hdp_checkpoint_without_its_data_position_is_refused_at_startup(
+    trees, data, tmp_path, monkeypatch, capsys
+):
+    """An --hdp job's checkpoint whose data-position file was lost: refused before any
+    process group, naming the file (it was refused only after the model was built); with
+    --finetune (the data from its start) it passes."""
+    _, patched = trees
+    ckpt = str(tmp_path / "hdp")
+    flags = [*_flags(data), "--hdp"]
+    run_megatron_lm(
+        patched / "pretrain_gpt.py",
+        2,
+        [*flags, "--exit-interval", "1", "--save", ckpt, "--save-interval", "1"],
+        timeout_s=240,
+    )
+    (state,) = glob.glob(os.path.join(ckpt, "iter_0000001", "*", "train_dataloader_dprank000.pt"))
+    os.remove(state)
+    with pytest.raises(SystemExit) as exit_info:
+        _validate(monkeypatch, [*flags, "--load", ckpt])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "written by an --hdp job" in err and state in err
+    assert _validate(monkeypatch, [*flags, "--load", ckpt, "--finetune"]).hdp_checked
