@@ -145,13 +145,20 @@ def startup_problems(args: argparse.Namespace) -> list[str]:
 def _lost_data_position(args: argparse.Namespace, iteration: int, ckpt_args) -> str | None:
     """The data-position file an `--hdp` checkpoint should hold but does not (None: fine).
 
-    Only for a full resume (no `--finetune`) of a checkpoint whose saved args have `--hdp`.
+    Only for a full resume (no `--finetune`) of a checkpoint whose saved args have `--hdp`
+    (`pretrain_gpt.py --hdp`'s; pretrain_hdp.py's, whose args also say `hdp`, keep the
+    position in the checkpoint's `hdp` entry instead).
     """
     if getattr(args, "finetune", False) or not getattr(ckpt_args, "hdp", False):
         return None
     from megatron.training.checkpointing import get_checkpoint_name
 
+    from megatron_hdp.megatron.dist_checkpoint import is_dist_checkpoint, read_common
     from megatron_hdp.megatron_lm.data import STATE_FILE
+
+    folder = checkpoint_folder(args.load, iteration)
+    if is_dist_checkpoint(folder) and read_common(folder).get("hdp"):
+        return None  # pretrain_hdp.py's: the position is in its `hdp` entry
 
     path = get_checkpoint_name(
         args.load,
