@@ -316,3 +316,39 @@ class TokenBudgetSampler:
                     "--split, --seq-length or global batch size?)"
                 )
         self.state = SamplerState.from_dict(data)
+
+    def skip_tokens(self, tokens: int, *, steps: int) -> list[int]:
+        """Start the stream after its first `tokens` input tokens; `steps` batches counted.
+
+        For a job that trained `tokens` tokens elsewhere (a stock Megatron-LM checkpoint
+        switched to HDP): each stream `k` of the blend skips the shortest prefix of its own
+        order (its seeded permutation, epoch after epoch) that holds at least
+        `round(share_k * tokens)` input tokens, `share_k` being the stream's weight for the
+        batch `steps`; with one stream, exactly the first units reaching `tokens`. The next
+        batch is the batch `steps` (0-based) of the schedule, whose phase counts its shares
+        from here. Returns the units skipped per stream. No communication; vectorised
+        (one cumulative sum over one epoch's permutation per stream).
+        """
+        if tokens < 0 or steps < 0:
+            raise ValueError(f"tokens and steps must be >= 0, got {tokens} and {steps}")
+        shares = self._phases[self._phase_of(steps)][1] if self._phases else self.weights
+        consumed, used = [], []
+        for k, units in enumerate(self.datasets):
+            target = int(round(float(shares[k]) * tokens))
+            epoch_tokens = units.num_tokens
+            if target == 0 or epoch_tokens == 0:
+                consumed.append(0)
+                used.append(0)
+                continue
+            epochs, rest = divmod(target, epoch_tokens)
+            count, taken = epochs * len(units), epochs * epoch_tokens
+            if rest:
+                running = np.cumsum(units.length[self._permutation(k, epochs)])
+                last = int(np.searchsorted(running, rest))  # first prefix holding >= rest
+                count, taken = count + last + 1, taken + int(running[last])
+            consumed.append(count)
+            used.append(taken)
+        self.state = SamplerState(consumed=consumed, tokens=used, steps=steps)
+        if self._phases:
+            self.state.phase, self.state.phase_start = self._phase_of(steps), list(used)
+        return consumed

@@ -404,5 +404,10 @@ def finish_args(args: argparse.Namespace) -> None:
             f"--kv-channels {args.kv_channels}: HDP attention needs hidden-size / heads = "
             f"{args.hidden_size // args.num_attention_heads}"
         )
+    from megatron_hdp.megatron_lm.switch import startup_problems
+
+    problems = startup_problems(args)  # a --load checkpoint of another model shape
+    if problems:
+        raise ValueError(one_message(problems))
     if args.save:
         args.dataloader_save = args.save

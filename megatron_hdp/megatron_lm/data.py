@@ -18,6 +18,7 @@ import torch
 
 from megatron_hdp.data.iterator import HDPDataIterator
 from megatron_hdp.data.training_data import TrainingData
+from megatron_hdp.megatron_lm.switch import continue_stock_data, saved_args, written_by_hdp
 
 logger = logging.getLogger(__name__)
 
@@ -132,8 +133,13 @@ def datasets_provider(train_valid_test_num_samples, vp_stage=None):
     train = loader(data.train, TrainBatches, prefixes=data.prefixes)
     if args.load and args.iteration > 0 and not args.finetune:
         state, where = _saved_data_position(args)
-        train.restore_state(state)
-        logger.info("HDP data position restored from %s", where)
+        if state is None:  # a stock Megatron-LM checkpoint: `where` is its args
+            note = continue_stock_data(train.sampler, args, where)
+            if torch.distributed.get_rank() == 0:
+                logger.warning("%s", note)
+        else:
+            train.restore_state(state)
+            logger.info("HDP data position restored from %s", where)
     valid = None
     if data.fresh_valid_sampler() is not None and args.eval_iters > 0:
         valid = ValidBatches(data, args.eval_iters, lambda s: loader(s, depth=0))
@@ -143,11 +149,13 @@ def datasets_provider(train_valid_test_num_samples, vp_stage=None):
 datasets_provider.is_distributed = True
 
 
-def _saved_data_position(args: argparse.Namespace) -> tuple[dict, str]:
+def _saved_data_position(args: argparse.Namespace) -> tuple[dict | None, object]:
     """The data position of the checkpoint `--load` resumes, and where it was found.
 
     An `--hdp` run of Megatron-LM keeps it in Megatron-LM's data-loader file; pretrain_hdp.py
-    in the `hdp` entry of the checkpoint's common state. Reads local files only.
+    in the `hdp` entry of the checkpoint's common state. A checkpoint of stock Megatron-LM
+    (no `--hdp`) has none: `(None, its saved args)` (`switch.continue_stock_data`). Raises
+    ValueError for an HDP checkpoint that lost its position. Reads local files only.
     """
     from megatron.training.checkpointing import get_checkpoint_name
 
@@ -157,14 +165,18 @@ def _saved_data_position(args: argparse.Namespace) -> tuple[dict, str]:
     if os.path.exists(path):
         return torch.load(path, weights_only=False)["dataloader_state_dict"], path
     folder = get_checkpoint_name(args.load, args.iteration, return_base_dir=True)
-    if is_dist_checkpoint(folder):
-        data_state = (read_common(folder).get("hdp") or {}).get("data_state")
-        if data_state is not None:
-            return data_state, f"{folder} (written by pretrain_hdp.py)"
+    common = read_common(folder) if is_dist_checkpoint(folder) else None
+    data_state = ((common or {}).get("hdp") or {}).get("data_state")
+    if data_state is not None:
+        return data_state, f"{folder} (written by pretrain_hdp.py)"
+    ckpt_args = saved_args(args, args.iteration)
+    if ckpt_args is not None and not written_by_hdp(common, ckpt_args):
+        return None, ckpt_args
     raise ValueError(
         f"--hdp: the checkpoint of iteration {args.iteration} in {args.load} has no HDP data "
-        f"position ({path}); it was not saved by an --hdp run or pretrain_hdp.py (load it with "
-        "--finetune to start the data from its first batch)"
+        f"position ({path} is missing) and is no stock Megatron-LM checkpoint (its args say "
+        "--hdp, or it holds none): "
+        "restore the file, or load with --finetune to start the data from its first batch"
     )
 
 

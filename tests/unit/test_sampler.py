@@ -151,3 +151,32 @@ def test_split_is_read_as_megatron_core_reads_it(text, want):
 def test_a_split_megatron_core_cannot_use_is_refused_by_value(text):
     with pytest.raises(ValueError, match="--split"):
         parse_split(text)
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 777, 5_000, 60_000])
+def test_skip_tokens_skips_each_streams_share_of_its_own_order(tokens):
+    """A stock job's trained tokens, skipped: stream k drops the shortest prefix of its
+    order (epoch after epoch) holding >= round(share_k x tokens) tokens. The reference
+    walks each stream's order one unit at a time (across epochs for the larger counts)."""
+    rng = np.random.default_rng(1)
+    blend = [
+        DatasetUnits.from_documents(np.arange(n), rng.integers(2, 300, size=n), max_seq_length=64)
+        for n in (40, 90)
+    ]
+    sampler = TokenBudgetSampler(blend, [1.0, 3.0], seed=5, units_per_batch=4)
+    walker = TokenBudgetSampler(blend, [1.0, 3.0], seed=5, units_per_batch=4)
+    skipped = sampler.skip_tokens(tokens, steps=7)
+    for k, share in enumerate([0.25, 0.75]):
+        target, count, drawn = round(share * tokens), 0, 0
+        while drawn < target:
+            drawn += walker._unit(k, count).length
+            count += 1
+        assert skipped[k] == sampler.state.consumed[k] == count
+        assert sampler.state.tokens[k] == drawn
+    assert sampler.state.steps == 7
+    if tokens == 60_000:  # both streams are past their first epoch
+        assert all(skipped[k] > len(blend[k]) for k in range(2))
+    nxt = list(skipped)
+    for unit in sampler.next_batch():  # the stream continues after the skipped units
+        assert unit == walker._unit(unit.dataset, nxt[unit.dataset])
+        nxt[unit.dataset] += 1
