@@ -117,6 +117,29 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--rotary-base", type=float, default=10000.0, help="RoPE base")
     g.add_argument(
+        "--rotary-percent",
+        type=float,
+        default=1.0,
+        help="share of each head's channels RoPE rotates (the first int(head dim x p); the "
+        "rest pass through, as Megatron-Core)",
+    )
+    g.add_argument(
+        "--rotary-interleaved",
+        action="store_true",
+        help="RoPE rotates interleaved channel pairs (0,1), (2,3), ... instead of the halves",
+    )
+    g.add_argument(
+        "--kv-channels",
+        type=int,
+        default=None,
+        help="channels per attention head (default hidden size / heads)",
+    )
+    g.add_argument(
+        "--qk-layernorm",
+        action="store_true",
+        help="normalise each head's queries and keys (the --normalization norm) before RoPE",
+    )
+    g.add_argument(
         "--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm", help="norm"
     )
     g.add_argument("--swiglu", action="store_true", help="gated SiLU MLP")

@@ -129,6 +129,8 @@ def packed_seq_params(
             batch.position_ids[0],
             head_dim=cfg.head_dim,
             rotary_base=cfg.rotary_base,
+            rotary_percent=cfg.rotary_percent,
+            interleaved=cfg.rotary_interleaved,
             dtype=cfg.dtype,
         )
     return HDPPackedSeqParams(

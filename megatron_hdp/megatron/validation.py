@@ -82,6 +82,8 @@ POSITIVE = (
     "seq_length",
     "max_position_embeddings",
     "rotary_base",
+    "kv_channels",
+    "rotary_percent",
     "init_method_std",
     "make_vocab_size_divisible_by",
     "train_iters",
@@ -405,10 +407,19 @@ def _check_layout(args: argparse.Namespace, world_size: int, *, here: bool = Tru
         raise ValueError(
             f"--seq-length {args.seq_length} exceeds --max-position-embeddings {max_pos}"
         )
-    if args.hidden_size % args.num_attention_heads:
+    if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
         raise ValueError(
             f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
-            f"{args.num_attention_heads}"
+            f"{args.num_attention_heads} (give --kv-channels for another head size)"
+        )
+    head_dim = args.kv_channels or args.hidden_size // args.num_attention_heads
+    if not 0 < args.rotary_percent <= 1:
+        raise ValueError(f"--rotary-percent must lie in (0, 1], got {args.rotary_percent}")
+    rotary = int(head_dim * args.rotary_percent)
+    if args.position_embedding_type == "rope" and (rotary < 2 or rotary % 2):
+        raise ValueError(
+            f"--rotary-percent {args.rotary_percent} of head dim {head_dim} rotates {rotary} "
+            "channels: RoPE needs an even number >= 2"
         )
     if args.group_query_attention and args.num_attention_heads % args.num_query_groups:
         raise ValueError(
@@ -820,6 +831,10 @@ MODEL_FIELDS_BEFORE_THEY_EXISTED = {
     "moe_router_topk": 2,
     "moe_ffn_hidden_size": None,
     "expert_model_parallel_size": 1,
+    "rotary_percent": 1.0,
+    "rotary_interleaved": False,
+    "kv_channels": None,
+    "qk_layernorm": False,
 }
 #: Model settings that change no parameter, so a resume may change them.
 MAY_CHANGE_ON_RESUME = ("sequence_parallel", "moe_aux_loss_coeff", "moe_token_dispatcher_type")
