@@ -28,7 +28,6 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--decoder-first-pipeline-num-layers": "HDP splits the layers evenly over the stages",
     "--decoder-last-pipeline-num-layers": "HDP splits the layers evenly over the stages",
     "--pipeline-model-parallel-layout": "HDP splits the layers evenly over the stages",
-    "--fp16": "fp16 is not supported; use --bf16",
     "--train-samples": "give --train-iters",
     "--lr-warmup-fraction": "give --lr-warmup-iters",
     "--lr-decay-samples": "give --lr-decay-iters",
@@ -170,6 +169,38 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         help="pad the vocabulary to a multiple of this",
     )
     g.add_argument("--bf16", action="store_true", help="bfloat16 parameters, fp32 main grads")
+    g.add_argument(
+        "--fp16",
+        action="store_true",
+        help="float16 parameters, fp32 main grads, the loss scaled by Megatron's grad scaler",
+    )
+    g.add_argument(
+        "--loss-scale",
+        type=float,
+        default=None,
+        help="with --fp16: a constant loss scale (default: dynamic)",
+    )
+    g.add_argument(
+        "--initial-loss-scale",
+        type=float,
+        default=2.0**32,
+        help="with --fp16: the dynamic loss scale to start from",
+    )
+    g.add_argument(
+        "--min-loss-scale", type=float, default=1.0, help="with --fp16: the smallest dynamic scale"
+    )
+    g.add_argument(
+        "--loss-scale-window",
+        type=float,
+        default=1000,
+        help="with --fp16: steps without overflow before the dynamic scale doubles",
+    )
+    g.add_argument(
+        "--hysteresis",
+        type=int,
+        default=2,
+        help="with --fp16: overflowing steps before the dynamic scale halves",
+    )
 
 
 def _add_training_args(parser: argparse.ArgumentParser) -> None:

@@ -263,7 +263,7 @@ def checkpoint_args(
         hidden_dropout=cfg.hidden_dropout,
         attention_dropout=0.0,
         bf16=cfg.params_dtype == "bfloat16",
-        fp16=False,
+        fp16=cfg.params_dtype == "float16",
         tensor_model_parallel_size=engine.tp_size,
         pipeline_model_parallel_size=engine.pp_size,
         expert_model_parallel_size=cfg.expert_model_parallel_size,

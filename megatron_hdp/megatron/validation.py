@@ -534,6 +534,7 @@ def _check_training(args: argparse.Namespace) -> None:
             "--hdp-skip-nonfinite-steps needs --check-for-nan-in-loss-and-grad (the default)"
         )
     _check_grad_sync(args)
+    _check_fp16(args)
 
 
 def _check_checkpoint_flags(args: argparse.Namespace) -> None:
@@ -553,6 +554,33 @@ def _check_checkpoint_flags(args: argparse.Namespace) -> None:
         )
     if args.finetune and args.load is None and args.hdp_load_if_exists is None:
         raise ValueError("--finetune needs --load (the checkpoint whose weights to start from)")
+
+
+def _check_fp16(args: argparse.Namespace) -> None:
+    """--fp16 and its loss-scale flags (Megatron-LM's names and rules)."""
+    if args.fp16 and args.bf16:
+        raise ValueError("give --fp16 or --bf16, not both")
+    if args.fp16 and args.num_experts is not None:
+        raise ValueError(
+            "--fp16 with --num-experts: the load-balancing loss is not loss-scaled yet; use --bf16"
+        )
+    if args.fp16 and args.hdp_skip_nonfinite_steps:
+        raise ValueError(
+            "--hdp-skip-nonfinite-steps with --fp16: the loss scaler skips the steps whose "
+            "gradients overflow itself (and lowers the scale); drop the flag"
+        )
+    if args.loss_scale is not None and not args.loss_scale > 0:
+        raise ValueError(f"--loss-scale must be > 0, got {args.loss_scale}")
+    if not 0 < args.min_loss_scale <= args.initial_loss_scale:
+        raise ValueError(
+            f"--min-loss-scale {args.min_loss_scale} must lie in (0, --initial-loss-scale "
+            f"{args.initial_loss_scale}]"
+        )
+    if not args.loss_scale_window > 0 or args.hysteresis < 1:
+        raise ValueError(
+            f"--loss-scale-window {args.loss_scale_window} must be > 0 and --hysteresis "
+            f"{args.hysteresis} >= 1"
+        )
 
 
 def _check_grad_sync(args: argparse.Namespace) -> None:

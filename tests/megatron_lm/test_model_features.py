@@ -47,6 +47,10 @@ def test_fp16_dynamic_loss_scale_on_rings_equals_one_rank(trees, data):
     assert scales[0] == (2048.0, 1), scales  # 4096 overflowed: skipped, halved
     assert (4096.0, 0) in scales, scales  # grown back after two clean steps
     assert sum(k for _, k in scales) < len(scales), scales  # not every step skipped
+    # (the scale each iteration logs is the one after its step)
+    for (scale, _), (after, skipped) in zip(scales, scales[1:]):
+        if skipped:
+            assert after == scale / 2, scales
     _close([r[1] for r in rings["train"]], [r[1] for r in single["train"]], rel=1e-4)
     norms = [(a[2], b[2]) for a, b in zip(rings["train"], single["train"], strict=True)]
     assert [a is None for a, _ in norms] == [k == 1 for _, k in scales], norms
