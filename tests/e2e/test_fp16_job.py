@@ -30,8 +30,9 @@ def _close(got, want, rel):
 def test_dynamic_loss_scale_on_rings_equals_one_rank(flags):
     """From a scale of 2**24 the float16 gradients overflow: the step is skipped (its norm is
     None) and the scale halves (--hysteresis 1); after two clean steps (--loss-scale-window
-    2) it doubles. Two ranks with rings skip the same steps with the same scales as one
-    rank, with the same losses and gradient norms within float16 rounding."""
+    2) it doubles. Two ranks with rings, and PP 2 x a pool of 2 on four, skip the same
+    steps with the same scales as one rank, with the same losses and gradient norms within
+    float16 rounding."""
     dynamic = ["--fp16", "--initial-loss-scale", str(2**24), "--loss-scale-window", "2"]
     dynamic += ["--hysteresis", "1", "--train-iters", "6"]
     rings = run_pretrain(2, [*flags, *dynamic, "--hdp-capacity", "256"])
@@ -47,9 +48,16 @@ def test_dynamic_loss_scale_on_rings_equals_one_rank(flags):
         if skipped:
             assert after == scale / 2, scales
     assert any(b > a for (a, _), (b, _) in zip(scales, scales[1:])), scales  # grew
-    _close([r["loss"] for r in rings], [r["loss"] for r in single], rel=1e-4)
-    norms = [(a["grad_norm"], b["grad_norm"]) for a, b in zip(rings, single, strict=True)]
-    _close([a for a, _ in norms if a is not None], [b for _, b in norms if b is not None], 1e-3)
+    # PP 2 x pool 2: the scaled loss goes through Megatron-Core's 1F1B.
+    pipelined = run_pretrain(
+        4, [*flags, *dynamic, "--hdp-capacity", "256", "--pipeline-model-parallel-size", "2"]
+    )
+    assert [(r["loss_scale"], r["skipped"]) for r in pipelined] == scales
+    for run in (rings, pipelined):
+        _close([r["loss"] for r in run], [r["loss"] for r in single], rel=1e-4)
+        norms = [(a["grad_norm"], b["grad_norm"]) for a, b in zip(run, single, strict=True)]
+        got = [a for a, _ in norms if a is not None]
+        _close(got, [b for _, b in norms if b is not None], 1e-3)
 
 
 def test_constant_loss_scale_is_divided_out_of_the_gradients(flags):

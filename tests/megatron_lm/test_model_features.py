@@ -30,8 +30,9 @@ def test_fp16_dynamic_loss_scale_on_rings_equals_one_rank(trees, data):
     as Megatron's own schedule), so float16 gradients overflow above a scale of about 2**12
     here: the first step at 2**12 overflows, is skipped and halves the scale (--hysteresis
     1); two clean steps (--loss-scale-window 2) double it, and so on. Two ranks with rings
-    (capacity 256) skip the same steps with the same scales as one rank, and their losses
-    and gradient norms agree within float16 rounding (they sum in another order).
+    (capacity 256), and PP 2 x a pool of 2 on four, skip the same steps with the same scales
+    as one rank, and their losses and gradient norms agree within float16 rounding (they
+    sum in another order).
     """
     _, patched = trees
     flags = [*SHARED, "--data-path", data, "--train-iters", "6", "--global-batch-size", "4"]
@@ -51,11 +52,21 @@ def test_fp16_dynamic_loss_scale_on_rings_equals_one_rank(trees, data):
     for (scale, _), (after, skipped) in zip(scales, scales[1:]):
         if skipped:
             assert after == scale / 2, scales
-    _close([r[1] for r in rings["train"]], [r[1] for r in single["train"]], rel=1e-4)
-    norms = [(a[2], b[2]) for a, b in zip(rings["train"], single["train"], strict=True)]
-    assert [a is None for a, _ in norms] == [k == 1 for _, k in scales], norms
-    assert [b is None for _, b in norms] == [k == 1 for _, k in scales], norms
-    _close([a for a, _ in norms if a is not None], [b for _, b in norms if b is not None], 1e-3)
+    # PP 2 x pool 2: Megatron-Core's 1F1B scales the loss itself (its backward_step).
+    pipelined = run_megatron_lm(
+        script,
+        4,
+        [*flags, "--hdp-capacity", "256", "--pipeline-model-parallel-size", "2"],
+        timeout_s=240,
+    )
+    assert [(s, k) for _, s, k in pipelined["loss_scale"]] == scales
+    for run in (rings, pipelined):
+        _close([r[1] for r in run["train"]], [r[1] for r in single["train"]], rel=1e-4)
+        norms = [(a[2], b[2]) for a, b in zip(run["train"], single["train"], strict=True)]
+        assert [a is None for a, _ in norms] == [k == 1 for _, k in scales], norms
+        assert [b is None for _, b in norms] == [k == 1 for _, k in scales], norms
+        got = [a for a, _ in norms if a is not None]
+        _close(got, [b for _, b in norms if b is not None], 1e-3)
 
 
 def test_fp16_loss_scale_is_divided_out_of_the_gradients(trees, data):
