@@ -86,6 +86,31 @@ def test_fp16_loss_scale_is_divided_out_of_the_gradients(trees, data):
     _close([r[2] for r in half["train"]], [r[2] for r in full["train"]], rel=2e-2)
 
 
+def test_fp16_loss_scaler_resumes_from_a_checkpoint(trees, data, tmp_path):
+    """--save after step 2 (--exit-interval) and --load to 5: the same scales, skipped
+    steps and losses as 1-5 in one go (Megatron-LM's checkpoint holds the scaler's state:
+    its scale and its count of clean steps)."""
+    _, patched = trees
+    flags = [*SHARED, "--data-path", data, "--train-iters", "5", "--global-batch-size", "4"]
+    flags += ["--fp16", "--initial-loss-scale", "4096", "--min-loss-scale", "1"]
+    flags += ["--loss-scale-window", "2", "--hysteresis", "1", *QUIET, *MEGATRON_CPU, "--hdp"]
+    flags += ["--hdp-capacity", "256"]
+    script, save = patched / "pretrain_gpt.py", str(tmp_path / "ckpt")
+    straight = run_megatron_lm(script, 2, flags)
+    first = run_megatron_lm(
+        script, 2, [*flags, "--exit-interval", "2", "--save", save, "--save-interval", "2"]
+    )
+    second = run_megatron_lm(script, 2, [*flags, "--load", save, "--no-load-rng"])
+    assert [r[0] for r in first["train"] + second["train"]] == [1, 2, 3, 4, 5]
+    scales = [r[1:] for r in straight["loss_scale"]]
+    assert [r[1:] for r in first["loss_scale"] + second["loss_scale"]] == scales
+    # Step 2 ran at 2048 after the overflow of step 1: restarted from 4096 with no clean
+    # steps counted, step 4 would log 8192, not 4096.
+    assert scales[:4] == [(2048.0, 1), (2048.0, 0), (4096.0, 0), (4096.0, 0)], scales
+    got = [r[1] for r in first["train"] + second["train"]]
+    _close(got, [r[1] for r in straight["train"]], rel=1e-6)
+
+
 def test_head_size_rotary_share_and_qk_norm_on_rings_equal_one_rank(trees, data):
     """--kv-channels 32 (hidden 64 / 4 heads would be 16), --rotary-percent 0.5,
     --rotary-interleaved and --qk-layernorm (DeepSeek-V3's and GPT 15B's flags): the drop-in
