@@ -87,8 +87,8 @@ def _prepare(parser, args, world_size: int):
         args.hdp_attention_backend = resolve_kernel(
             args.hdp_attention_backend,
             DeviceFacts.of(device),
-            dtype=torch.bfloat16 if args.bf16 else torch.float32,
-            head_dim=args.hidden_size // args.num_attention_heads,
+            dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
+            head_dim=args.kv_channels or args.hidden_size // args.num_attention_heads,
         )
         data = build_training_data(data_config(args, world_size))
         if meta is not None:

@@ -157,6 +157,7 @@ def model_shape(args: argparse.Namespace, vocab_size: int) -> ModelShape:
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        kv_channels=getattr(args, "kv_channels", None),
         ffn_hidden_size=megatron_ffn_hidden_size(args),
         vocab_size=padded_vocab_size(
             vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size

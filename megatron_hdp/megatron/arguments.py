@@ -28,7 +28,6 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--decoder-first-pipeline-num-layers": "HDP splits the layers evenly over the stages",
     "--decoder-last-pipeline-num-layers": "HDP splits the layers evenly over the stages",
     "--pipeline-model-parallel-layout": "HDP splits the layers evenly over the stages",
-    "--fp16": "fp16 is not supported; use --bf16",
     "--train-samples": "give --train-iters",
     "--lr-warmup-fraction": "give --lr-warmup-iters",
     "--lr-decay-samples": "give --lr-decay-iters",
@@ -117,6 +116,29 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--rotary-base", type=float, default=10000.0, help="RoPE base")
     g.add_argument(
+        "--rotary-percent",
+        type=float,
+        default=1.0,
+        help="share of each head's channels RoPE rotates (the first int(head dim x p); the "
+        "rest pass through, as Megatron-Core)",
+    )
+    g.add_argument(
+        "--rotary-interleaved",
+        action="store_true",
+        help="RoPE rotates interleaved channel pairs (0,1), (2,3), ... instead of the halves",
+    )
+    g.add_argument(
+        "--kv-channels",
+        type=int,
+        default=None,
+        help="channels per attention head (default hidden size / heads)",
+    )
+    g.add_argument(
+        "--qk-layernorm",
+        action="store_true",
+        help="normalise each head's queries and keys (the --normalization norm) before RoPE",
+    )
+    g.add_argument(
         "--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm", help="norm"
     )
     g.add_argument("--swiglu", action="store_true", help="gated SiLU MLP")
@@ -148,6 +170,38 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         help="pad the vocabulary to a multiple of this",
     )
     g.add_argument("--bf16", action="store_true", help="bfloat16 parameters, fp32 main grads")
+    g.add_argument(
+        "--fp16",
+        action="store_true",
+        help="float16 parameters, fp32 main grads, the loss scaled by Megatron's grad scaler",
+    )
+    g.add_argument(
+        "--loss-scale",
+        type=float,
+        default=None,
+        help="with --fp16: a constant loss scale (default: dynamic)",
+    )
+    g.add_argument(
+        "--initial-loss-scale",
+        type=float,
+        default=2.0**32,
+        help="with --fp16: the dynamic loss scale to start from",
+    )
+    g.add_argument(
+        "--min-loss-scale", type=float, default=1.0, help="with --fp16: the smallest dynamic scale"
+    )
+    g.add_argument(
+        "--loss-scale-window",
+        type=float,
+        default=1000,
+        help="with --fp16: steps without overflow before the dynamic scale doubles",
+    )
+    g.add_argument(
+        "--hysteresis",
+        type=int,
+        default=2,
+        help="with --fp16: overflowing steps before the dynamic scale halves",
+    )
 
 
 def _add_training_args(parser: argparse.ArgumentParser) -> None:

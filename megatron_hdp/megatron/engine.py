@@ -69,6 +69,18 @@ class OptimConfig:
     ddp_bucket_size: int | None = None
     """Elements per gradient bucket of the overlapped reduce (--ddp-bucket-size); None:
     Megatron's default, max(4e7, 1e6 x pool size). Without overlap one bucket per dtype."""
+    fp16: bool = False
+    """Float16 parameters: Megatron's mixed-precision optimizer scales the loss (--fp16)."""
+    loss_scale: float | None = None
+    """A constant loss scale; None: dynamic (--loss-scale)."""
+    initial_loss_scale: float = 2.0**32
+    """(--initial-loss-scale)."""
+    min_loss_scale: float = 1.0
+    """(--min-loss-scale)."""
+    loss_scale_window: float = 1000
+    """(--loss-scale-window)."""
+    hysteresis: int = 2
+    """(--hysteresis)."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -173,6 +185,12 @@ def build_engine(cfg: GPTConfig, optim: OptimConfig, *, seed: int = 1234) -> Eng
         adam_eps=optim.adam_eps,
         clip_grad=optim.clip_grad,
         bf16=cfg.dtype == torch.bfloat16,
+        fp16=cfg.dtype == torch.float16,
+        loss_scale=optim.loss_scale,
+        initial_loss_scale=optim.initial_loss_scale,
+        min_loss_scale=optim.min_loss_scale,
+        loss_scale_window=optim.loss_scale_window,
+        hysteresis=optim.hysteresis,
         params_dtype=cfg.dtype,
         use_distributed_optimizer=optim.use_distributed_optimizer,
     )

@@ -30,7 +30,12 @@ from megatron_hdp.megatron.moe import GlobalIndexSequentialMLP, SequenceAuxLossR
 from megatron_hdp.scheduler.cost import ModelShape
 
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +60,17 @@ class GPTConfig:
     """"rope" or "learned_absolute" (--position-embedding-type)."""
     rotary_base: float = 10000.0
     """RoPE base (--rotary-base)."""
+    rotary_percent: float = 1.0
+    """Share of each head's channels RoPE rotates, the first `int(head_dim * p)`; the rest
+    pass through, as Megatron-Core's `RotaryEmbedding` (--rotary-percent)."""
+    rotary_interleaved: bool = False
+    """Rotate interleaved channel pairs (0, 1), (2, 3), ... instead of the two halves
+    (--rotary-interleaved)."""
+    kv_channels: int | None = None
+    """Channels per attention head; None = hidden / heads (--kv-channels)."""
+    qk_layernorm: bool = False
+    """Normalise each head's queries and keys (the --normalization class) before RoPE
+    (--qk-layernorm)."""
     normalization: str = "RMSNorm"
     """"RMSNorm" or "LayerNorm" (--normalization)."""
     swiglu: bool = True
@@ -73,7 +89,8 @@ class GPTConfig:
     """Dropout of the attention probabilities (--attention-dropout); keyed
     (`attention.dropout`)."""
     params_dtype: str = "float32"
-    """"float32", "bfloat16" or "float64"."""
+    """"float32", "bfloat16", "float16" (Megatron-LM's --fp16, the drop-in only) or
+    "float64"."""
     tensor_model_parallel_size: int = 1
     """Tensor-parallel ranks per HDP replica (--tensor-model-parallel-size): attention heads,
     KV groups, MLP and vocabulary are split over them as Megatron does."""
@@ -107,11 +124,12 @@ class GPTConfig:
             )
         if self.params_dtype not in _DTYPES:
             raise ValueError(f"params_dtype {self.params_dtype!r} is not one of {tuple(_DTYPES)}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
                 f"{self.num_attention_heads}"
             )
+        self._check_head_shape()
         groups = self.num_query_groups or self.num_attention_heads
         if self.num_attention_heads % groups:
             raise ValueError(
@@ -158,6 +176,19 @@ class GPTConfig:
         if self.moe_aux_loss_coeff < 0:
             raise ValueError(f"moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff}")
 
+    def _check_head_shape(self) -> None:
+        """Raise ValueError for a head size or RoPE share HDP attention cannot run."""
+        if self.kv_channels is not None and self.kv_channels < 1:
+            raise ValueError(f"kv_channels must be >= 1, got {self.kv_channels}")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
+        rotary = int(self.head_dim * self.rotary_percent)
+        if self.position_embedding_type == "rope" and (rotary < 2 or rotary % 2):
+            raise ValueError(
+                f"rotary_percent {self.rotary_percent} of head dim {self.head_dim} rotates "
+                f"{rotary} channels: RoPE needs an even number >= 2"
+            )
+
     @property
     def layers_per_stage(self) -> int:
         """Transformer layers on each pipeline stage."""
@@ -165,7 +196,9 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        """Channels per attention head."""
+        """Channels per attention head: kv_channels, else hidden / heads."""
+        if self.kv_channels is not None:
+            return self.kv_channels
         return self.hidden_size // self.num_attention_heads
 
     @property
@@ -208,6 +241,7 @@ def model_shape(cfg: GPTConfig) -> ModelShape:
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_query_groups,
+        kv_channels=cfg.kv_channels,
         ffn_hidden_size=cfg.ffn_hidden_size,
         vocab_size=cfg.vocab_size,
         swiglu=cfg.swiglu,
@@ -224,6 +258,9 @@ def transformer_config(cfg: GPTConfig) -> TransformerConfig:
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_query_groups,
+        kv_channels=cfg.kv_channels,
+        qk_layernorm=cfg.qk_layernorm,
+        rotary_interleaved=cfg.rotary_interleaved,
         ffn_hidden_size=cfg.ffn_hidden_size,
         normalization=cfg.normalization,
         gated_linear_unit=cfg.swiglu,
@@ -317,7 +354,10 @@ def hdp_layer_spec(cfg: GPTConfig) -> ModuleSpec:
     """Megatron's local GPT layer spec with `HDPCoreAttention` as the core attention.
 
     With experts, the MLP is Megatron's `MoELayer` with HDP's router (per-sequence aux loss)
-    and experts initialised by their global index (`moe.py`). Both norms are `hdp_norm`'s.
+    and experts initialised by their global index (`moe.py`). Both norms are `hdp_norm`'s,
+    and so are the per-head query and key norms of `qk_layernorm` (Megatron's attention
+    applies them to q and k before the core attention, where HDP applies RoPE: norm, then
+    rotation, as Megatron's own order).
     """
     spec = get_gpt_layer_local_spec(
         num_experts=cfg.num_experts, moe_grouped_gemm=False, normalization=cfg.normalization
@@ -330,6 +370,9 @@ def hdp_layer_spec(cfg: GPTConfig) -> ModuleSpec:
         moe.experts = compat.with_module(moe.experts, GlobalIndexSequentialMLP)
     spec.submodules.input_layernorm = hdp_norm(cfg)
     spec.submodules.pre_mlp_layernorm = hdp_norm(cfg)
+    if cfg.qk_layernorm:
+        attention = spec.submodules.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = hdp_norm(cfg)
     return spec
 
 

@@ -12,7 +12,8 @@ cannot be run here; these pieces follow its contracts and are tested against a
   `get_forward_backward_func()` schedules. It runs this rank's micro-batches of the step's
   plan, calls your `forward_step_func(data_iterator, model)` once per micro-batch with a
   one-batch iterator (a Megatron-style batch dict whose `packed_seq_params` carries HDP
-  attention), back-propagates the per-token loss sum, and calls
+  attention), back-propagates the per-token loss sum (times the optimizer's loss scale,
+  `config.grad_scale_func`, as Megatron's schedules do: `--fp16`), and calls
   `config.finalize_model_grads_func(model, num_tokens)`, which all-reduces the gradients
   and the token count over the pool and divides by it. Needs `calculate_per_token_loss`.
   With pipeline parallelism it hands this rank's micro-batches to Megatron-Core's own 1F1B
@@ -174,6 +175,24 @@ def _pipeline_grad_sync(model_chunk, batches: list[LocalBatch]):
         config.no_sync_func, config.grad_sync_func = held
 
 
+def _scaled(config, loss: torch.Tensor) -> torch.Tensor:
+    """`loss` times the optimizer's loss scale, as Megatron's `backward_step` back-propagates it.
+
+    Megatron-LM sets `config.grad_scale_func` to the optimizer's `scale_loss`: with `--fp16`
+    the dynamic (or `--loss-scale`) scale, which the optimizer divides out of the gradients
+    before its inf/nan check and step; 1 otherwise. The per-token loss sum is scaled, and
+    `finalize_model_grads` divides by the global token count as without scaling.
+    """
+    return loss if config.grad_scale_func is None else config.grad_scale_func(loss)
+
+
+def _loss_scale(config, device: torch.device) -> float:
+    """The optimizer's loss scale (1 without `config.grad_scale_func`); reads it to the host."""
+    if config.grad_scale_func is None:
+        return 1.0
+    return float(config.grad_scale_func(torch.ones(1, device=device)))
+
+
 def hdp_forward_backward(
     runtime: StepRuntime, cfg: GPTConfig, *, empty_report: Callable[[], dict] | None = None
 ) -> Callable:
@@ -283,7 +302,7 @@ def hdp_forward_backward(
             # load-balancing loss is already normalised (moe.py), so its gradient is scaled up.
             prepared = None if step.local is None else (step.local, step.read_error)
             batches, loss_tokens = read_and_count(step.plan, step.source, runtime, prepared)
-            aux_grad_scale = float(loss_tokens)
+            aux_grad_scale = float(loss_tokens) * _loss_scale(config, runtime.device)
         else:
             batches = _local(step, runtime)
         no_sync = config.no_sync_func or contextlib.nullcontext
@@ -310,7 +329,7 @@ def hdp_forward_backward(
                         output, loss_func = forward_step_func(iter([megatron_dict]), model_chunk)
                     loss_sum, tokens, report = loss_func(output)
                     if not forward_only:
-                        loss_sum.backward()
+                        _scaled(config, loss_sum).backward()
                 reports.append(report)
                 num_tokens += tokens
         if not reports:

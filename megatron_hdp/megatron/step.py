@@ -137,6 +137,8 @@ def packed_seq_params(
             batch.position_ids[0],
             head_dim=cfg.head_dim,
             rotary_base=cfg.rotary_base,
+            rotary_percent=cfg.rotary_percent,
+            interleaved=cfg.rotary_interleaved,
             dtype=cfg.dtype,
         )
     return HDPPackedSeqParams(
@@ -470,6 +472,17 @@ def _own_loss(engine: Engine, loss_sum: float) -> float:
     return loss_sum if engine.is_last_stage and engine.tp_rank == 0 else 0.0
 
 
+def optimizer_loss_scale(engine: Engine) -> float:
+    """The loss scale of a float16 model's optimizer (Megatron's grad scaler), else 1.
+
+    The optimizer divides it out of the gradients before its inf/nan check, its clip and
+    its step, skips a step that overflowed and updates a dynamic scale. Reads it to the host.
+    """
+    if engine.cfg.dtype != torch.float16:
+        return 1.0
+    return float(engine.optimizer.get_loss_scale())
+
+
 def train_step(
     engine: Engine, plan: StepPlan, source: TokenSource, runtime: StepRuntime, prepared=None
 ) -> StepResult:
@@ -504,7 +517,7 @@ def train_step(
         engine,
         batches,
         runtime,
-        loss_scale=1.0 / global_tokens,
+        loss_scale=optimizer_loss_scale(engine) / global_tokens,
         global_batch_tokens=plan.total_tokens(),
         times=times,
     )

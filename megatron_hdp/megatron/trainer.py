@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from megatron_hdp.checkpoint_digests import DIGESTS
@@ -58,6 +59,7 @@ from megatron_hdp.megatron.step import (
     StepResult,
     StepRuntime,
     evaluate,
+    optimizer_loss_scale,
     train_step,
 )
 from megatron_hdp.offload.host_budget import size_text
@@ -543,7 +545,8 @@ class Trainer:
                 "loss": result.loss,
                 "lr": self.engine.optimizer.param_groups[0]["lr"],
                 "grad_norm": result.grad_norm,
-                "skipped": result.nonfinite,
+                # Not applied: non-finite, or a float16 overflow the loss scaler skipped.
+                "skipped": result.nonfinite or not result.update_successful,
                 "tokens": result.num_loss_tokens,
                 "seconds": elapsed,
                 "data_wait_s": data_wait,
@@ -560,6 +563,8 @@ class Trainer:
             }
             if self.engine.cfg.num_experts is not None:
                 record["moe_aux_loss"] = result.moe_aux_loss
+            if self.engine.cfg.dtype == torch.float16:  # the scale for the next step
+                record["loss_scale"] = optimizer_loss_scale(self.engine)
             record["attention_bytes"] = result.attention_bytes_total
             decision = getattr(plan, "offload_decision", None)
             if decision is not None:
@@ -636,13 +641,19 @@ def _writing(what: str, path: str | None):
 
 
 def runtime_for(args, layout: ParallelLayout, device) -> StepRuntime:
-    """The step runtime of this rank in `layout` (its pool; every rank of the job)."""
+    """The step runtime of this rank in `layout` (its pool; every rank of the job).
+
+    With `--fp16` and a dynamic loss scale the non-finite check is off, as Megatron-LM turns
+    `--check-for-nan-in-loss-and-grad` off then: an overflow is the scaler's signal (it
+    skips the step and halves the scale).
+    """
+    dynamic_scale = getattr(args, "fp16", False) and args.loss_scale is None
     return StepRuntime(
         group=layout.pool_group,
         job_group=layout.world_group,
         backend=args.hdp_attention_backend,
         device=device,
         check_plans=args.hdp_check_plans,
-        check_nonfinite=args.check_for_nan_in_loss_and_grad,
+        check_nonfinite=args.check_for_nan_in_loss_and_grad and not dynamic_scale,
         seed=args.seed,
     )

@@ -82,6 +82,8 @@ POSITIVE = (
     "seq_length",
     "max_position_embeddings",
     "rotary_base",
+    "kv_channels",
+    "rotary_percent",
     "init_method_std",
     "make_vocab_size_divisible_by",
     "train_iters",
@@ -398,10 +400,19 @@ def _check_layout(args: argparse.Namespace, world_size: int, *, here: bool = Tru
         raise ValueError(
             f"--seq-length {args.seq_length} exceeds --max-position-embeddings {max_pos}"
         )
-    if args.hidden_size % args.num_attention_heads:
+    if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
         raise ValueError(
             f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
-            f"{args.num_attention_heads}"
+            f"{args.num_attention_heads} (give --kv-channels for another head size)"
+        )
+    head_dim = args.kv_channels or args.hidden_size // args.num_attention_heads
+    if not 0 < args.rotary_percent <= 1:
+        raise ValueError(f"--rotary-percent must lie in (0, 1], got {args.rotary_percent}")
+    rotary = int(head_dim * args.rotary_percent)
+    if args.position_embedding_type == "rope" and (rotary < 2 or rotary % 2):
+        raise ValueError(
+            f"--rotary-percent {args.rotary_percent} of head dim {head_dim} rotates {rotary} "
+            "channels: RoPE needs an even number >= 2"
         )
     if args.group_query_attention and args.num_attention_heads % args.num_query_groups:
         raise ValueError(
@@ -516,6 +527,7 @@ def _check_training(args: argparse.Namespace) -> None:
             "--hdp-skip-nonfinite-steps needs --check-for-nan-in-loss-and-grad (the default)"
         )
     _check_grad_sync(args)
+    _check_fp16(args)
 
 
 def _check_checkpoint_flags(args: argparse.Namespace) -> None:
@@ -535,6 +547,33 @@ def _check_checkpoint_flags(args: argparse.Namespace) -> None:
         )
     if args.finetune and args.load is None and args.hdp_load_if_exists is None:
         raise ValueError("--finetune needs --load (the checkpoint whose weights to start from)")
+
+
+def _check_fp16(args: argparse.Namespace) -> None:
+    """--fp16 and its loss-scale flags (Megatron-LM's names and rules)."""
+    if args.fp16 and args.bf16:
+        raise ValueError("give --fp16 or --bf16, not both")
+    if args.fp16 and args.num_experts is not None:
+        raise ValueError(
+            "--fp16 with --num-experts: the load-balancing loss is not loss-scaled yet; use --bf16"
+        )
+    if args.fp16 and args.hdp_skip_nonfinite_steps:
+        raise ValueError(
+            "--hdp-skip-nonfinite-steps with --fp16: the loss scaler skips the steps whose "
+            "gradients overflow itself (and lowers the scale); drop the flag"
+        )
+    if args.loss_scale is not None and not args.loss_scale > 0:
+        raise ValueError(f"--loss-scale must be > 0, got {args.loss_scale}")
+    if not 0 < args.min_loss_scale <= args.initial_loss_scale:
+        raise ValueError(
+            f"--min-loss-scale {args.min_loss_scale} must lie in (0, --initial-loss-scale "
+            f"{args.initial_loss_scale}]"
+        )
+    if not args.loss_scale_window > 0 or args.hysteresis < 1:
+        raise ValueError(
+            f"--loss-scale-window {args.loss_scale_window} must be > 0 and --hysteresis "
+            f"{args.hysteresis} >= 1"
+        )
 
 
 def _check_grad_sync(args: argparse.Namespace) -> None:
@@ -813,6 +852,10 @@ MODEL_FIELDS_BEFORE_THEY_EXISTED = {
     "moe_router_topk": 2,
     "moe_ffn_hidden_size": None,
     "expert_model_parallel_size": 1,
+    "rotary_percent": 1.0,
+    "rotary_interleaved": False,
+    "kv_channels": None,
+    "qk_layernorm": False,
 }
 #: Model settings that change no parameter, so a resume may change them.
 MAY_CHANGE_ON_RESUME = ("sequence_parallel", "moe_aux_loss_coeff", "moe_token_dispatcher_type")

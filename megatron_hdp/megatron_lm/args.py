@@ -78,7 +78,6 @@ _REFUSED_MEGATRON = (
         "--mock-data: HDP plans documents; give --data-path (or omit it for "
         "the embedded corpus of pretrain_hdp.py)",
     ),
-    ("fp16", bool, "--fp16: HDP's schedule does not scale the loss; use --bf16"),
     (
         "rampup_batch_size",
         lambda v: v is not None,
@@ -149,9 +148,12 @@ _REFUSED_MEGATRON = (
         lambda v: v is not None,
         "--heterogeneous-layers-config-path: not supported with HDP",
     ),
-    ("qk_layernorm", bool, "--qk-layernorm: not supported with HDP yet"),
     ("use_rope_scaling", bool, "--use-rope-scaling: HDP applies plain RoPE"),
-    ("rotary_percent", lambda v: v != 1.0, "--rotary-percent: HDP rotates whole heads (1.0)"),
+    (
+        "rotary_seq_len_interpolation_factor",
+        lambda v: v is not None,
+        "--rotary-seq-len-interpolation-factor: HDP applies RoPE at the original positions",
+    ),
     ("window_size", lambda v: v is not None, "--window-size: HDP attention is full causal"),
     ("hybrid_context_parallel", bool, "--hybrid-context-parallel: HDP replaces it"),
     (
@@ -391,19 +393,11 @@ def finish_args(args: argparse.Namespace) -> None:
             f"--seq-length {args.seq_length} does not fit the pool: {pool_size(args)} ranks x "
             f"capacity {size} tokens"
         )
-    gpt_config(args, vocab_size=args.tensor_model_parallel_size)  # raises on a bad shape
+    cfg = gpt_config(args, vocab_size=args.tensor_model_parallel_size)  # raises on a bad shape
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.hdp_attention_backend = resolve_kernel(
-        args.hdp_attention_backend,
-        DeviceFacts.of(device),
-        dtype=torch.bfloat16 if args.bf16 else torch.float32,
-        head_dim=args.hidden_size // args.num_attention_heads,
+        args.hdp_attention_backend, DeviceFacts.of(device), dtype=cfg.dtype, head_dim=cfg.head_dim
     )
-    if args.kv_channels != args.hidden_size // args.num_attention_heads:
-        raise ValueError(
-            f"--kv-channels {args.kv_channels}: HDP attention needs hidden-size / heads = "
-            f"{args.hidden_size // args.num_attention_heads}"
-        )
     from megatron_hdp.megatron_lm.switch import startup_problems
 
     problems = startup_problems(args)  # a --load checkpoint of another model shape

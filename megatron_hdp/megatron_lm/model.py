@@ -35,6 +35,10 @@ def gpt_config(args: argparse.Namespace, vocab_size: int | None = None) -> GPTCo
         max_position_embeddings=args.max_position_embeddings,
         position_embedding_type=args.position_embedding_type,
         rotary_base=float(args.rotary_base),
+        rotary_percent=float(args.rotary_percent),
+        rotary_interleaved=bool(getattr(args, "rotary_interleaved", False)),
+        kv_channels=args.kv_channels,
+        qk_layernorm=bool(args.qk_layernorm),
         normalization=args.normalization,
         swiglu=args.swiglu,
         add_bias_linear=args.add_bias_linear,
@@ -42,11 +46,18 @@ def gpt_config(args: argparse.Namespace, vocab_size: int | None = None) -> GPTCo
         tie_embeddings=not args.untie_embeddings_and_output_weights,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
-        params_dtype="bfloat16" if args.bf16 else "float32",
+        params_dtype=params_dtype(args),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
     )
+
+
+def params_dtype(args: argparse.Namespace) -> str:
+    """The parameters' dtype name of `--bf16` / `--fp16` (else float32)."""
+    if args.bf16:
+        return "bfloat16"
+    return "float16" if args.fp16 else "float32"
 
 
 def _layer_specs(args: argparse.Namespace, cfg: GPTConfig):
@@ -64,7 +75,7 @@ def _layer_specs(args: argparse.Namespace, cfg: GPTConfig):
     from megatron_hdp.megatron.core_attention import HDPCoreAttention
     from megatron_hdp.megatron.model import SeededTransformerLayer
 
-    spec = get_gpt_layer_with_transformer_engine_spec()
+    spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
     spec.module = SeededTransformerLayer
     spec.submodules.self_attention.submodules.core_attention = HDPCoreAttention
     return TransformerBlockSubmodules(layer_specs=[spec] * cfg.layers_per_stage, layer_norm=TENorm)

@@ -40,6 +40,8 @@ class ModelShape:
     hidden_size: int
     num_attention_heads: int
     num_query_groups: int | None = None
+    kv_channels: int | None = None
+    """Channels per head; None: hidden / heads (--kv-channels)."""
     ffn_hidden_size: int | None = None
     vocab_size: int = 32000
     swiglu: bool = True
@@ -52,8 +54,15 @@ class ModelShape:
 
     @property
     def head_dim(self) -> int:
-        """Channels per attention head."""
+        """Channels per attention head: kv_channels, else hidden / heads."""
+        if self.kv_channels is not None:
+            return self.kv_channels
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Channels of Q (and of the attention output) per token: heads x head dim."""
+        return self.num_attention_heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
@@ -67,7 +76,7 @@ class ModelShape:
         With experts these are the ACTIVE weights: the router (h x E) and top-k experts.
         """
         h, ffn = self.hidden_size, self.ffn_hidden_size or 4 * self.hidden_size
-        attention = h * (h + 2 * self.kv_dim) + h * h
+        attention = h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h
         per_mlp = 3 if self.swiglu else 2
         if self.num_experts is None:
             mlp = per_mlp * h * ffn

@@ -177,7 +177,10 @@ def test_every_document_once_per_epoch_across_stop_and_resume(datasets, tmp_path
             lambda d, t: data_args([d[0]], iters=1, extra=["--no-such-flag"]),
             "unknown arguments: --no-such-flag",
         ),
-        (lambda d, t: data_args([d[0]], iters=1, extra=["--fp16"]), "--fp16 is not supported here"),
+        (
+            lambda d, t: data_args([d[0]], iters=1, extra=["--recompute-activations"]),
+            "--recompute-activations is not supported here",
+        ),
         (
             lambda d, t: data_args(
                 [d[0]], iters=1, extra=["--virtual-pipeline-model-parallel-size", "2"]

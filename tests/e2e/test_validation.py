@@ -125,6 +125,18 @@ BAD = [
         "give --accumulate-allreduce-grads-in-fp32 or --grad-reduce-in-bf16, not both",
     ),
     (["--ddp-bucket-size", "1000"], "--ddp-bucket-size 1000 needs --overlap-grad-reduce"),
+    (["--fp16", "--bf16"], "give --fp16 or --bf16, not both"),
+    (
+        ["--fp16", "--hdp-skip-nonfinite-steps", "1"],
+        "--hdp-skip-nonfinite-steps with --fp16: the loss scaler skips",
+    ),
+    (["--fp16", "--min-loss-scale", "0"], "--min-loss-scale 0.0 must lie in (0,"),
+    (["--kv-channels", "0"], "--kv-channels must be > 0, got 0"),
+    (
+        ["--position-embedding-type", "rope", "--rotary-percent", "0.01"],
+        "--rotary-percent 0.01 of head dim",
+    ),
+    (["--rotary-percent", "1.5"], "--rotary-percent must lie in (0, 1], got 1.5"),
     (
         ["--overlap-grad-reduce", "--ddp-bucket-size", "0"],
         "--ddp-bucket-size must be > 0, got 0",

@@ -1,7 +1,9 @@
 """The single-process reference: plain Megatron GPT (its own RoPE), one sequence at a time.
 
 It shares nothing with HDP's attention path: Megatron applies RoPE itself (sbhd format,
-positions 0..s-1), and the core attention is a few lines of causal SDPA written here.
+positions 0..s-1, its own `rotary_percent` / `rotary_interleaved`), its local spec brings
+its own query/key norms (`qk_layernorm`), and the core attention is a few lines of causal
+SDPA written here.
 """
 
 from __future__ import annotations
@@ -71,7 +73,10 @@ def build_reference(cfg: GPTConfig, state_dict: dict) -> GPTModel:
     """A plain GPTModel with Megatron's own position handling, loaded with `state_dict`."""
     # With experts: Megatron's own MoELayer, TopKRouter and SequentialMLP.
     spec = get_gpt_layer_local_spec(
-        num_experts=cfg.num_experts, moe_grouped_gemm=False, normalization=cfg.normalization
+        num_experts=cfg.num_experts,
+        moe_grouped_gemm=False,
+        normalization=cfg.normalization,
+        qk_layernorm=cfg.qk_layernorm,
     )
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     model = GPTModel(
@@ -81,6 +86,8 @@ def build_reference(cfg: GPTConfig, state_dict: dict) -> GPTModel:
         max_sequence_length=cfg.max_position_embeddings,
         share_embeddings_and_output_weights=cfg.tie_embeddings,
         position_embedding_type=cfg.position_embedding_type,
+        rotary_percent=cfg.rotary_percent,
+        rotary_base=int(cfg.rotary_base),
     )
     if cfg.num_experts is not None and cfg.add_bias_linear:
         # Megatron's expert adds its bias in place on what a reduce over one rank returned

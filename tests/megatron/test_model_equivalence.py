@@ -297,6 +297,23 @@ def test_learned_absolute_positions_match_single_process():
     check_case(Case(pool_size=3, cfg=cfg))
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
+def test_head_size_rotary_share_and_qk_norm_match_stock_megatron(interleaved):
+    """--kv-channels 12 (hidden 32 / 4 heads would be 8), --rotary-percent 0.5 (RoPE on 6 of
+    the 12 channels, the rest passed through), --qk-layernorm, with and without
+    --rotary-interleaved: HDP's own RoPE at the original positions and the query/key norms
+    of HDP's layer spec against stock Megatron-Core's RotaryEmbedding, RoPE and qk norms
+    (its local spec) on one process, with rings of up to 3 ranks."""
+    cfg = dataclasses.replace(
+        CFG,
+        kv_channels=12,
+        rotary_percent=0.5,
+        qk_layernorm=True,
+        rotary_interleaved=interleaved,
+    )
+    check_case(Case(pool_size=3, cfg=cfg))
+
+
 def _body_short_only(rank, world_size):
     with cpu_shims():
         layout = ParallelDims.of_world().initialize()

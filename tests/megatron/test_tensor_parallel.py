@@ -152,6 +152,29 @@ def test_tensor_parallel_replicas_equal_one_process(pool, swiglu, policy, kind, 
             assert relative(after, reference["after"][name]) < 1e-5, name  # after 3 AdamW steps
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_head_size_rotary_share_and_qk_norm_with_tensor_parallelism(sp):
+    """--kv-channels 12, --rotary-percent 0.5 and --qk-layernorm with TP 2 (each TP rank
+    holds 2 heads of 12 channels and their query/key norms' gradients are summed over the
+    TP ranks by Megatron's finish), with and without sequence parallelism: the stock
+    one-process model's losses, gradients and weights."""
+    cfg = dataclasses.replace(CFG, kv_channels=12, rotary_percent=0.5, qk_layernorm=True)
+    tp_cfg = dataclasses.replace(cfg, tensor_model_parallel_size=TP, sequence_parallel=sp)
+    ranks = run_ranks(_body_tp, TP * 2, tp_cfg, 2, "greedy", "mixed", timeout_s=180)
+    reference = run_ranks(_body_reference, 1, cfg, 2, "mixed")[0]
+    assert any("q_layernorm" in name for name in reference["init"])
+    for result in ranks:
+        assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    for replica in range(2):
+        members = ranks[replica * TP : (replica + 1) * TP]
+        layout = members[0]["layout"]
+        for name in reference["init"]:
+            grad = unshard([m["grads"][name] for m in members], layout[name])
+            assert relative(grad, reference["grads"][name]) < 1e-5, name
+            after = unshard([m["after"][name] for m in members], layout[name])
+            assert relative(after, reference["after"][name]) < 1e-5, name
+
+
 def test_tensor_parallel_shapes_are_checked():
     with pytest.raises(ValueError, match="num_attention_heads 4 is not divisible by tensor"):
         dataclasses.replace(CFG, tensor_model_parallel_size=3)

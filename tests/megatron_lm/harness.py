@@ -6,7 +6,8 @@ the patched copy goes first on `sys.path` of this (parent) process, which import
 `megatron.training` once, so that forked ranks inherit it. Each rank runs the script as
 `__main__` (or through the launcher, `python -m megatron_hdp.megatron_lm`) under the
 test-only CUDA shims (`cpu_run.py`), and returns the loss and gradient norm Megatron-LM's
-`training_log` got at every iteration and the loss of every evaluation.
+`training_log` got at every iteration (with its loss scale and whether the step was
+skipped) and the loss of every evaluation.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def _body_megatron_lm(rank, world_size, script, argv, launcher):
 
     from tests.megatron_lm.cpu_run import megatron_lm_cpu_shims
 
-    records = {"train": [], "valid": []}
+    records = {"train": [], "valid": [], "loss_scale": []}
     stock_log, stock_evaluate = training.training_log, training.evaluate
 
     def training_log(*args, **kwargs):
@@ -144,6 +145,9 @@ def _body_megatron_lm(rank, world_size, script, argv, launcher):
             grad_norm = given["grad_norm"]
             records["train"].append(
                 (given["iteration"], float(loss), None if grad_norm is None else float(grad_norm))
+            )
+            records["loss_scale"].append(
+                (given["iteration"], float(given["loss_scale"]), int(given["skipped_iter"]))
             )
         return stock_log(*args, **kwargs)
 

@@ -51,7 +51,7 @@ REFUSED = {
     "--hdp-validate-only": ["--hdp-validate-only"],
     "--hdp-overwrite-checkpoints": ["--hdp-overwrite-checkpoints"],
     "--mock-data": ["--mock-data"],
-    "--fp16": ["--fp16"],
+    "--rotary-seq-len-interpolation-factor": ["--rotary-seq-len-interpolation-factor", "2"],
     "--rampup-batch-size": ["--rampup-batch-size", "2", "2", "100"],
     "--softmax-type": ["--softmax-type", "learnable"],
     "--inprocess-restart": ["--inprocess-restart"],
@@ -77,14 +77,14 @@ def test_with_hdp_a_flag_it_cannot_honour_is_refused_by_name(trees, monkeypatch,
 
 def test_every_refusal_of_one_launch_comes_in_one_message(trees, monkeypatch, capsys):
     """A recipe with several flags HDP cannot run is fixed in one round, not one per flag."""
-    flags = [*REFUSED["--fp16"], *REFUSED["--mock-data"], *REFUSED["--dataloader-type"]]
+    flags = [*REFUSED["--softmax-type"], *REFUSED["--mock-data"], *REFUSED["--dataloader-type"]]
     with pytest.raises(SystemExit) as stop:
         _parse_and_validate(monkeypatch, [*BASE, "--hdp", *flags])
     assert stop.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     message = lines[-1]
     assert message.startswith("pretrain_gpt.py: error: 3 problems with this launch: (1) ")
-    for flag in ("--fp16", "--mock-data", "--dataloader-type"):
+    for flag in ("--softmax-type", "--mock-data", "--dataloader-type"):
         assert flag in message, message
 
 

@@ -317,10 +317,10 @@ def test_bad_input_one_line_exit_2(tmp_path, capsys, flags, named):
 
 def test_job_flags_refused_by_the_job_parser_exit_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
-        main(["--gpus", "8", *MODEL_FLAGS, "--seq-length", "64", "--fp16"])
+        main(["--gpus", "8", *MODEL_FLAGS, "--seq-length", "64", "--recompute-activations"])
     assert stop.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--fp16" in err
+    assert err.count("\n") == 1 and "--recompute-activations" in err
 
 
 def test_data_path_reads_the_jobs_batches(tmp_path):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-#: Precision flag a GPU run needs, named in every refusal (fp16 is refused by the job).
+#: Precision flag a GPU run needs, named in every refusal (--fp16 works too, with loss scaling).
 PRECISION_HINT = "add --bf16 (flash kernels compute in bfloat16 or float16, not float32)"
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
