@@ -50,8 +50,13 @@ SETUPS = {
         "core_v0.16.1",
         "examples/gpt3/train_gpt3_175b_distributed.sh",
         "GPT-3 175B, TP8 PP16, fp16, GPT-2 BPE, batch-size rampup",
-        ["${CHECKPOINT_PATH}", "${TENSORBOARD_LOGS_PATH}", "${VOCAB_FILE}", "${MERGE_FILE}",
-         "${DATA_PATH}"],
+        [
+            "${CHECKPOINT_PATH}",
+            "${TENSORBOARD_LOGS_PATH}",
+            "${VOCAB_FILE}",
+            "${MERGE_FILE}",
+            "${DATA_PATH}",
+        ],
         {},
         "stock core_v0.16.1 refuses --rampup-batch-size with --train-iters ('expected no "
         "batch-size rampup for iteration-based training'): --train-iters N and "
@@ -62,8 +67,13 @@ SETUPS = {
         "core_v0.19.0",
         "examples/gpt3/train_gpt3_175b_distributed.sh",
         "GPT-3 175B, TP8 PP16, fp16, GPT-2 BPE, step batch-size schedule",
-        ["${CHECKPOINT_PATH}", "${TENSORBOARD_LOGS_PATH}", "${VOCAB_FILE}", "${MERGE_FILE}",
-         "${DATA_PATH}"],
+        [
+            "${CHECKPOINT_PATH}",
+            "${TENSORBOARD_LOGS_PATH}",
+            "${VOCAB_FILE}",
+            "${MERGE_FILE}",
+            "${DATA_PATH}",
+        ],
         {},
         "stock core_v0.19.0 refuses it twice: the script expands TRAINING_ARGS unquoted, so "
         "the schedule reaches pretrain_gpt.py as six words (argparse: unrecognized "
@@ -115,8 +125,14 @@ SETUPS = {
         "core_v0.19.0",
         "examples/gptoss/02_train.sh",
         "gpt-oss: MoE, sliding window, learnable softmax, FP8 (real-data branch)",
-        ["--checkpoint-path", "${CHECKPOINT_PATH}", "--tokenizer", "${TOKENIZER_MODEL}",
-         "--data", "${DATA_PATH}"],
+        [
+            "--checkpoint-path",
+            "${CHECKPOINT_PATH}",
+            "--tokenizer",
+            "${TOKENIZER_MODEL}",
+            "--data",
+            "${DATA_PATH}",
+        ],
         {},
         "the script sets --pipeline-model-parallel-size to the world size, 8, for 12 layers, "
         "which stock Megatron-LM refuses (layers not divisible by stages): "
