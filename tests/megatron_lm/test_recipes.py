@@ -67,8 +67,12 @@ EXPECTED: dict[str, tuple[str, tuple, str | None]] = {
     "CPF8": ("trains", BOTH, "keyed dropout 0.1"),
 }
 
-#: Relative tolerance of the per-iteration losses and gradient norms (1-rank reference).
+#: Relative tolerance against the 1-rank reference: per-iteration losses (and validation
+#: losses), and gradient norms in fp32 / with bf16 parameters and gradients (bf16 gradient
+#: buffers, --grad-reduce-in-bf16: the 2-rank reduction rounds in another order; L8
+#: measured 1.5e-5 at step 1, 6.6e-5 at step 2).
 REL = 1e-5
+REL_GRAD_NORM = {"fp32": 1e-5, "bf16": 2e-4}
 
 
 def _params(tag):
@@ -153,15 +157,18 @@ def test_recipe(name, trees, files, offline_hub, tmp_path, monkeypatch):
         return
     assert start_up(name, flags, world, monkeypatch) is None
     started = time.monotonic()
-    multi = run_megatron_lm(patched / "pretrain_gpt.py", world, flags, timeout_s=300)
+    env = environment(name)
+    script = patched / "pretrain_gpt.py"
+    multi = run_megatron_lm(script, world, flags, timeout_s=300, env=env)
     one = [*shrink(name, load(name), files, tmp_path / "one", one_rank=True), "--hdp"]
-    single = run_megatron_lm(patched / "pretrain_gpt.py", 1, one, timeout_s=300)
+    single = run_megatron_lm(script, 1, one, timeout_s=300, env=env)
     print(f"{name}: {world} ranks + 1 rank in {time.monotonic() - started:.0f} s")
     iterations = [i for i, _, _ in single["train"]]
     assert len(iterations) >= 3 and [i for i, _, _ in multi["train"]] == iterations
+    rel_norm = REL_GRAD_NORM["bf16" if "--bf16" in flags else "fp32"]
     for (_, loss, norm), (_, want_loss, want_norm) in zip(multi["train"], single["train"]):
         assert loss == pytest.approx(want_loss, rel=REL), (multi["train"], single["train"])
-        assert norm == pytest.approx(want_norm, rel=REL), (multi["train"], single["train"])
+        assert norm == pytest.approx(want_norm, rel=rel_norm), (multi["train"], single["train"])
     assert multi["valid"] == pytest.approx(single["valid"], rel=REL)
 
 

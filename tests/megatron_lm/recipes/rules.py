@@ -84,9 +84,10 @@ LAYOUT_FLAGS = {
     "cp": "--context-parallel-size",
     "ep": "--expert-model-parallel-size",
 }
-#: Sizes that follow the layout: CP's hierarchical split (its product must be CP), per run.
+#: Sizes that follow the layout: CP's hierarchical split (its product must be CP), per run
+#: (Megatron-LM wants it with --cp-comm-type a2a+p2p even for CP 1).
 LAYOUT_SIZES = {
-    "--hierarchical-context-parallel-sizes": lambda cp: ["1", str(cp)] if cp > 1 else None,
+    "--hierarchical-context-parallel-sizes": lambda cp: ["1", str(cp)],
 }
 
 #: Per setup, sizes that differ from SIZES (and why).
