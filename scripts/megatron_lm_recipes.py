@@ -61,7 +61,8 @@ SETUPS = {
         "stock core_v0.16.1 refuses --rampup-batch-size with --train-iters ('expected no "
         "batch-size rampup for iteration-based training'): --train-iters N and "
         "--lr-decay-iters M become --train-samples N x B and --lr-decay-samples M x B "
-        "(B = --global-batch-size)",
+        "(B = --global-batch-size). At core_v0.16.1 only: core_v0.19.0 accepts the list "
+        "(--rampup-batch-size is deprecated there; Megatron-Core ignores it with a warning)",
     ),
     "G175'": (
         "core_v0.19.0",

@@ -95,10 +95,13 @@ def _drop(grouped, flag):
     grouped[:] = [item for item in grouped if item[0] != flag]
 
 
-def stock_fixed(name: str, argv: list[str]) -> list[str]:
-    """`argv` with the minimal fix of rules.STOCK_FIXES (none for most setups)."""
+def stock_fixed(name: str, argv: list[str], tag: str | None = None) -> list[str]:
+    """`argv` with the minimal fix of rules.STOCK_FIXES (none for most setups) for the
+    Megatron-LM tree `tag` (rules.STOCK_FIX_ONLY_AT; None: every fix)."""
     grouped = groups(argv)
-    for op, flag, values in rules.STOCK_FIXES.get(name, []):
+    only = rules.STOCK_FIX_ONLY_AT.get(name)
+    fixes = [] if tag is not None and only not in (None, tag) else rules.STOCK_FIXES.get(name, [])
+    for op, flag, values in fixes:
         have = _get(grouped, flag)
         assert have is not None, f"{name}: the stock fix names {flag}, which it does not pass"
         if op == "set":
@@ -125,16 +128,23 @@ def cpu_flags() -> list[str]:
 
 
 def shrink(
-    name: str, argv: list[str], files: dict, run: Path, *, one_rank: bool, resize: bool = True
+    name: str,
+    argv: list[str],
+    files: dict,
+    run: Path,
+    *,
+    one_rank: bool,
+    resize: bool = True,
+    tag: str | None = None,
 ) -> list[str]:
     """The arguments of one CPU run of setup `name` (stock fix, sizes, layout, CPU, paths).
 
     `files` is `recipe_files`' output, `run` this run's own folder (checkpoints, logs);
     `one_rank`: the 1-rank reference (TP = PP = CP = EP = 1) instead of rules.LAYOUTS.
-    `resize=False` keeps the recipe's sizes and layout (only the CPU swaps and paths).
-    `--hdp` is not added here.
+    `resize=False` keeps the recipe's sizes and layout (only the CPU swaps and paths);
+    `tag`: the Megatron-LM tree (for the stock fixes). `--hdp` is not added here.
     """
-    grouped = groups(stock_fixed(name, argv))
+    grouped = groups(stock_fixed(name, argv, tag))
     if resize:
         _resize(name, grouped, one_rank)
     return _cpu_and_paths(grouped, files, run)

@@ -149,7 +149,7 @@ def test_recipe(name, trees, files, offline_hub, tmp_path, monkeypatch):
     _, patched = trees
     status, _, _ = EXPECTED[name]
     world = rules.LAYOUTS[name]["world"]
-    flags = [*shrink(name, load(name), files, tmp_path / "multi", one_rank=False), "--hdp"]
+    flags = [*shrink(name, load(name), files, tmp_path / "multi", one_rank=False, tag=TAG), "--hdp"]
     if not status.startswith("trains"):
         message = start_up(name, flags, world, monkeypatch)
         assert message is not None, f"{name} passed start-up"
@@ -160,7 +160,7 @@ def test_recipe(name, trees, files, offline_hub, tmp_path, monkeypatch):
     env = environment(name)
     script = patched / "pretrain_gpt.py"
     multi = run_megatron_lm(script, world, flags, timeout_s=300, env=env)
-    one = [*shrink(name, load(name), files, tmp_path / "one", one_rank=True), "--hdp"]
+    one = [*shrink(name, load(name), files, tmp_path / "one", one_rank=True, tag=TAG), "--hdp"]
     single = run_megatron_lm(script, 1, one, timeout_s=300, env=env)
     print(f"{name}: {world} ranks + 1 rank in {time.monotonic() - started:.0f} s")
     iterations = [i for i, _, _ in single["train"]]
@@ -191,7 +191,14 @@ def test_every_setup_has_a_flag_list_and_a_row():
 RECIPE_WORLD = {"G175": 128, "G175'": 128, "OSS'": 8, "CP4": 8}
 
 
-@pytest.mark.parametrize("name", [n for n in sorted(rules.STOCK_FIXES) if TAG in EXPECTED[n][1]])
+@pytest.mark.parametrize(
+    "name",
+    [
+        n
+        for n in sorted(rules.STOCK_FIXES)
+        if TAG in EXPECTED[n][1] and rules.STOCK_FIX_ONLY_AT.get(n, TAG) == TAG
+    ],
+)
 def test_stock_refuses_the_setup_without_its_fix_and_accepts_it_with(
     name, trees, files, tmp_path, monkeypatch
 ):
@@ -199,7 +206,7 @@ def test_stock_refuses_the_setup_without_its_fix_and_accepts_it_with(
     (at its own sizes and world; CPU swaps and paths only) and passes it with the minimal
     fix: the fix is needed and enough."""
     world = RECIPE_WORLD[name]
-    fixed = shrink(name, load(name), files, tmp_path, one_rank=False, resize=False)
+    fixed = shrink(name, load(name), files, tmp_path, one_rank=False, resize=False, tag=TAG)
     fix = rules.STOCK_FIXES.pop(name)
     try:
         unfixed = shrink(name, load(name), files, tmp_path, one_rank=False, resize=False)
@@ -207,6 +214,18 @@ def test_stock_refuses_the_setup_without_its_fix_and_accepts_it_with(
         rules.STOCK_FIXES[name] = fix
     assert start_up(name, unfixed, world, monkeypatch) is not None, name
     assert start_up(name, fixed, world, monkeypatch) is None, name
+
+
+def test_fixes_of_one_tree_are_not_needed_on_the_other(trees, files, tmp_path, monkeypatch):
+    """Where rules.STOCK_FIX_ONLY_AT names another tree, this tree's stock start-up takes
+    the setup as NVIDIA's file gives it (at its own sizes; CPU swaps and paths only)."""
+    for name, only in rules.STOCK_FIX_ONLY_AT.items():
+        if only == TAG or TAG not in EXPECTED[name][1]:
+            continue
+        argv = shrink(name, load(name), files, tmp_path, one_rank=False, resize=False, tag=TAG)
+        fixed = shrink(name, load(name), files, tmp_path, one_rank=False, resize=False, tag=only)
+        assert argv != fixed, name  # the fix is left out here
+        assert start_up(name, argv, RECIPE_WORLD[name], monkeypatch) is None, name
 
 
 def test_flags_missing_from_a_tree(trees, monkeypatch):

@@ -116,6 +116,9 @@ STOCK_FIXES: dict[str, list[tuple]] = {
     "OSS'": [("set", "--pipeline-model-parallel-size", ["4"])],
     "CP4": [("split", "--hierarchical-context-parallel-sizes", None)],
 }
+#: Fixes needed on one tree only: core_v0.19.0 accepts G175 as it is (there
+#: --rampup-batch-size is deprecated, and Megatron-Core ignores it with a warning).
+STOCK_FIX_ONLY_AT = {"G175": "core_v0.16.1"}
 
 #: Flags stock Megatron-LM cannot run on a CPU either: new values.
 CPU_SET = {
