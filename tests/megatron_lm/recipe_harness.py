@@ -157,6 +157,11 @@ def _resize(name, grouped, one_rank):
         if new is not None:
             item[1] = new(item[1]) if callable(new) else list(new)
     layout = {} if one_rank else rules.LAYOUTS[name]
+    tp = rules.LAYOUTS[name].get("tp", 1)
+    if one_rank and tp > 1:  # the multi-rank run's padded vocabulary (rules.VOCAB_DIVISOR_*)
+        divisor = int((_get(grouped, "--make-vocab-size-divisible-by") or [0])[0])
+        divisor = divisor or rules.VOCAB_DIVISOR_DEFAULT
+        _set(grouped, "--make-vocab-size-divisible-by", [str(divisor * tp)], add=True)
     for key, flag in rules.LAYOUT_FLAGS.items():
         _set(grouped, flag, [str(layout.get(key, 1))])
     for flag, make in rules.LAYOUT_SIZES.items():

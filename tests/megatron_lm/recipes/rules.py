@@ -90,6 +90,11 @@ LAYOUT_SIZES = {
     "--hierarchical-context-parallel-sizes": lambda cp: ["1", str(cp)],
 }
 
+#: Megatron-LM pads the vocabulary to a multiple of --make-vocab-size-divisible-by x TP: the
+#: 1-rank reference (TP 1) multiplies the divisor (the recipe's, else Megatron-LM's 128) by
+#: the multi-rank run's TP, so both runs have the same padded vocabulary (a size).
+VOCAB_DIVISOR_DEFAULT = 128
+
 #: Per setup, sizes that differ from SIZES (and why).
 SIZE_OVERRIDES: dict[str, dict] = {
     # Megatron-LM needs every ramp stage divisible by micro-batch (4) x data-parallel (2)
