@@ -1,6 +1,6 @@
 """Test-only: run Megatron-LM's training loop on a CPU (gloo), with no edit to its files.
 
-Stock Megatron-LM (core_v0.16.1 and core_v0.19.0) assumes CUDA in six places beyond the
+Stock Megatron-LM (core_v0.16.1 and core_v0.19.0) assumes CUDA in seven places beyond the
 ones Megatron-Core's own layers hit (`megatron_hdp.megatron.cpu_shim`, P1-P7; core_v0.19.0
 has no S4). `megatron_lm_cpu_shims()` patches them process-locally for the duration of the
 block
@@ -16,7 +16,10 @@ block
 - S4: `megatron.legacy.fused_kernels.load` runs nvcc: skipped;
 - S5: `torch.cuda.get_rng_state` / `set_rng_state` (read by every checkpoint save) become
   placeholders;
-- S6: `get_device_arch_version()` (asked with TP or CP > 1) answers 9.
+- S6: `get_device_arch_version()` (asked with TP or CP > 1) answers 9;
+- S7: Megatron-Core's activation checkpointing (`--recompute-*`) saves and restores the CUDA
+  RNG state (`tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state`): a
+  placeholder and a no-op (nothing on CPU draws from it).
 
 Needs `megatron.training` importable (a Megatron-LM tree first on `sys.path`). Run a
 script with `python tests/megatron_lm/cpu_run.py SCRIPT ARGS` (or `-m MODULE ARGS`).
@@ -33,10 +36,11 @@ import torch
 
 @contextlib.contextmanager
 def megatron_lm_cpu_shims():
-    """P1-P7 (`cpu_shims`) plus S1-S6 for the duration of the block."""
+    """P1-P7 (`cpu_shims`) plus S1-S7 for the duration of the block."""
     import importlib
 
     from megatron.core.datasets import utils as dataset_utils
+    from megatron.core.tensor_parallel import random as tp_random
     from megatron.training import arguments, initialize, training
 
     from megatron_hdp.megatron.cpu_shim import cpu_shims
@@ -67,6 +71,8 @@ def megatron_lm_cpu_shims():
         (torch.cuda, "get_rng_state", lambda device="cuda": torch.zeros(1, dtype=torch.uint8)),
         (torch.cuda, "set_rng_state", lambda new_state, device="cuda": None),
         (arguments, "get_device_arch_version", lambda: 9),
+        (tp_random, "_get_cuda_rng_state", lambda *a, **k: torch.zeros(1, dtype=torch.uint8)),
+        (tp_random, "_set_cuda_rng_state", lambda *a, **k: None),
     ]
     # Patch what this tree has (core_v0.19.0 lacks some of these names).
     patches = [p for p in patches if p[0] is not None and hasattr(p[0], p[1])]

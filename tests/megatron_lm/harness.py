@@ -124,13 +124,18 @@ def import_megatron_lm(tree: Path) -> None:
     importlib.import_module("model_provider")
 
 
-def _body_megatron_lm(rank, world_size, script, argv, launcher):
+def _body_megatron_lm(rank, world_size, script, argv, launcher, env=None):
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
         CUDA_DEVICE_MAX_CONNECTIONS="1",
     )
+    for key, value in (env or {}).items():  # None: unset (as a launch script's `unset`)
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     from megatron.training import training
 
     from tests.megatron_lm.cpu_run import megatron_lm_cpu_shims
@@ -176,11 +181,14 @@ def _body_megatron_lm(rank, world_size, script, argv, launcher):
 
 
 def run_megatron_lm(
-    script: Path, world_size: int, argv: list[str], *, launcher=False, timeout_s=150
+    script: Path, world_size: int, argv: list[str], *, launcher=False, timeout_s=150, env=None
 ) -> dict:
-    """Run Megatron-LM's `script` on `world_size` ranks; the last rank's records."""
+    """Run Megatron-LM's `script` on `world_size` ranks; the last rank's records.
+
+    `env`: environment variables each rank sets (None: unsets) after the defaults.
+    """
     per_rank = run_ranks(
-        _body_megatron_lm, world_size, script, list(argv), launcher, timeout_s=timeout_s
+        _body_megatron_lm, world_size, script, list(argv), launcher, env, timeout_s=timeout_s
     )
     return per_rank[-1]
 
