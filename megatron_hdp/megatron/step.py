@@ -432,14 +432,21 @@ def _own_loss(engine: Engine, loss_sum: float) -> float:
 
 
 def train_step(
-    engine: Engine, plan: StepPlan, source: TokenSource, runtime: StepRuntime, prepared=None
+    engine: Engine,
+    plan: StepPlan,
+    source: TokenSource,
+    runtime: StepRuntime,
+    prepared=None,
+    *,
+    schedule_increment: int = 1,
 ) -> StepResult:
     """Collective over the job (`runtime.all_ranks`): one optimizer step on the global batch.
 
     The plan is checked against the pool and the model before any communication. This
     rank reads only its own tokens from `source`, or takes them from `prepared`
     (`read_and_count`'s `(batches, error)`, read ahead by the prefetch thread). The LR
-    schedule advances by one step after a successful update. With `runtime.check_nonfinite`,
+    schedule advances by `schedule_increment` after a successful update (1 step, or the
+    step's samples when it counts Megatron-LM's samples). With `runtime.check_nonfinite`,
     a step whose global loss or gradient norm is not finite applies no update and returns
     `nonfinite=True` on every rank.
     """
@@ -514,7 +521,7 @@ def train_step(
         # Megatron reports no norm (or 0.0) without clipping; the guard's is the same norm.
         grad_norm = checked_norm if checked_norm is not None else step_norm
         if update_successful:
-            engine.scheduler.step(increment=1)
+            engine.scheduler.step(increment=schedule_increment)
     return StepResult(
         loss=loss,
         num_loss_tokens=global_tokens,

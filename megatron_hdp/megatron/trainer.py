@@ -396,6 +396,13 @@ class Trainer:
         )
         return service
 
+    def _schedule_increment(self) -> int:
+        """What this step adds to the LR schedule: 1, or its samples when it counts them."""
+        ramp = self.data.train.ramp
+        if not self.engine.schedule_in_samples or ramp is None:
+            return 1
+        return ramp.samples_of_step(self.iteration)
+
     def step(self) -> tuple[StepResult, StepPlan, dict, float, list, float, dict | None]:
         """Collective: one training step.
 
@@ -410,7 +417,14 @@ class Trainer:
                 raise item.error
             plan, source, read, predictions = item.value
             start = time.perf_counter()
-            result = train_step(self.engine, plan, source, self.runtime, prepared=read)
+            result = train_step(
+                self.engine,
+                plan,
+                source,
+                self.runtime,
+                prepared=read,
+                schedule_increment=self._schedule_increment(),
+            )
         except DataServiceError as err:  # the batch or its tokens (read ahead) did not come
             raise DataServiceError(f"{err}. {self.checkpoint_note()}") from err
         elapsed = time.perf_counter() - start
