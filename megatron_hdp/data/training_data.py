@@ -248,8 +248,8 @@ def _check_batch_fits(data: TrainingData) -> TrainingData:
     units = sum(len(u) for u in data.train.datasets)
     if data.cfg.units_per_batch is not None and data.cfg.units_per_batch > units:
         raise ValueError(
-            f"--global-batch-size {data.cfg.units_per_batch}: a global batch of more than the "
-            f"{units} training sequences of the data"
+            f"a global batch of {data.cfg.units_per_batch} sequences: more than the {units} "
+            "training sequences of the data"
         )
     return data
 

@@ -65,14 +65,24 @@ TOKENIZERS = ("ByteLevel", "HuggingFaceTokenizer", "NullTokenizer")
 class RefusingParser(argparse.ArgumentParser):
     """An ArgumentParser whose error for an unknown flag says whether Megatron has it."""
 
-    def parse_args(self, args=None, namespace=None):  # noqa: D102
+    def parse_args(self, args=None, namespace=None):
+        """Parse; every unsupported or unknown flag of the launch is named in one error."""
+        from megatron_hdp.errors import one_message
+
         parsed, unknown = self.parse_known_args(args, namespace)
+        problems, rest, value_of_refused = [], [], False
         for item in unknown:
             flag = item.split("=", 1)[0]
             if flag in UNSUPPORTED_MEGATRON_FLAGS:
-                self.error(f"{flag} is not supported here: {UNSUPPORTED_MEGATRON_FLAGS[flag]}")
-        if unknown:
-            self.error(f"unknown arguments: {' '.join(unknown)}")
+                problems.append(f"{flag} is not supported here: {UNSUPPORTED_MEGATRON_FLAGS[flag]}")
+                value_of_refused = True
+            elif not (value_of_refused and not item.startswith("-")):
+                rest.append(item)
+                value_of_refused = False
+        if rest:
+            problems.append(f"unknown arguments: {' '.join(rest)}")
+        if problems:
+            self.error(one_message(problems))
         return parsed
 
 

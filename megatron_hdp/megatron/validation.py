@@ -825,6 +825,10 @@ def validate_args(args: argparse.Namespace, world_size: int, *, here: bool = Tru
             check(args)
         except ValueError as err:
             problems.append(str(err))
+        except (ArithmeticError, TypeError):
+            if not problems:
+                raise
+            # a consequence of a value already refused (a zero divisor, a missing count)
     if problems:
         raise ValueError(one_message(problems))
     return _check_resume(args, world_size)

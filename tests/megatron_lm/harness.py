@@ -134,16 +134,31 @@ def _body_megatron_lm(rank, world_size, script, argv, launcher):
 
     from tests.megatron_lm.cpu_run import megatron_lm_cpu_shims
 
-    records = {"train": [], "valid": []}
+    records = {"train": [], "valid": [], "steps": []}
     stock_log, stock_evaluate = training.training_log, training.evaluate
 
     def training_log(*args, **kwargs):
+        from megatron.training import get_args
+
+        from megatron_hdp.megatron_lm import hooks
+
         given = inspect.signature(stock_log).bind(*args, **kwargs).arguments
         loss = given["loss_dict"].get("lm loss")
         if loss is not None:
             grad_norm = given["grad_norm"]
             records["train"].append(
                 (given["iteration"], float(loss), None if grad_norm is None else float(grad_norm))
+            )
+            # What Megatron-LM counted for the step, and (under --hdp) what HDP trained.
+            lengths = hooks._SCHEDULE.trained_lengths
+            records["steps"].append(
+                {
+                    "iteration": given["iteration"],
+                    "consumed_samples": get_args().consumed_train_samples,
+                    "lr": given["learning_rate"],
+                    "lengths": None if lengths is None else [int(n) for n in lengths],
+                    "flops": training.num_floating_point_operations(get_args(), 1),
+                }
             )
         return stock_log(*args, **kwargs)
 
