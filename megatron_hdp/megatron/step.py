@@ -215,9 +215,28 @@ def read_and_count(
     return batches, int(total)
 
 
+#: Tokens an FP8 GEMM's token dimension must be a multiple of (Transformer Engine's FP8
+#: kernels need dimensions divisible by 16).
+FP8_TOKEN_MULTIPLE = 16
+
+
+def token_multiple(cfg: GPTConfig) -> int:
+    """What every micro-batch's token count is padded to a multiple of.
+
+    TP under sequence parallelism (Megatron splits the tokens evenly over the TP ranks),
+    FP8's 16 with `cfg.fp8`, the least common multiple of both; else 1. The padding has
+    loss mask 0 and HDP attention skips it, so it changes no loss and no gradient.
+    """
+    multiple = cfg.tensor_model_parallel_size if cfg.sequence_parallel else 1
+    if cfg.fp8:
+        multiple = math.lcm(multiple, FP8_TOKEN_MULTIPLE)
+    return multiple
+
+
 def sequence_parallel_pad(batch: LocalBatch, cfg: GPTConfig) -> int:
-    """Pad tokens that make `batch` a multiple of TP under sequence parallelism (else 0)."""
-    return -batch.num_tokens % cfg.tensor_model_parallel_size if cfg.sequence_parallel else 0
+    """Pad tokens that make `batch` a multiple of `token_multiple(cfg)` (TP under sequence
+    parallelism, FP8's 16)."""
+    return -batch.num_tokens % token_multiple(cfg)
 
 
 def _model_inputs(
