@@ -168,6 +168,76 @@ _REFUSED_MEGATRON = (
     ),
 )
 
+#: Megatron-LM paths that run on GPUs only, by the flags that choose them: (name, whether
+#: the launch chose it, what it is). Refused on CPU; on CUDA see `GPU_REFUSED` and
+#: `unverified_on_gpu`.
+GPU_ONLY = (
+    (
+        "--transformer-impl transformer_engine",
+        lambda a: getattr(a, "transformer_impl", None) == "transformer_engine",
+        "Transformer Engine layers (Megatron-LM's default; on CPU pass --transformer-impl local)",
+    ),
+    (
+        "--fp8-format",
+        lambda a: getattr(a, "fp8", None) is not None,
+        "FP8 layers (Transformer Engine), with --fp8-recipe, --fp8-param-gather and the other "
+        "--fp8-* flags",
+    ),
+    ("--fp4-format", lambda a: getattr(a, "fp4", None) is not None, "FP4 layers"),
+    (
+        "--tp-comm-overlap",
+        lambda a: bool(getattr(a, "tp_comm_overlap", False)),
+        "Transformer Engine's tensor-parallel communication overlap (userbuffers)",
+    ),
+    (
+        "--use-megatron-fsdp",
+        lambda a: bool(getattr(a, "use_megatron_fsdp", False)),
+        "Megatron-FSDP (with --data-parallel-sharding-strategy)",
+    ),
+)
+
+#: Of those, the ones HDP cannot run on CUDA either, and why.
+GPU_REFUSED = {
+    "--tp-comm-overlap": "Transformer Engine's userbuffers are allocated once for --seq-length x "
+    "--micro-batch-size / CP tokens per micro-batch, and an HDP micro-batch holds a different "
+    "number of tokens every time (packed documents, ring shards); drop it",
+    "--fp4-format": "HDP pads micro-batches to FP8's multiple of tokens only (not FP4's); drop it",
+}
+
+
+def gpu_problems(args: argparse.Namespace, cuda: bool) -> list[str]:
+    """The GPU-only paths this launch chose that cannot run here, one phrase each."""
+    problems = []
+    for flag, chosen, what in GPU_ONLY:
+        if not chosen(args):
+            continue
+        if not cuda:
+            problems.append(
+                f"{flag}: {what} runs on CUDA GPUs only, and this machine has none (stock "
+                "Megatron-LM cannot run it on CPU either)"
+            )
+        elif flag in GPU_REFUSED:
+            problems.append(f"{flag}: {GPU_REFUSED[flag]}")
+    return problems
+
+
+def unverified_on_gpu(args: argparse.Namespace) -> list[str]:
+    """A note for each GPU-only path of this (CUDA) launch that no GPU run of this project's
+    tests has checked yet: accepted, and said so (rank 0 logs them)."""
+    return [
+        f"{flag} with --hdp is accepted but unverified on GPU: this project's tests run it "
+        "on CPU fakes only (see docs/megatron-lm.md, 'GPU-only flags')"
+        for flag, chosen, _ in GPU_ONLY
+        if chosen(args) and flag not in GPU_REFUSED
+    ]
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 #: `--tokenizer-type` values HDP's data layer cannot read with, and why (refused at start-up).
 #: Every other type Megatron-LM builds is read through the tokenizer object Megatron-LM built
 #: (`data.MegatronLMTokenizer`: its `tokenize`, `eod` and `vocab_size`).
@@ -242,11 +312,12 @@ def check_args(args: argparse.Namespace) -> None:
                 _core_version(),
             )
         args.rampup_batch_size = None
-    problems = _refusals(args, flags)
+    cuda = _cuda()
+    problems = _refusals(args, flags) + gpu_problems(args, cuda)
     if problems:
         raise ValueError(one_message(problems))
     if int(os.environ.get("RANK", "0") or 0) == 0:
-        for note in replaced_by_plan(args):
+        for note in replaced_by_plan(args) + (unverified_on_gpu(args) if cuda else []):
             logger.warning("%s", note)
     args.micro_batch_size = 1
     args.dataloader_type = "external"

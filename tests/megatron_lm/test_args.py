@@ -153,3 +153,56 @@ def test_nvidias_quoted_split_is_read_as_megatron_lm_reads_it(trees, data, monke
     reader = build_training_data(batch_data_config(args, tokens_per_batch=None, units_per_batch=8))
     assert reader.cfg.split == [99.0, 1.0, 0.0]
     assert sorted(set(reader.valid_units[0].doc.tolist())) == [198, 199]  # 1 % of 200
+
+
+GPU_FLAGS = {
+    "--transformer-impl transformer_engine": ["--transformer-impl", "transformer_engine"],
+    "--fp8-format": ["--fp8-format", "hybrid", "--bf16"],
+    "--tp-comm-overlap": ["--tp-comm-overlap", "--tensor-model-parallel-size", "2"],
+    "--use-megatron-fsdp": ["--use-megatron-fsdp"],
+}
+
+
+def _parsed(monkeypatch, argv, world_size=2):
+    """Megatron-LM's parsed arguments, before any check (as `check_args` gets them)."""
+    from megatron.training import arguments
+
+    from megatron_hdp.megatron_lm.hooks import with_hdp_args
+
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *argv])
+    return arguments.parse_args(with_hdp_args(None))
+
+
+def test_gpu_only_flags_are_refused_on_cpu_together(trees, monkeypatch):
+    from megatron_hdp.megatron_lm.args import check_args
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    argv = [*BASE, "--hdp"] + [x for flags in GPU_FLAGS.values() for x in flags]
+    with pytest.raises(ValueError) as refused:
+        check_args(_parsed(monkeypatch, argv, world_size=4))
+    message = str(refused.value)
+    assert message.startswith("4 problems with this launch"), message
+    for flag in GPU_FLAGS:
+        assert f"{flag}: " in message and "CUDA GPUs only" in message, (flag, message)
+
+
+@pytest.mark.parametrize("flag", sorted(GPU_FLAGS))
+def test_on_cuda_a_gpu_only_flag_runs_unverified_or_is_refused(trees, monkeypatch, caplog, flag):
+    """Faked CUDA: TE, FP8 and Megatron-FSDP are accepted and logged as unverified on GPU;
+    --tp-comm-overlap is refused (its userbuffers have a fixed token count)."""
+    import logging
+
+    from megatron_hdp.megatron_lm.args import check_args
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    args = _parsed(monkeypatch, [*BASE, "--hdp", *GPU_FLAGS[flag]], world_size=4)
+    if flag == "--tp-comm-overlap":
+        with pytest.raises(ValueError, match="--tp-comm-overlap: Transformer Engine's userbuffers"):
+            check_args(args)
+        return
+    with caplog.at_level(logging.WARNING, logger="megatron_hdp"):
+        check_args(args)
+    said = [r.getMessage() for r in caplog.records if "unverified on GPU" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"{flag} with --hdp is accepted"), said
