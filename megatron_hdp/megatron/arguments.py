@@ -158,7 +158,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("training (Megatron-LM names)")
     g.add_argument(
-        "--train-iters", type=int, default=None, help="optimizer steps in total (or --train-samples)"
+        "--train-iters",
+        type=int,
+        default=None,
+        help="optimizer steps in total (or --train-samples)",
     )
     g.add_argument(
         "--train-samples",

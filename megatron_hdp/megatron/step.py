@@ -234,8 +234,10 @@ def token_multiple(cfg: GPTConfig) -> int:
 
 
 def sequence_parallel_pad(batch: LocalBatch, cfg: GPTConfig) -> int:
-    """Pad tokens that make `batch` a multiple of `token_multiple(cfg)` (TP under sequence
-    parallelism, FP8's 16)."""
+    """Pad tokens that make `batch` a multiple of `token_multiple(cfg)`.
+
+    TP under sequence parallelism, FP8's 16, or both; 0 when nothing is padded.
+    """
     return -batch.num_tokens % token_multiple(cfg)
 
 

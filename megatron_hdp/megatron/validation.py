@@ -871,7 +871,9 @@ def _check_batch(args: argparse.Namespace, world_size: int) -> None:
     if args.rampup_batch_size is not None and args.global_batch_size is None:
         raise ValueError("--rampup-batch-size needs --global-batch-size (the size after the ramp)")
     if counts_samples(args) and args.global_batch_size is None:
-        replicas = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
+        replicas = world_size // (
+            args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+        )
         args.global_batch_size = max(1, replicas // args.context_parallel_size)
     if args.global_batch_size is None:
         return

@@ -222,8 +222,10 @@ def gpu_problems(args: argparse.Namespace, cuda: bool) -> list[str]:
 
 
 def unverified_on_gpu(args: argparse.Namespace) -> list[str]:
-    """A note for each GPU-only path of this (CUDA) launch that no GPU run of this project's
-    tests has checked yet: accepted, and said so (rank 0 logs them)."""
+    """A note for each GPU-only path of this (CUDA) launch that is accepted but unverified.
+
+    No GPU run of this project's tests has checked these paths yet; rank 0 logs the notes.
+    """
     return [
         f"{flag} with --hdp is accepted but unverified on GPU: this project's tests run it "
         "on CPU fakes only (see docs/megatron-lm.md, 'GPU-only flags')"
@@ -325,8 +327,11 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def megatron_ramps() -> bool:
-    """Whether this megatron-core ramps the batch size by `--rampup-batch-size` (0.16 does;
-    0.19 dropped its calculator for `--step-batch-size-schedule` and ignores the flag)."""
+    """Whether this megatron-core ramps the batch size by `--rampup-batch-size`.
+
+    0.16 does; 0.19 dropped its calculator for `--step-batch-size-schedule` and ignores the
+    flag.
+    """
     from megatron.core import num_microbatches_calculator
 
     return hasattr(num_microbatches_calculator, "RampupBatchsizeNumMicroBatchesCalculator")
@@ -472,8 +477,10 @@ def capacity(args: argparse.Namespace) -> int:
 
 
 def global_batch(args: argparse.Namespace):
-    """(token budget after any ramp, `BatchRamp` or None) of a step, as pretrain_hdp.py reads
-    the same flags (`megatron.config.global_batch_tokens`): `--global-batch-size B` is B
+    """(token budget after any ramp, `BatchRamp` or None) of a step.
+
+    As pretrain_hdp.py reads the same flags (`megatron.config.global_batch_tokens`):
+    `--global-batch-size B` is B
     samples of `--seq-length` tokens (Megatron-LM's default B: one per data-parallel rank),
     ramped by `--rampup-batch-size`; `--hdp-global-batch-tokens` the budget itself.
     """

@@ -215,8 +215,8 @@ def megatron_lm_data_config(args: argparse.Namespace, tokens: int, ramp=None):
 
     `tokens` / `ramp` are the global batch (`args.global_batch`): every step's token budget
     is `ramp.tokens_of_step(step)`, a function of the step index alone, so the batches the
-    prefetch thread plans ahead get the budget Megatron-LM's calculator gives that step. The vocabulary, the
-    end-of-document token and the tokenization of JSONL sources are those of
+    prefetch thread plans ahead get the budget Megatron-LM's calculator gives that step.
+    The vocabulary, the end-of-document token and the tokenization of JSONL sources are those of
     `get_tokenizer()`, the tokenizer Megatron-LM padded its vocabulary from (for
     NullTokenizer: `--vocab-size N` is N + 1 ids with megatron-core 0.16, N with 0.19).
     """

@@ -173,8 +173,10 @@ _INSTALLED: dict = {}
 
 
 def trained_flops(stock, args, lengths) -> float:
-    """Megatron-LM's FLOP count (`stock`, its `num_floating_point_operations`) of a step
-    that trained sequences of these `lengths`, each as a sample of its own length.
+    """Megatron-LM's FLOP count (`stock`) of a step that trained sequences of `lengths`.
+
+    `stock` is its `num_floating_point_operations`; each sequence counts as a sample of
+    its own length.
 
     Token-linear work counts every trained token once and attention the square of each
     sequence's own length; padding is in no length. core_v0.19.0's function takes the sums

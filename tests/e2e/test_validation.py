@@ -347,7 +347,11 @@ def test_every_problem_of_one_launch_comes_in_one_message(tmp_path, monkeypatch,
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert err.startswith("pretrain_hdp.py: error: 3 problems with this launch: (1) "), err
-    for said in ("--clip-grad must be >= 0", "--micro-batch-size 2", "--save-interval needs --save"):
+    for said in (
+        "--clip-grad must be >= 0",
+        "--micro-batch-size 2",
+        "--save-interval needs --save",
+    ):
         assert said in err, err
     assert not dist.is_initialized()
 
