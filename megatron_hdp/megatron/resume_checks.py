@@ -38,8 +38,8 @@ class NothingToTrain(Exception):  # noqa: N818 - an outcome, not an error
 SCHEDULE_FLAGS = {
     "max_lr": "--lr",
     "min_lr": "--min-lr",
-    "lr_warmup_steps": "--lr-warmup-iters (or --lr-warmup-samples)",
-    "lr_decay_steps": "--lr-decay-iters (default: --train-iters; or --lr-decay-samples)",
+    "lr_warmup_steps": "--lr-warmup-iters",
+    "lr_decay_steps": "--lr-decay-iters (default: --train-iters)",
     "lr_decay_style": "--lr-decay-style",
     "start_wd": "--weight-decay",
     "end_wd": "--weight-decay",

@@ -868,6 +868,11 @@ def _check_batch(args: argparse.Namespace, world_size: int) -> None:
                 f"sequence (--seq-length {args.seq_length})"
             )
         return
+    if args.rampup_batch_size is not None and args.train_samples is None:
+        raise ValueError(
+            "--rampup-batch-size needs --train-samples, not --train-iters (Megatron-LM's rule: "
+            "no batch-size ramp-up for iteration-based training)"
+        )
     if args.rampup_batch_size is not None and args.global_batch_size is None:
         raise ValueError("--rampup-batch-size needs --global-batch-size (the size after the ramp)")
     if counts_samples(args) and args.global_batch_size is None:

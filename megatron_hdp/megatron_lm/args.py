@@ -437,6 +437,17 @@ def _batch_problems(args: argparse.Namespace) -> list[str]:
                 "--hdp-global-batch-tokens and --global-batch-size / --rampup-batch-size: give "
                 "one of them (a token budget, or samples of --seq-length tokens per step)"
             ]
+        counted = [
+            "--" + dest.replace("_", "-")
+            for dest in ("train_samples", "lr_decay_samples", "lr_warmup_samples")
+            if getattr(args, dest, None)
+        ]
+        if counted:
+            return [
+                f"{' and '.join(counted)} with --hdp-global-batch-tokens: Megatron-LM would "
+                "count samples HDP does not train (a token budget is no number of samples); "
+                "give --global-batch-size (samples of --seq-length tokens per step)"
+            ]
         return []
     if args.global_batch_size is None:
         if rampup is not None:

@@ -53,6 +53,7 @@ REFUSED = {
     "--mock-data": ["--mock-data"],
     "--fp16": ["--fp16"],
     "--global-batch-size": ["--global-batch-size", "3"],  # Megatron-LM's counter: DP 2 | B
+    "--train-samples": ["--hdp-global-batch-tokens", "2048", "--train-samples", "8"],
     "--softmax-type": ["--softmax-type", "learnable"],
     "--inprocess-restart": ["--inprocess-restart"],
     "--attention-dropout": ["--attention-dropout", "0.1"],
@@ -206,3 +207,25 @@ def test_on_cuda_a_gpu_only_flag_runs_unverified_or_is_refused(trees, monkeypatc
         check_args(args)
     said = [r.getMessage() for r in caplog.records if "unverified on GPU" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith(f"{flag} with --hdp is accepted"), said
+
+
+def test_a_ramp_is_read_as_this_megatron_lm_reads_it(trees, monkeypatch, caplog):
+    """core_v0.16.1 ramps (and so does HDP); core_v0.19.0's Megatron-LM ignores the flag
+    (deprecated), so HDP does too, and says so."""
+    import logging
+
+    from megatron_hdp.megatron_lm.args import global_batch, megatron_ramps
+
+    flags = ["--global-batch-size", "6", "--rampup-batch-size", "2", "2", "8"]
+    flags += ["--train-samples", "20", "--eval-interval", "10"]  # a ramp needs samples
+    with caplog.at_level(logging.WARNING, logger="megatron_hdp"):
+        args = _parse_and_validate(monkeypatch, [*SHARED, *MEGATRON_CPU, "--hdp", *flags])
+    tokens, ramp = global_batch(args)
+    assert tokens == 6 * 512
+    ignored = [r.getMessage() for r in caplog.records if "ignores it" in r.getMessage()]
+    if megatron_ramps():
+        assert ramp.rampup == (2, 2, 8) and not ignored
+        assert [ramp.tokens_of_step(i) for i in range(5)] == [1024, 1024, 2048, 3072, 3072]
+    else:
+        assert args.rampup_batch_size is None and ramp.rampup is None
+        assert len(ignored) == 1 and ignored[0].startswith("--rampup-batch-size 2 2 8")
