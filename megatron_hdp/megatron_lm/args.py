@@ -454,6 +454,11 @@ def _batch_problems(args: argparse.Namespace) -> list[str]:
             return ["--rampup-batch-size needs --global-batch-size (the size after the ramp)"]
         return []
     problems = ramp_problems(args.global_batch_size, rampup)
+    if rampup is not None and not getattr(args, "train_samples", None):
+        problems.append(
+            "--rampup-batch-size needs --train-samples, not --train-iters (Megatron-LM asserts "
+            "no batch-size ramp-up for iteration-based training)"
+        )
     world = int(getattr(args, "world_size", None) or os.environ.get("WORLD_SIZE", "1"))
     model = (
         args.tensor_model_parallel_size

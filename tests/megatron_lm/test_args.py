@@ -229,3 +229,17 @@ def test_a_ramp_is_read_as_this_megatron_lm_reads_it(trees, monkeypatch, caplog)
     else:
         assert args.rampup_batch_size is None and ramp.rampup is None
         assert len(ignored) == 1 and ignored[0].startswith("--rampup-batch-size 2 2 8")
+
+
+def test_a_ramp_with_train_iters_is_refused_where_megatron_lm_ramps(trees, monkeypatch, capsys):
+    """core_v0.16.1 asserts no ramp-up for iteration-based training: one clear line instead."""
+    from megatron_hdp.megatron_lm.args import megatron_ramps
+
+    flags = ["--global-batch-size", "6", "--rampup-batch-size", "2", "2", "8"]
+    if not megatron_ramps():  # core_v0.19.0 ignores the ramp (test above)
+        _parse_and_validate(monkeypatch, [*BASE, "--hdp", *flags])
+        return
+    with pytest.raises(SystemExit):
+        _parse_and_validate(monkeypatch, [*BASE, "--hdp", *flags])
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--rampup-batch-size needs --train-samples, not --train-iters" in message, message
