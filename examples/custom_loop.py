@@ -60,7 +60,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokenizer-type", default="NullTokenizer")
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--seq-length", type=int, default=512)
-    p.add_argument("--global-batch-size", type=int, default=8, help="sequences per step")
+    p.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=8,
+        help="samples of --seq-length tokens per step, as in Megatron-LM (whole documents up "
+        "to that many tokens)",
+    )
     p.add_argument("--hdp-capacity", type=int, default=256, help="tokens per rank and pass")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seed", type=int, default=1234)
@@ -83,7 +89,7 @@ def main(argv: list[str] | None = None) -> list[float]:
             split=parse_split(args.split),
             seq_length=args.seq_length,
             seed=args.seed,
-            units_per_batch=args.global_batch_size,
+            tokens_per_batch=args.global_batch_size * args.seq_length,
             tokenizer_type=args.tokenizer_type,
             vocab_size=args.vocab_size,
         )

@@ -3,6 +3,19 @@
 from __future__ import annotations
 
 
+def one_message(problems: list[str]) -> str:
+    """Every refusal of one launch in one line: the one, or `N problems: (1) ...; (2) ...`.
+
+    Both entry points report their start-up refusals so (`pretrain_hdp.py`'s
+    `validation.validate_args`, the drop-in's `megatron_lm.args.check_args`), so that a
+    launch is fixed in one round.
+    """
+    if len(problems) == 1:
+        return problems[0]
+    listed = "; ".join(f"({n}) {p}" for n, p in enumerate(problems, start=1))
+    return f"{len(problems)} problems with this launch: {listed}"
+
+
 class NonFiniteError(RuntimeError):
     """A loss, gradient norm or parameter is NaN or infinite; raised on every rank together.
 

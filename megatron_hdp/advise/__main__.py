@@ -187,11 +187,6 @@ def prepare(argv: list[str]):
         given = "--lengths-file" if adv.lengths_file else "--mix"
         raise UsageError(f"give {given} or the job's --data-path/--hdp-data-spec, not both")
     lengths = read_lengths_file(adv.lengths_file) if adv.lengths_file else None
-    if adv.mix and job.tokens_per_batch is None:
-        raise UsageError(
-            f"--mix {adv.mix} draws batches by tokens: give --hdp-global-batch-tokens, not "
-            f"--global-batch-size {job.units_per_batch}"
-        )
     _check_out(Path(adv.out), adv.overwrite)
     return adv, systems, profile, cluster, job, lengths
 

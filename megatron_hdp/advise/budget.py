@@ -229,6 +229,9 @@ def work_estimate(
     elif a.hdp_global_batch_tokens is not None:
         names["sequences"] = f"--hdp-global-batch-tokens {a.hdp_global_batch_tokens}: {per_batch}"
     else:
-        names["sequences"] = f"--global-batch-size {a.global_batch_size}: {per_batch}"
+        names["sequences"] = (
+            f"--global-batch-size {a.global_batch_size} (x --seq-length {a.seq_length} tokens): "
+            f"{per_batch}"
+        )
     check(est, names)
     return est

@@ -248,8 +248,12 @@ def parse_job(
         top_k=args.moe_router_topk if args.num_experts else 1,
     )
     pool = gpus // (tp * pp)
-    tokens, units = args.hdp_global_batch_tokens, args.global_batch_size
-    if tokens is None and units is None:  # the job's default (megatron.config.data_config)
+    # As the job reads it (megatron.config.global_batch_tokens): --global-batch-size B is
+    # B x --seq-length tokens; a --rampup-batch-size ends there, which is what is advised.
+    tokens, units = args.hdp_global_batch_tokens, None
+    if args.global_batch_size is not None:
+        tokens = args.global_batch_size * args.seq_length
+    if tokens is None:  # the job's default: one --seq-length per data-parallel rank
         tokens = (pool // args.context_parallel_size) * args.seq_length
     job = Job(
         args=args,

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_hdp.data.batch_ramp import BatchRamp
+
 
 @dataclass(frozen=True, slots=True)
 class Unit:
@@ -174,6 +176,8 @@ class TokenBudgetSampler:
             stream's own index.
         schedule: Phases `(until_step, weights)` replacing `weights` for the steps up to
             `until_step` (1-based, inclusive); the last phase's weights hold after it.
+        ramp: Megatron-LM's batch size per step (`batch_ramp.BatchRamp`): the budget of
+            step i is then `ramp.tokens_of_step(i)` (`tokens_per_batch` is the last one).
     """
 
     def __init__(
@@ -186,6 +190,7 @@ class TokenBudgetSampler:
         units_per_batch: int | None = None,
         sources: Sequence[int] | None = None,
         schedule: Sequence[tuple[int, Sequence[float]]] | None = None,
+        ramp: BatchRamp | None = None,
     ) -> None:
         phases = [(int(until), list(w)) for until, w in schedule] if schedule else []
         for _, phase_weights in [(None, weights), *phases]:
@@ -199,6 +204,10 @@ class TokenBudgetSampler:
             empty = [k for k in range(len(datasets)) if pw[k] > 0 and len(datasets[k]) == 0]
             if empty:
                 raise ValueError(f"dataset {empty[0]} of the blend has no usable document")
+        if ramp is not None and tokens_per_batch is None and units_per_batch is None:
+            tokens_per_batch = ramp.global_batch_size * ramp.seq_length
+        if ramp is not None and tokens_per_batch != ramp.global_batch_size * ramp.seq_length:
+            raise ValueError("a ramp's sampler takes its token budget from the ramp")
         if (tokens_per_batch is None) == (units_per_batch is None):
             raise ValueError("give exactly one of tokens_per_batch and units_per_batch")
         longest = max(int(units.length.max()) for units in datasets if len(units))
@@ -215,6 +224,7 @@ class TokenBudgetSampler:
         self.seed = seed
         self.tokens_per_batch = tokens_per_batch
         self.units_per_batch = units_per_batch
+        self.ramp = ramp
         self.state = SamplerState(consumed=[0] * len(datasets), tokens=[0] * len(datasets))
         if self._phases:
             self.state.phase_start = [0] * len(datasets)
@@ -264,6 +274,7 @@ class TokenBudgetSampler:
             if phase != self.state.phase:
                 self.state.phase, self.state.phase_start = phase, list(self.state.tokens)
         weights = self.current_weights()
+        budget = self.budget_of_step(self.state.steps)
         batch: list[Unit] = []
         tokens = 0
         while True:
@@ -272,7 +283,7 @@ class TokenBudgetSampler:
             if self.units_per_batch is not None:
                 if len(batch) == self.units_per_batch:
                     break
-            elif batch and tokens + unit.length > self.tokens_per_batch:
+            elif batch and tokens + unit.length > budget:
                 break
             batch.append(unit)
             tokens += unit.length
@@ -280,6 +291,12 @@ class TokenBudgetSampler:
             self.state.tokens[k] += unit.length
         self.state.steps += 1
         return batch
+
+    def budget_of_step(self, step: int) -> int | None:
+        """The token budget of the 0-based batch `step` (None: batches of `units_per_batch`)."""
+        if self.ramp is not None:
+            return self.ramp.tokens_of_step(step)
+        return self.tokens_per_batch
 
     def setup(self) -> dict:
         """What the stream depends on besides the state: seed, weights, budgets, units."""
@@ -293,6 +310,8 @@ class TokenBudgetSampler:
         }
         if self._phases:  # absent otherwise, so that older checkpoints' set-ups still match
             setup["schedule"] = [[until, [float(x) for x in w]] for until, w in self._phases]
+        if self.ramp is not None and self.ramp.rampup is not None:
+            setup["rampup"] = list(self.ramp.rampup)  # absent without one, as before ramps
         if self.sources != list(range(len(self.datasets))):
             setup["sources"] = list(self.sources)
         return setup

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron_hdp.data.batch_ramp import BatchRamp
 from megatron_hdp.data.fingerprint import dataset_fingerprint
 from megatron_hdp.data.indexed import ensure_stdlib_corpus, open_indexed_dataset
 from megatron_hdp.data.sampler import DatasetUnits, TokenBudgetSampler, split_ranges
@@ -49,7 +50,15 @@ class DataConfig:
     tokens_per_batch: int | None = None
     """Global batch token budget (--hdp-global-batch-tokens)."""
     units_per_batch: int | None = None
-    """Global batch in sequences (--global-batch-size)."""
+    """Global batch in sequences (the advisor's and library callers' alternative; the flags
+    give tokens: --global-batch-size B is B x --seq-length tokens)."""
+    ramp: BatchRamp | None = None
+    """Megatron-LM's batch size per step in samples of `seq_length` tokens
+    (--global-batch-size with --rampup-batch-size); the training sampler's budget of step i
+    is then `ramp.tokens_of_step(i)`, and `tokens_per_batch` the budget after the ramp."""
+    batch_flag: str | None = None
+    """How the user gave the global batch, as messages about it name it (default:
+    `--hdp-global-batch-tokens N`)."""
     tokenizer_type: str = "ByteLevel"
     """(--tokenizer-type)."""
     tokenizer_model: str | None = None
@@ -110,7 +119,9 @@ class TrainingData:
         )
 
 
-def _sampler(units, cfg: DataConfig, *, seed: int, train_units=None) -> TokenBudgetSampler:
+def _sampler(
+    units, cfg: DataConfig, *, seed: int, train_units=None, ramp: BatchRamp | None = None
+) -> TokenBudgetSampler:
     sizes = train_units or units
     weights = [
         w if w is not None else float(u.num_tokens)
@@ -122,6 +133,7 @@ def _sampler(units, cfg: DataConfig, *, seed: int, train_units=None) -> TokenBud
         seed=seed,
         tokens_per_batch=cfg.tokens_per_batch,
         units_per_batch=cfg.units_per_batch,
+        ramp=ramp,
     )
 
 
@@ -205,6 +217,7 @@ def _spec_data(cfg: DataConfig, vocab_size: int) -> TrainingData:
         units_per_batch=cfg.units_per_batch,
         sources=sources,
         schedule=phases if spec.schedule else None,
+        ramp=cfg.ramp,
     )
     has_valid = all(len(u) > 0 for u in valid_units)
     if not has_valid:
@@ -227,15 +240,16 @@ def _check_batch_fits(data: TrainingData) -> TrainingData:
     wanted = data.cfg.tokens_per_batch
     if wanted is not None and wanted > tokens:
         raise ValueError(
-            f"--hdp-global-batch-tokens {wanted}: a global batch of more than the {tokens} "
+            f"{data.cfg.batch_flag or f'--hdp-global-batch-tokens {wanted}'}: a global batch "
+            f"of more than the {tokens} "
             f"training tokens of the data (every step would read every document "
             f"{wanted / tokens:.1f} times)"
         )
     units = sum(len(u) for u in data.train.datasets)
     if data.cfg.units_per_batch is not None and data.cfg.units_per_batch > units:
         raise ValueError(
-            f"--global-batch-size {data.cfg.units_per_batch}: a global batch of more than the "
-            f"{units} training sequences of the data"
+            f"a global batch of {data.cfg.units_per_batch} sequences: more than the {units} "
+            "training sequences of the data"
         )
     return data
 
@@ -263,7 +277,7 @@ def build_training_data(cfg: DataConfig) -> TrainingData:
         TrainingData(
             datasets=datasets,
             prefixes=prefixes,
-            train=_sampler(train_units, cfg, seed=cfg.seed),
+            train=_sampler(train_units, cfg, seed=cfg.seed, ramp=cfg.ramp),
             vocab_size=vocab_size,
             train_units=train_units,
             valid_units=valid_units,

@@ -28,11 +28,7 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--decoder-first-pipeline-num-layers": "HDP splits the layers evenly over the stages",
     "--decoder-last-pipeline-num-layers": "HDP splits the layers evenly over the stages",
     "--pipeline-model-parallel-layout": "HDP splits the layers evenly over the stages",
-    "--train-samples": "give --train-iters",
     "--lr-warmup-fraction": "give --lr-warmup-iters",
-    "--lr-decay-samples": "give --lr-decay-iters",
-    "--lr-warmup-samples": "give --lr-warmup-iters",
-    "--rampup-batch-size": "batch-size ramp-up is not supported",
     "--recompute-granularity": "activation recomputation is not supported (see offloading)",
     "--recompute-activations": "activation recomputation is not supported (see offloading)",
     "--use-flash-attn": "HDP chooses its attention kernel: --hdp-attention-backend",
@@ -68,14 +64,24 @@ TOKENIZERS = ("ByteLevel", "HuggingFaceTokenizer", "NullTokenizer")
 class RefusingParser(argparse.ArgumentParser):
     """An ArgumentParser whose error for an unknown flag says whether Megatron has it."""
 
-    def parse_args(self, args=None, namespace=None):  # noqa: D102
+    def parse_args(self, args=None, namespace=None):
+        """Parse; every unsupported or unknown flag of the launch is named in one error."""
+        from megatron_hdp.errors import one_message
+
         parsed, unknown = self.parse_known_args(args, namespace)
+        problems, rest, value_of_refused = [], [], False
         for item in unknown:
             flag = item.split("=", 1)[0]
             if flag in UNSUPPORTED_MEGATRON_FLAGS:
-                self.error(f"{flag} is not supported here: {UNSUPPORTED_MEGATRON_FLAGS[flag]}")
-        if unknown:
-            self.error(f"unknown arguments: {' '.join(unknown)}")
+                problems.append(f"{flag} is not supported here: {UNSUPPORTED_MEGATRON_FLAGS[flag]}")
+                value_of_refused = True
+            elif not (value_of_refused and not item.startswith("-")):
+                rest.append(item)
+                value_of_refused = False
+        if rest:
+            problems.append(f"unknown arguments: {' '.join(rest)}")
+        if problems:
+            self.error(one_message(problems))
         return parsed
 
 
@@ -206,13 +212,37 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("training (Megatron-LM names)")
-    g.add_argument("--train-iters", type=int, required=True, help="optimizer steps in total")
+    g.add_argument(
+        "--train-iters",
+        type=int,
+        default=None,
+        help="optimizer steps in total (or --train-samples)",
+    )
+    g.add_argument(
+        "--train-samples",
+        type=int,
+        default=None,
+        help="samples (of --seq-length tokens) to train, as Megatron-LM: the steps are "
+        "derived from --global-batch-size and --rampup-batch-size; the learning-rate schedule "
+        "then counts samples",
+    )
     g.add_argument(
         "--global-batch-size",
         type=int,
         default=None,
-        help="sequences (documents or --seq-length pieces of them, not packed samples) per "
-        "global batch; alternative to --hdp-global-batch-tokens",
+        help="samples of --seq-length tokens per step, as Megatron-LM: a step trains whole "
+        "documents up to B x --seq-length tokens (default: one per data-parallel rank, pool / "
+        "--context-parallel-size); alternative to --hdp-global-batch-tokens",
+    )
+    g.add_argument(
+        "--rampup-batch-size",
+        nargs=3,
+        type=int,
+        default=None,
+        metavar=("START", "INCREMENT", "SAMPLES"),
+        help="Megatron-LM's batch-size ramp: start at START samples per step and add "
+        "INCREMENT every SAMPLES / ((--global-batch-size - START) / INCREMENT) consumed "
+        "samples (each of --seq-length tokens) until --global-batch-size",
     )
     g.add_argument(
         "--micro-batch-size",
@@ -231,6 +261,18 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up steps")
     g.add_argument(
         "--lr-decay-iters", type=int, default=None, help="decay steps (default --train-iters)"
+    )
+    g.add_argument(
+        "--lr-warmup-samples",
+        type=int,
+        default=0,
+        help="with --train-samples: linear warm-up over this many samples (Megatron-LM's)",
+    )
+    g.add_argument(
+        "--lr-decay-samples",
+        type=int,
+        default=None,
+        help="with --train-samples: decay over this many samples (default --train-samples)",
     )
     g.add_argument("--weight-decay", type=float, default=0.01, help="decoupled weight decay")
     g.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clip, 0 = off")
@@ -665,6 +707,38 @@ def capacity_of(args: argparse.Namespace) -> int:
     if args.hdp_capacity is not None:
         return args.hdp_capacity
     return math.ceil(args.seq_length / args.context_parallel_size)
+
+
+def counts_samples(args: argparse.Namespace) -> bool:
+    """Whether the learning-rate schedule counts samples, as Megatron-LM's always does.
+
+    With --train-samples, a --lr-*-samples flag or --rampup-batch-size the schedule steps by
+    each step's samples (its batch size changes with the ramp); otherwise by 1 per step,
+    which is Megatron-LM's schedule divided by the constant --global-batch-size.
+    """
+    return bool(
+        getattr(args, "train_samples", None)
+        or getattr(args, "lr_decay_samples", None)
+        or getattr(args, "lr_warmup_samples", 0)
+        or getattr(args, "rampup_batch_size", None)
+    )
+
+
+def schedule_steps(args: argparse.Namespace) -> tuple[int, int | None]:
+    """(warm-up, decay end) of the learning-rate schedule, in the unit it counts.
+
+    In samples (`counts_samples`) as Megatron-LM's `get_optimizer_param_scheduler`:
+    --lr-warmup-samples and --lr-decay-samples (default --train-samples) with
+    --train-samples, else the --lr-*-iters x --global-batch-size. Otherwise in steps. The
+    decay end is None for a run whose decay is never reached (no --lr-decay-iters and no
+    --train-iters: validation gives one of them).
+    """
+    if not counts_samples(args):
+        return args.lr_warmup_iters, args.lr_decay_iters or args.train_iters
+    if args.train_samples:
+        return args.lr_warmup_samples, args.lr_decay_samples or args.train_samples
+    batch = args.global_batch_size
+    return args.lr_warmup_iters * batch, (args.lr_decay_iters or args.train_iters) * batch
 
 
 def uses_static_mesh(args: argparse.Namespace) -> bool:

@@ -12,13 +12,16 @@ import argparse
 
 import torch
 
+from megatron_hdp.data.batch_ramp import BatchRamp
 from megatron_hdp.data.sampler import parse_split
 from megatron_hdp.data.spec import load_spec
 from megatron_hdp.data.training_data import DataConfig
 from megatron_hdp.megatron.arguments import (
+    counts_samples,
     megatron_ffn_hidden_size,
     padded_vocab_size,
     parse_data_path,
+    schedule_steps,
 )
 from megatron_hdp.megatron.engine import OptimConfig
 from megatron_hdp.megatron.model import GPTConfig
@@ -92,8 +95,9 @@ def optim_config(args: argparse.Namespace, *, override_scheduler: bool = False) 
         loss_scale_window=args.loss_scale_window,
         hysteresis=args.hysteresis,
         ddp_bucket_size=args.ddp_bucket_size,
-        lr_warmup_iters=args.lr_warmup_iters,
-        lr_decay_iters=args.lr_decay_iters or args.train_iters,
+        lr_warmup_iters=schedule_steps(args)[0],
+        lr_decay_iters=schedule_steps(args)[1],
+        schedule_in_samples=counts_samples(args),
         lr_decay_style=args.lr_decay_style,
         override_scheduler=override_scheduler or args.override_opt_param_scheduler,
         use_checkpoint_scheduler=args.use_checkpoint_opt_param_scheduler,
@@ -101,18 +105,56 @@ def optim_config(args: argparse.Namespace, *, override_scheduler: bool = False) 
 
 
 def data_config(args: argparse.Namespace, world_size: int) -> DataConfig:
-    """Data set-up from Megatron-named arguments; the default batch is one context per DP rank."""
-    tokens, units = args.hdp_global_batch_tokens, args.global_batch_size
-    if tokens is None and units is None:
-        pool_size = world_size // (
-            args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    """Data set-up from Megatron-named arguments (`pretrain_hdp.py`)."""
+    pool_size = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
+    tokens, ramp = global_batch_tokens(args, pool_size)
+    return batch_data_config(args, tokens_per_batch=tokens, ramp=ramp)
+
+
+def batch_ramp(args: argparse.Namespace) -> BatchRamp | None:
+    """`--global-batch-size` (with `--rampup-batch-size`) in samples of `--seq-length` tokens."""
+    if args.global_batch_size is None or args.hdp_global_batch_tokens is not None:
+        return None
+    rampup = getattr(args, "rampup_batch_size", None)
+    return BatchRamp(
+        int(args.global_batch_size),
+        int(args.seq_length),
+        None if rampup is None else tuple(int(x) for x in rampup),
+    )
+
+
+def global_batch_tokens(args: argparse.Namespace, pool_size: int) -> tuple[int, BatchRamp | None]:
+    """The token budget of a step after any ramp, and the ramp (None: the same every step).
+
+    As Megatron-LM counts them: `--global-batch-size B` is B samples of `--seq-length`
+    tokens per step (ramped by `--rampup-batch-size`); `--hdp-global-batch-tokens` is the
+    budget itself; neither: one `--seq-length` sample per data-parallel rank
+    (Megatron-LM's default, micro-batch 1 x pool / CP). Both entry points read it here.
+    """
+    ramp = batch_ramp(args)
+    if ramp is not None:
+        return ramp.global_batch_size * ramp.seq_length, ramp
+    if args.hdp_global_batch_tokens is not None:
+        return int(args.hdp_global_batch_tokens), None
+    return (pool_size // args.context_parallel_size) * args.seq_length, None
+
+
+def batch_flag(args: argparse.Namespace) -> str | None:
+    """The global-batch flag as the user gave it, for messages (None: the token flag)."""
+    if args.global_batch_size is not None and args.hdp_global_batch_tokens is None:
+        return (
+            f"--global-batch-size {args.global_batch_size} (x --seq-length {args.seq_length} "
+            "tokens)"
         )
-        tokens = (pool_size // args.context_parallel_size) * args.seq_length
-    return batch_data_config(args, tokens_per_batch=tokens, units_per_batch=units)
+    return None
 
 
 def batch_data_config(
-    args: argparse.Namespace, *, tokens_per_batch: int | None, units_per_batch: int | None
+    args: argparse.Namespace,
+    *,
+    tokens_per_batch: int | None,
+    units_per_batch: int | None = None,
+    ramp: BatchRamp | None = None,
 ) -> DataConfig:
     """Data set-up from Megatron-named arguments, with the global batch already decided."""
     return DataConfig(
@@ -122,6 +164,8 @@ def batch_data_config(
         seed=args.seed,
         tokens_per_batch=tokens_per_batch,
         units_per_batch=units_per_batch,
+        ramp=ramp,
+        batch_flag=batch_flag(args),
         tokenizer_type=args.tokenizer_type,
         tokenizer_model=args.tokenizer_model,
         vocab_size=args.vocab_size,

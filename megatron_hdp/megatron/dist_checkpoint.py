@@ -172,8 +172,12 @@ def samples_per_iteration(args) -> int:
     """Megatron-LM's scheduler increment per iteration for a run of `args`.
 
     That is its global batch size; 1 when the batch is a token budget, for which Megatron-LM
-    has no sample count.
+    has no sample count, or when the schedule counts samples already (`counts_samples`).
     """
+    from megatron_hdp.megatron.arguments import counts_samples
+
+    if counts_samples(args):
+        return 1
     return int(getattr(args, "global_batch_size", None) or 1)
 
 
@@ -372,9 +376,10 @@ def read(
             engine.optimizer.load_state_dict(loaded["optimizer"])
         if engine.optimizer_is_distributed:
             _restore_steps(engine.optimizer, loaded["optimizer"])
-        engine.scheduler.load_state_dict(
-            schedule_in_iterations(loaded["opt_param_scheduler"], ckpt_args)
-        )
+        schedule = loaded["opt_param_scheduler"]
+        if not engine.schedule_in_samples:  # else the checkpoint's unit already
+            schedule = schedule_in_iterations(schedule, ckpt_args)
+        engine.scheduler.load_state_dict(schedule)
     else:
         engine.optimizer.reload_model_params()
     if rng is not None:

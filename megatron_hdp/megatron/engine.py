@@ -52,6 +52,10 @@ class OptimConfig:
     lr_decay_iters: int | None = None
     """Step at which the decay ends, counted from step 0 like Megatron's --lr-decay-iters
     (warm-up included); None = constant learning rate."""
+    schedule_in_samples: bool = False
+    """The schedule counts Megatron-LM's samples (--train-samples, --lr-*-samples,
+    --rampup-batch-size): `lr_warmup_iters` / `lr_decay_iters` are then sample counts and
+    each step advances it by its samples (`train_step`'s `schedule_increment`)."""
     lr_decay_style: str = "constant"
     """"constant", "linear", "cosine" or "inverse-square-root" (--lr-decay-style)."""
     override_scheduler: bool = False
@@ -122,6 +126,8 @@ class Engine:
     """This rank's replica: its HDP pool rank."""
     grad_sync: OrderedGradSync | None = None
     """The overlapped reduce's ordering (`grad_sync.py`); None without overlap."""
+    schedule_in_samples: bool = False
+    """The scheduler counts Megatron-LM's samples (`OptimConfig.schedule_in_samples`)."""
 
     @property
     def tp_size(self) -> int:
@@ -220,6 +226,7 @@ def build_engine(cfg: GPTConfig, optim: OptimConfig, *, seed: int = 1234) -> Eng
         stage=stage,
         replica=dims.replica_of(rank),
         grad_sync=grad_sync,
+        schedule_in_samples=optim.schedule_in_samples,
     )
 
 

@@ -97,6 +97,9 @@ class GPTConfig:
     sequence_parallel: bool = False
     """Split the norm and dropout regions over the TP ranks along the tokens
     (--sequence-parallel); needs tensor parallelism."""
+    fp8: bool = False
+    """The layers compute in FP8 (--fp8-format, Transformer Engine on GPU): every
+    micro-batch is padded to FP8's multiple of tokens (`step.token_multiple`)."""
     pipeline_model_parallel_size: int = 1
     """Pipeline stages per HDP replica (--pipeline-model-parallel-size): the layers are split
     evenly over them and each replica runs Megatron's 1F1B schedule."""

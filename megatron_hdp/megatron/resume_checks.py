@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from megatron_hdp.checkpoint_files import TRACKER, read_meta
+from megatron_hdp.megatron.arguments import schedule_steps
 
 
 class NothingToTrain(Exception):  # noqa: N818 - an outcome, not an error
@@ -56,8 +57,8 @@ def schedule_of(args: argparse.Namespace) -> dict:
     return {
         "max_lr": args.lr,
         "min_lr": args.min_lr,
-        "lr_warmup_steps": args.lr_warmup_iters,
-        "lr_decay_steps": args.lr_decay_iters or args.train_iters,
+        "lr_warmup_steps": schedule_steps(args)[0],
+        "lr_decay_steps": schedule_steps(args)[1],
         "lr_decay_style": args.lr_decay_style,
         "start_wd": args.weight_decay,
         "end_wd": args.weight_decay,

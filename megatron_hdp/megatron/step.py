@@ -256,9 +256,30 @@ def read_and_count(
     return batches, int(total)
 
 
+#: Tokens an FP8 GEMM's token dimension must be a multiple of (Transformer Engine's FP8
+#: kernels need dimensions divisible by 16).
+FP8_TOKEN_MULTIPLE = 16
+
+
+def token_multiple(cfg: GPTConfig) -> int:
+    """What every micro-batch's token count is padded to a multiple of.
+
+    TP under sequence parallelism (Megatron splits the tokens evenly over the TP ranks),
+    FP8's 16 with `cfg.fp8`, the least common multiple of both; else 1. The padding has
+    loss mask 0 and HDP attention skips it, so it changes no loss and no gradient.
+    """
+    multiple = cfg.tensor_model_parallel_size if cfg.sequence_parallel else 1
+    if cfg.fp8:
+        multiple = math.lcm(multiple, FP8_TOKEN_MULTIPLE)
+    return multiple
+
+
 def sequence_parallel_pad(batch: LocalBatch, cfg: GPTConfig) -> int:
-    """Pad tokens that make `batch` a multiple of TP under sequence parallelism (else 0)."""
-    return -batch.num_tokens % cfg.tensor_model_parallel_size if cfg.sequence_parallel else 0
+    """Pad tokens that make `batch` a multiple of `token_multiple(cfg)`.
+
+    TP under sequence parallelism, FP8's 16, or both; 0 when nothing is padded.
+    """
+    return -batch.num_tokens % token_multiple(cfg)
 
 
 def _model_inputs(
@@ -484,14 +505,21 @@ def optimizer_loss_scale(engine: Engine) -> float:
 
 
 def train_step(
-    engine: Engine, plan: StepPlan, source: TokenSource, runtime: StepRuntime, prepared=None
+    engine: Engine,
+    plan: StepPlan,
+    source: TokenSource,
+    runtime: StepRuntime,
+    prepared=None,
+    *,
+    schedule_increment: int = 1,
 ) -> StepResult:
     """Collective over the job (`runtime.all_ranks`): one optimizer step on the global batch.
 
     The plan is checked against the pool and the model before any communication. This
     rank reads only its own tokens from `source`, or takes them from `prepared`
     (`read_and_count`'s `(batches, error)`, read ahead by the prefetch thread). The LR
-    schedule advances by one step after a successful update. With `runtime.check_nonfinite`,
+    schedule advances by `schedule_increment` after a successful update (1 step, or the
+    step's samples when it counts Megatron-LM's samples). With `runtime.check_nonfinite`,
     a step whose global loss or gradient norm is not finite applies no update and returns
     `nonfinite=True` on every rank.
     """
@@ -566,7 +594,7 @@ def train_step(
         # Megatron reports no norm (or 0.0) without clipping; the guard's is the same norm.
         grad_norm = checked_norm if checked_norm is not None else step_norm
         if update_successful:
-            engine.scheduler.step(increment=1)
+            engine.scheduler.step(increment=schedule_increment)
     return StepResult(
         loss=loss,
         num_loss_tokens=global_tokens,

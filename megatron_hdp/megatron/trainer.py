@@ -398,6 +398,13 @@ class Trainer:
         )
         return service
 
+    def _schedule_increment(self) -> int:
+        """What this step adds to the LR schedule: 1, or its samples when it counts them."""
+        ramp = self.data.train.ramp
+        if not self.engine.schedule_in_samples or ramp is None:
+            return 1
+        return ramp.samples_of_step(self.iteration)
+
     def step(self) -> tuple[StepResult, StepPlan, dict, float, list, float, dict | None]:
         """Collective: one training step.
 
@@ -413,7 +420,14 @@ class Trainer:
             plan, source, read, predictions = item.value
             start = time.perf_counter()
             self.runtime.iteration = self.iteration  # keys this step's dropout masks
-            result = train_step(self.engine, plan, source, self.runtime, prepared=read)
+            result = train_step(
+                self.engine,
+                plan,
+                source,
+                self.runtime,
+                prepared=read,
+                schedule_increment=self._schedule_increment(),
+            )
         except DataServiceError as err:  # the batch or its tokens (read ahead) did not come
             raise DataServiceError(f"{err}. {self.checkpoint_note()}") from err
         elapsed = time.perf_counter() - start

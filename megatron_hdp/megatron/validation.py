@@ -37,6 +37,7 @@ from megatron_hdp.checkpoint_files import (
     read_meta,
 )
 from megatron_hdp.checkpoint_shards import INDEX, index_problem, short_shards
+from megatron_hdp.data.batch_ramp import BatchRamp, ramp_problems
 from megatron_hdp.data.sampler import parse_split
 from megatron_hdp.data.service.address import (
     address_origin,
@@ -45,10 +46,13 @@ from megatron_hdp.data.service.address import (
 )
 from megatron_hdp.data.spec import load_spec
 from megatron_hdp.distributed.layout import layout_problems
+from megatron_hdp.errors import one_message
 from megatron_hdp.megatron.arguments import (
     build_parser,
     capacity_of,
+    counts_samples,
     parse_data_path,
+    schedule_steps,
     uses_static_mesh,
 )
 from megatron_hdp.megatron.resume_checks import (
@@ -87,6 +91,8 @@ POSITIVE = (
     "init_method_std",
     "make_vocab_size_divisible_by",
     "train_iters",
+    "train_samples",
+    "lr_decay_samples",
     "lr",
     "lr_decay_iters",
     "adam_eps",
@@ -115,6 +121,7 @@ NON_NEGATIVE = (
     "weight_decay",
     "clip_grad",
     "lr_warmup_iters",
+    "lr_warmup_samples",
     "eval_iters",
     "seed",
     "hdp_skip_nonfinite_steps",
@@ -388,13 +395,6 @@ def _check_layout(args: argparse.Namespace, world_size: int, *, here: bool = Tru
         raise ValueError(
             f"--micro-batch-size {args.micro_batch_size}: HDP packs micro-batches itself; use 1"
         )
-    if args.global_batch_size is not None and args.hdp_global_batch_tokens is not None:
-        raise ValueError("give --global-batch-size or --hdp-global-batch-tokens, not both")
-    if args.hdp_global_batch_tokens is not None and args.hdp_global_batch_tokens < args.seq_length:
-        raise ValueError(
-            f"--hdp-global-batch-tokens {args.hdp_global_batch_tokens} is smaller than one "
-            f"sequence (--seq-length {args.seq_length})"
-        )
     max_pos = args.max_position_embeddings or args.seq_length
     if args.position_embedding_type == "learned_absolute" and args.seq_length > max_pos:
         raise ValueError(
@@ -450,7 +450,8 @@ def _check_data_spec(args: argparse.Namespace) -> None:
     if args.data_path is not None:
         raise ValueError("give --hdp-data-spec or --data-path, not both (the spec names sources)")
     spec = load_spec(args.hdp_data_spec)
-    spec.check_covers(args.train_iters)
+    if args.train_iters is not None:
+        spec.check_covers(args.train_iters)
     for source in spec.sources:
         where = f"--hdp-data-spec source {source.name!r}:"
         if source.kind == "indexed":
@@ -510,7 +511,11 @@ def _check_training(args: argparse.Namespace) -> None:
             f"--lr-decay-iters {args.lr_decay_iters} must exceed --lr-warmup-iters "
             f"{args.lr_warmup_iters}"
         )
-    if args.lr_decay_iters is None and args.lr_warmup_iters >= args.train_iters:
+    if (
+        args.train_iters is not None
+        and args.lr_decay_iters is None
+        and args.lr_warmup_iters >= args.train_iters
+    ):
         raise ValueError(
             f"--lr-warmup-iters {args.lr_warmup_iters} must be below --train-iters "
             f"{args.train_iters} (the decay ends at --train-iters unless --lr-decay-iters)"
@@ -827,21 +832,105 @@ def validate_args(args: argparse.Namespace, world_size: int, *, here: bool = Tru
     """Check the arguments against each other, the pool, the file system and `--load`.
 
     Reads only small files (the checkpoint's `meta.json`, a device profile). Sets
-    `args.load` when `--hdp-load-if-exists` finds a checkpoint. `here=False`: the job runs
-    on other machines (the advisor), so this machine's memory is not checked.
+    `args.load` when `--hdp-load-if-exists` finds a checkpoint, and `args.train_iters` from
+    `--train-samples` (`_check_batch`). `here=False`: the job runs on other machines (the
+    advisor), so this machine's memory is not checked. Every group of checks runs and their
+    problems come together in one message (`errors.one_message`); the resume is checked
+    once the flags themselves hold.
 
     Returns:
         The meta of the checkpoint to resume, or None for a fresh start.
 
     Raises:
-        ValueError: Naming the flag and the value.
+        ValueError: Naming each flag and value at fault.
         NothingToTrain: The checkpoint to resume is already at (or past) `--train-iters`.
     """
-    _check_numbers(args)
-    _check_layout(args, world_size, here=here)
-    _check_training(args)
-    _check_paths(args)
+    problems = []
+    for check in (
+        _check_numbers,
+        lambda a: _check_batch(a, world_size),
+        lambda a: _check_layout(a, world_size, here=here),
+        _check_training,
+        _check_paths,
+    ):
+        try:
+            check(args)
+        except ValueError as err:
+            problems.append(str(err))
+        except (ArithmeticError, TypeError):
+            if not problems:
+                raise
+            # a consequence of a value already refused (a zero divisor, a missing count)
+    if problems:
+        raise ValueError(one_message(problems))
     return _check_resume(args, world_size)
+
+
+def _check_batch(args: argparse.Namespace, world_size: int) -> None:
+    """The global batch and the run length, in Megatron-LM's samples of --seq-length tokens.
+
+    Resolves `--train-samples` into `args.train_iters` (Megatron-LM's `update_train_iters`,
+    ramp included) and, where a sample count is needed and --global-batch-size is not
+    given, Megatron-LM's default (one sample per data-parallel rank).
+    """
+    if (args.train_iters is None) == (args.train_samples is None):
+        raise ValueError("give --train-iters or --train-samples (one of them)")
+    if args.train_iters is not None and (args.lr_decay_samples or args.lr_warmup_samples):
+        raise ValueError(
+            "--lr-decay-samples / --lr-warmup-samples go with --train-samples; with "
+            "--train-iters give --lr-decay-iters / --lr-warmup-iters (Megatron-LM's rule)"
+        )
+    if args.train_samples is not None and (args.lr_decay_iters or args.lr_warmup_iters):
+        raise ValueError(
+            "--lr-decay-iters / --lr-warmup-iters go with --train-iters; with --train-samples "
+            "give --lr-decay-samples / --lr-warmup-samples (Megatron-LM's rule)"
+        )
+    if args.hdp_global_batch_tokens is not None:
+        if args.global_batch_size is not None:
+            raise ValueError("give --global-batch-size or --hdp-global-batch-tokens, not both")
+        if counts_samples(args):
+            raise ValueError(
+                "--train-samples, --lr-*-samples and --rampup-batch-size count samples of "
+                "--seq-length tokens: give --global-batch-size (samples per step), not "
+                "--hdp-global-batch-tokens"
+            )
+        if args.hdp_global_batch_tokens < args.seq_length:
+            raise ValueError(
+                f"--hdp-global-batch-tokens {args.hdp_global_batch_tokens} is smaller than one "
+                f"sequence (--seq-length {args.seq_length})"
+            )
+        return
+    if args.rampup_batch_size is not None and args.train_samples is None:
+        raise ValueError(
+            "--rampup-batch-size needs --train-samples, not --train-iters (Megatron-LM's rule: "
+            "no batch-size ramp-up for iteration-based training)"
+        )
+    if args.rampup_batch_size is not None and args.global_batch_size is None:
+        raise ValueError("--rampup-batch-size needs --global-batch-size (the size after the ramp)")
+    if counts_samples(args) and args.global_batch_size is None:
+        replicas = world_size // (
+            args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+        )
+        args.global_batch_size = max(1, replicas // args.context_parallel_size)
+    if args.global_batch_size is None:
+        return
+    problems = ramp_problems(args.global_batch_size, args.rampup_batch_size)
+    if problems:
+        raise ValueError(problems[0])
+    if args.train_samples is not None:
+        ramp = BatchRamp(args.global_batch_size, args.seq_length, args.rampup_batch_size)
+        args.train_iters = ramp.train_iters(args.train_samples)
+        if args.train_iters < 1:
+            raise ValueError(
+                f"--train-samples {args.train_samples}: less than one step of "
+                f"--global-batch-size {args.global_batch_size}"
+            )
+    warmup, decay = schedule_steps(args)
+    if args.train_samples is not None and decay <= warmup:
+        raise ValueError(
+            f"--lr-decay-samples {decay} (default --train-samples) must exceed "
+            f"--lr-warmup-samples {warmup}"
+        )
 
 
 #: What checkpoints written before a model field existed had (they were dense and TP 1).

@@ -17,6 +17,7 @@ import math
 import os
 
 from megatron_hdp.data.sampler import parse_split
+from megatron_hdp.errors import one_message
 from megatron_hdp.megatron.arguments import add_hdp_args
 
 logger = logging.getLogger(__name__)
@@ -79,10 +80,10 @@ _REFUSED_MEGATRON = (
         "the embedded corpus of pretrain_hdp.py)",
     ),
     (
-        "rampup_batch_size",
+        "step_batch_size_schedule",
         lambda v: v is not None,
-        "--rampup-batch-size: HDP would train the full batch from the first step while "
-        "Megatron-LM's sample count and learning rate follow the ramp; drop it",
+        "--step-batch-size-schedule: HDP reads the batch size from --global-batch-size "
+        "(and --rampup-batch-size where Megatron-LM honours it) only",
     ),
     (
         "softmax_type",
@@ -163,6 +164,78 @@ _REFUSED_MEGATRON = (
     ),
 )
 
+#: Megatron-LM paths that run on GPUs only, by the flags that choose them: (name, whether
+#: the launch chose it, what it is). Refused on CPU; on CUDA see `GPU_REFUSED` and
+#: `unverified_on_gpu`.
+GPU_ONLY = (
+    (
+        "--transformer-impl transformer_engine",
+        lambda a: getattr(a, "transformer_impl", None) == "transformer_engine",
+        "Transformer Engine layers (Megatron-LM's default; on CPU pass --transformer-impl local)",
+    ),
+    (
+        "--fp8-format",
+        lambda a: getattr(a, "fp8", None) is not None,
+        "FP8 layers (Transformer Engine), with --fp8-recipe, --fp8-param-gather and the other "
+        "--fp8-* flags",
+    ),
+    ("--fp4-format", lambda a: getattr(a, "fp4", None) is not None, "FP4 layers"),
+    (
+        "--tp-comm-overlap",
+        lambda a: bool(getattr(a, "tp_comm_overlap", False)),
+        "Transformer Engine's tensor-parallel communication overlap (userbuffers)",
+    ),
+    (
+        "--use-megatron-fsdp",
+        lambda a: bool(getattr(a, "use_megatron_fsdp", False)),
+        "Megatron-FSDP (with --data-parallel-sharding-strategy)",
+    ),
+)
+
+#: Of those, the ones HDP cannot run on CUDA either, and why.
+GPU_REFUSED = {
+    "--tp-comm-overlap": "Transformer Engine's userbuffers are allocated once for --seq-length x "
+    "--micro-batch-size / CP tokens per micro-batch, and an HDP micro-batch holds a different "
+    "number of tokens every time (packed documents, ring shards); drop it",
+    "--fp4-format": "HDP pads micro-batches to FP8's multiple of tokens only (not FP4's); drop it",
+}
+
+
+def gpu_problems(args: argparse.Namespace, cuda: bool) -> list[str]:
+    """The GPU-only paths this launch chose that cannot run here, one phrase each."""
+    problems = []
+    for flag, chosen, what in GPU_ONLY:
+        if not chosen(args):
+            continue
+        if not cuda:
+            problems.append(
+                f"{flag}: {what} runs on CUDA GPUs only, and this machine has none (stock "
+                "Megatron-LM cannot run it on CPU either)"
+            )
+        elif flag in GPU_REFUSED:
+            problems.append(f"{flag}: {GPU_REFUSED[flag]}")
+    return problems
+
+
+def unverified_on_gpu(args: argparse.Namespace) -> list[str]:
+    """A note for each GPU-only path of this (CUDA) launch that is accepted but unverified.
+
+    No GPU run of this project's tests has checked these paths yet; rank 0 logs the notes.
+    """
+    return [
+        f"{flag} with --hdp is accepted but unverified on GPU: this project's tests run it "
+        "on CPU fakes only (see docs/megatron-lm.md, 'GPU-only flags')"
+        for flag, chosen, _ in GPU_ONLY
+        if chosen(args) and flag not in GPU_REFUSED
+    ]
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 #: `--tokenizer-type` values HDP's data layer cannot read with, and why (refused at start-up).
 #: Every other type Megatron-LM builds is read through the tokenizer object Megatron-LM built
 #: (`data.MegatronLMTokenizer`: its `tokenize`, `eod` and `vocab_size`).
@@ -206,23 +279,16 @@ def _hdp_flags() -> dict[str, tuple[str, object]]:
     return {a.dest: (a.option_strings[0], a.default) for a in parser._actions}  # noqa: SLF001
 
 
-def one_message(problems: list[str]) -> str:
-    """Every refusal of one launch in one line: the one, or `N problems: (1) ...; (2) ...`."""
-    if len(problems) == 1:
-        return problems[0]
-    listed = "; ".join(f"({n}) {p}" for n, p in enumerate(problems, start=1))
-    return f"{len(problems)} problems with this launch: {listed}"
-
-
 def check_args(args: argparse.Namespace) -> None:
     """Before Megatron-LM's `validate_args`: refuse what HDP cannot run, set what it implies.
 
     Without `--hdp` it only refuses `--hdp-*` flags (they would do nothing).
 
     With `--hdp` this sets `--dataloader-type external` and `--calculate-per-token-loss`
-    (HDP's data iterator and per-token loss), and records whether `--global-batch-size` was
-    given (Megatron-LM fills in a default afterwards). Raises one ValueError naming every
-    refused flag of the launch (`one_message`), so a recipe is fixed in one round.
+    (HDP's data iterator and per-token loss) and `--micro-batch-size 1` (HDP packs its own
+    micro-batches, so Megatron-LM's sample counter only needs the batch sizes divisible by
+    its data-parallel size). Raises one ValueError naming every refused flag of the launch
+    (`one_message`), so a recipe is fixed in one round.
     """
     flags = _hdp_flags()
     if not getattr(args, "hdp", False):
@@ -234,30 +300,57 @@ def check_args(args: argparse.Namespace) -> None:
         if problems:
             raise ValueError(one_message(problems))
         return
-    problems = _refusals(args, flags)
+    if getattr(args, "rampup_batch_size", None) is not None and not megatron_ramps():
+        if int(os.environ.get("RANK", "0") or 0) == 0:
+            logger.warning(
+                "--rampup-batch-size %s: this Megatron-LM (megatron-core %s) ignores it "
+                "(deprecated for --step-batch-size-schedule); as without --hdp every step "
+                "trains --global-batch-size",
+                " ".join(map(str, args.rampup_batch_size)),
+                _core_version(),
+            )
+        args.rampup_batch_size = None
+    cuda = _cuda()
+    problems = _refusals(args, flags) + gpu_problems(args, cuda)
     if problems:
         raise ValueError(one_message(problems))
     if int(os.environ.get("RANK", "0") or 0) == 0:
-        for note in replaced_by_plan(args):
+        for note in replaced_by_plan(args) + (unverified_on_gpu(args) if cuda else []):
             logger.warning("%s", note)
-    args.hdp_global_batch_units = args.global_batch_size
+    args.micro_batch_size = 1
     args.dataloader_type = "external"
     args.calculate_per_token_loss = True
+
+
+def megatron_ramps() -> bool:
+    """Whether this megatron-core ramps the batch size by `--rampup-batch-size`.
+
+    0.16 does; 0.19 dropped its calculator for `--step-batch-size-schedule` and ignores the
+    flag.
+    """
+    from megatron.core import num_microbatches_calculator
+
+    return hasattr(num_microbatches_calculator, "RampupBatchsizeNumMicroBatchesCalculator")
+
+
+def _core_version() -> str:
+    from megatron.core import package_info
+
+    return package_info.__version__
 
 
 def replaced_by_plan(args: argparse.Namespace) -> list[str]:
     """The flags of an `--hdp` launch that HDP's plan replaces, one note each (rank 0 logs).
 
     Not refused: the job runs the same model and data; these only chose how Megatron-LM
-    would have split and batched it, which HDP's planner decides per step instead. Also the
-    flags whose meaning HDP changes until it counts them as Megatron-LM does (samples,
-    throughput), so the change is never silent.
+    would have split and batched it, which HDP's planner decides per step instead.
     """
     notes = []
     if args.micro_batch_size not in (None, 1):
         notes.append(
             f"--micro-batch-size {args.micro_batch_size} has no effect with --hdp: HDP packs "
-            "micro-batches up to --hdp-capacity tokens per rank"
+            "micro-batches up to --hdp-capacity tokens per rank (a step trains "
+            "--global-batch-size x --seq-length tokens)"
         )
     cp_comm = getattr(args, "cp_comm_type", None) or ["p2p"]
     if any(kind != "p2p" for kind in cp_comm):
@@ -270,19 +363,6 @@ def replaced_by_plan(args: argparse.Namespace) -> list[str]:
         notes.append(
             f"--hierarchical-context-parallel-sizes {sizes} has no effect with --hdp: "
             "--context-parallel-size is folded into the pool and rings are sized per sequence"
-        )
-    for dest in ("train_samples", "lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples"):
-        if getattr(args, dest, None):
-            flag = "--" + dest.replace("_", "-")
-            notes.append(
-                f"{flag} {getattr(args, dest)} counts HDP's training sequences (documents, or "
-                "--seq-length pieces of longer ones), not Megatron-LM's packed --seq-length "
-                "samples: the run trains fewer tokens per sample than stock"
-            )
-    if getattr(args, "log_throughput", False):
-        notes.append(
-            "--log-throughput counts --seq-length tokens per sample: with --hdp the TFLOP/s it "
-            "logs are too high (HDP's samples are documents, mostly shorter)"
         )
     backend = getattr(args, "attention_backend", None)
     name = getattr(backend, "name", backend)
@@ -328,15 +408,71 @@ def _refusals(args: argparse.Namespace, flags: dict) -> list[str]:
         )
     if args.hdp_data_spec is not None and args.data_path:
         problems.append("--hdp-data-spec and --data-path: give one of them")
-    if args.hdp_global_batch_tokens is not None and args.global_batch_size is not None:
-        problems.append(
-            "--hdp-global-batch-tokens and --global-batch-size: give one of them (a token "
-            "budget or a number of sequences per step)"
-        )
+    problems += _batch_problems(args)
     if args.hdp_capacity is not None and args.hdp_capacity <= 0:
         problems.append(f"--hdp-capacity must be positive, got {args.hdp_capacity}")
     if args.hdp_prefetch_depth < 0:
         problems.append(f"--hdp-prefetch-depth must be >= 0, got {args.hdp_prefetch_depth}")
+    return problems
+
+
+def _batch_problems(args: argparse.Namespace) -> list[str]:
+    """The global batch flags: one way to give it, and Megatron-LM's sample-counter rules.
+
+    Megatron-LM counts each step's samples as data-parallel size x micro-batch (1 with
+    --hdp) x micro-batches and asserts that this is the batch size of the step, so
+    `--global-batch-size` and the ramp's start and increment must be multiples of its
+    data-parallel size, world / (TP x PP x CP) (HDP itself would not need it).
+    """
+    from megatron_hdp.data.batch_ramp import ramp_problems
+
+    rampup = getattr(args, "rampup_batch_size", None)
+    if args.hdp_global_batch_tokens is not None:
+        if args.global_batch_size is not None or rampup is not None:
+            return [
+                "--hdp-global-batch-tokens and --global-batch-size / --rampup-batch-size: give "
+                "one of them (a token budget, or samples of --seq-length tokens per step)"
+            ]
+        counted = [
+            "--" + dest.replace("_", "-")
+            for dest in ("train_samples", "lr_decay_samples", "lr_warmup_samples")
+            if getattr(args, dest, None)
+        ]
+        if counted:
+            return [
+                f"{' and '.join(counted)} with --hdp-global-batch-tokens: Megatron-LM would "
+                "count samples HDP does not train (a token budget is no number of samples); "
+                "give --global-batch-size (samples of --seq-length tokens per step)"
+            ]
+        return []
+    if args.global_batch_size is None:
+        if rampup is not None:
+            return ["--rampup-batch-size needs --global-batch-size (the size after the ramp)"]
+        return []
+    problems = ramp_problems(args.global_batch_size, rampup)
+    if rampup is not None and not getattr(args, "train_samples", None):
+        problems.append(
+            "--rampup-batch-size needs --train-samples, not --train-iters (Megatron-LM asserts "
+            "no batch-size ramp-up for iteration-based training)"
+        )
+    world = int(getattr(args, "world_size", None) or os.environ.get("WORLD_SIZE", "1"))
+    model = (
+        args.tensor_model_parallel_size
+        * args.pipeline_model_parallel_size
+        * args.context_parallel_size
+    )
+    data_parallel = max(1, world // model)
+    sizes = {"--global-batch-size": args.global_batch_size}
+    if rampup is not None and not problems:
+        sizes["the --rampup-batch-size start"] = int(rampup[0])
+        sizes["the --rampup-batch-size increment"] = int(rampup[1])
+    for name, size in sizes.items():
+        if size % data_parallel:
+            problems.append(
+                f"{name} {size} is not a multiple of Megatron-LM's data-parallel size "
+                f"{data_parallel} (world {world} / (TP x PP x CP)), which its sample counter "
+                "asserts"
+            )
     return problems
 
 
@@ -352,16 +488,17 @@ def capacity(args: argparse.Namespace) -> int:
     return math.ceil(args.seq_length / args.context_parallel_size)
 
 
-def global_batch(args: argparse.Namespace) -> tuple[int | None, int | None]:
-    """(tokens, sequences) per global batch, as pretrain_hdp.py reads its flags.
+def global_batch(args: argparse.Namespace):
+    """(token budget after any ramp, `BatchRamp` or None) of a step.
 
-    --hdp-global-batch-tokens or --global-batch-size (sequences: documents or --seq-length
-    pieces of them); neither: one --seq-length context per data-parallel rank.
+    As pretrain_hdp.py reads the same flags (`megatron.config.global_batch_tokens`):
+    `--global-batch-size B` is B
+    samples of `--seq-length` tokens (Megatron-LM's default B: one per data-parallel rank),
+    ramped by `--rampup-batch-size`; `--hdp-global-batch-tokens` the budget itself.
     """
-    tokens, units = args.hdp_global_batch_tokens, args.hdp_global_batch_units
-    if tokens is None and units is None:
-        tokens = (pool_size(args) // args.context_parallel_size) * args.seq_length
-    return tokens, units
+    from megatron_hdp.megatron.config import global_batch_tokens
+
+    return global_batch_tokens(args, pool_size(args))
 
 
 def finish_args(args: argparse.Namespace) -> None:
@@ -382,7 +519,7 @@ def finish_args(args: argparse.Namespace) -> None:
     if getattr(args, "split", None) is not None:
         parse_split(args.split)  # as Megatron-Core reads it; the data reader reads it so too
     tokens, _ = global_batch(args)
-    if tokens is not None and tokens < args.seq_length:
+    if tokens < args.seq_length:
         raise ValueError(
             f"--hdp-global-batch-tokens {tokens} is smaller than one sequence "
             f"(--seq-length {args.seq_length})"

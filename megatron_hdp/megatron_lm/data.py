@@ -102,8 +102,8 @@ def datasets_provider(train_valid_test_num_samples, vp_stage=None):
     from megatron_hdp.scheduler.cost import CostModel
 
     args = get_args()
-    tokens, units = global_batch(args)
-    data = build_training_data(megatron_lm_data_config(args, tokens, units))
+    tokens, ramp = global_batch(args)
+    data = build_training_data(megatron_lm_data_config(args, tokens, ramp))
     cfg = gpt_config(args)
     padded = gpt_config(args, vocab_size=_padded(data.vocab_size, args)).vocab_size
     if padded != cfg.vocab_size:
@@ -222,11 +222,13 @@ class MegatronLMTokenizer:
         return f"MegatronLMTokenizer({self.name}, vocab_size={self.vocab_size}, eod={self.eod})"
 
 
-def megatron_lm_data_config(args: argparse.Namespace, tokens: int | None, units: int | None):
+def megatron_lm_data_config(args: argparse.Namespace, tokens: int, ramp=None):
     """HDP's data set-up for these flags, reading with the tokenizer Megatron-LM built.
 
-    `tokens` / `units` are the global batch (`args.global_batch`). The vocabulary, the
-    end-of-document token and the tokenization of JSONL sources are those of
+    `tokens` / `ramp` are the global batch (`args.global_batch`): every step's token budget
+    is `ramp.tokens_of_step(step)`, a function of the step index alone, so the batches the
+    prefetch thread plans ahead get the budget Megatron-LM's calculator gives that step.
+    The vocabulary, the end-of-document token and the tokenization of JSONL sources are those of
     `get_tokenizer()`, the tokenizer Megatron-LM padded its vocabulary from (for
     NullTokenizer: `--vocab-size N` is N + 1 ids with megatron-core 0.16, N with 0.19).
     """
@@ -235,7 +237,7 @@ def megatron_lm_data_config(args: argparse.Namespace, tokens: int | None, units:
     from megatron_hdp.megatron.config import batch_data_config
 
     return dataclasses.replace(
-        batch_data_config(args, tokens_per_batch=tokens, units_per_batch=units),
+        batch_data_config(args, tokens_per_batch=tokens, ramp=ramp),
         tokenizer=MegatronLMTokenizer(get_tokenizer(), args.tokenizer_type),
     )
 

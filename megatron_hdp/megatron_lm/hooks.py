@@ -10,7 +10,11 @@ Megatron-LM's `pretrain()` takes no argument:
   `megatron.training.arguments` at core_v0.19.0): HDP's checks before and after
   Megatron-LM's own, before any process group exists (`args.check_args`, `finish_args`);
 - `megatron.training.training.get_forward_backward_func`: HDP's schedule
-  (`megatron.schedule.hdp_forward_backward`) for training and evaluation.
+  (`megatron.schedule.hdp_forward_backward`) for training and evaluation;
+- `megatron.training.training.num_floating_point_operations` (the FLOPs of
+  `--log-throughput` and of the FLOP counter in checkpoints): under `--hdp` those of the
+  sequences the last training step really trained (`trained_flops`), not `--global-batch-size`
+  samples of `--seq-length` tokens.
 
 Every hook reads `get_args().hdp` when it runs: without `--hdp` each one calls the stock
 function it replaced, so the job is stock Megatron-LM. The patch
@@ -122,6 +126,7 @@ class _Schedule:
     def __init__(self) -> None:
         self.schedule = None
         self.runtime = None
+        self.trained_lengths = None  # of the last training step's sequences (FLOP counts)
 
     def _build(self):
         from megatron.core import parallel_state
@@ -158,17 +163,61 @@ class _Schedule:
 
         # Keys this step's dropout masks (Megatron-LM sets it before each train_step).
         self.runtime.iteration = int(getattr(get_args(), "curr_iteration", 0) or 0)
+        step = next(data_iterator)
         if self.runtime.check_plans:
             from megatron_hdp.distributed.plan_check import check_plan_agreement
 
-            step = next(data_iterator)
             check_plan_agreement(step.plan, self.runtime.all_ranks, self.runtime.device)
-            data_iterator = iter([step])
-        return self.schedule(data_iterator=data_iterator, **kwargs)
+        if not kwargs.get("forward_only", False):
+            self.trained_lengths = step.plan.lengths.copy()
+        return self.schedule(data_iterator=iter([step]), **kwargs)
 
 
 _SCHEDULE = _Schedule()
 _INSTALLED: dict = {}
+
+
+def trained_flops(stock, args, lengths) -> float:
+    """Megatron-LM's FLOP count (`stock`) of a step that trained sequences of `lengths`.
+
+    `stock` is its `num_floating_point_operations`; each sequence counts as a sample of
+    its own length.
+
+    Token-linear work counts every trained token once and attention the square of each
+    sequence's own length; padding is in no length. core_v0.19.0's function takes the sums
+    itself (`total_real_tokens_in_batch`, `seqlen_squared_sum_in_batch`, its THD path);
+    core_v0.16.1's is linear in the samples of one `--seq-length`, so it is summed over the
+    distinct lengths with `seq_length` set to each.
+    """
+    import numpy as np
+
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if "total_real_tokens_in_batch" in inspect.signature(stock).parameters:
+        return stock(
+            args,
+            len(lengths),
+            seqlen_squared_sum_in_batch=float((lengths.astype(np.float64) ** 2).sum()),
+            total_real_tokens_in_batch=float(lengths.sum()),
+        )
+    total = 0.0
+    for length, count in zip(*np.unique(lengths, return_counts=True), strict=True):
+        one = copy.copy(args)
+        one.seq_length = int(length)
+        total += stock(one, int(count))
+    return total
+
+
+def _counted_flops(stock):
+    """`num_floating_point_operations` that, under `--hdp`, counts the sequences trained."""
+
+    def num_floating_point_operations(args, batch_size, *rest, **kwargs):
+        lengths = _SCHEDULE.trained_lengths
+        if not getattr(args, "hdp", False) or lengths is None:
+            return stock(args, batch_size, *rest, **kwargs)
+        return trained_flops(stock, args, lengths)
+
+    num_floating_point_operations.__wrapped__ = stock
+    return num_floating_point_operations
 
 
 def _checked_validate_args(validate_args):
@@ -213,6 +262,10 @@ def install_hooks() -> None:
             module.validate_args = _checked_validate_args(module.validate_args)
     _INSTALLED[(training.__name__, "get_forward_backward_func")] = stock_schedule
     training.get_forward_backward_func = get_forward_backward_func
+    _INSTALLED[(training.__name__, "num_floating_point_operations")] = (
+        training.num_floating_point_operations
+    )
+    training.num_floating_point_operations = _counted_flops(training.num_floating_point_operations)
 
 
 def hdp_pretrain(pretrain, *, loss_func=None):

@@ -50,6 +50,7 @@ def gpt_config(args: argparse.Namespace, vocab_size: int | None = None) -> GPTCo
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
+        fp8=getattr(args, "fp8", None) is not None,
     )
 
 

@@ -148,8 +148,9 @@ def all_units(prefix, seq_length):
 
 def test_every_document_once_per_epoch_across_stop_and_resume(datasets, tmp_path):
     expected = all_units(datasets[0], 256)
-    batch = 7
-    steps_per_epoch = -(-len(expected) // batch)
+    batch = 7  # samples of --seq-length 256 tokens: steps of whole sequences up to 1792 tokens
+    tokens = sum(u[3] for u in expected)
+    steps_per_epoch = -(-tokens // (batch * 256 - 255))  # each step holds more than this
     stop = steps_per_epoch // 2
     ckpt = str(tmp_path / "ckpt")
     common = ["--global-batch-size", str(batch)]

@@ -48,6 +48,15 @@ BAD = [
     (["--hdp-stall-report-seconds", "900"], "--hdp-stall-report-seconds 900.0 must be below"),
     (["--lr-warmup-iters", "3"], "--lr-warmup-iters 3 must be below --train-iters 3"),
     (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--train-samples", "10"], "give --train-iters or --train-samples (one of them)"),
+    (
+        ["--rampup-batch-size", "2", "2", "8"],
+        "--rampup-batch-size count samples of --seq-length tokens: give --global-batch-size",
+    ),
+    (
+        ["--lr-warmup-samples", "8"],
+        "--lr-decay-samples / --lr-warmup-samples go with --train-samples",
+    ),
     (["--hdp-prefetch-depth", "-1"], "--hdp-prefetch-depth must be >= 0, got -1"),
     (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
     (["--tensor-model-parallel-size", "4"], "--tensor-model-parallel-size 4 does not divide"),
@@ -336,3 +345,38 @@ def test_a_gradient_flag_that_changes_nothing_is_reported(tmp_path):
     overlap = optim_config(parse("--overlap-grad-reduce", "--ddp-bucket-size", "5000"))
     assert overlap.overlap_grad_reduce and overlap.ddp_bucket_size == 5000
     assert not optim_config(parse()).overlap_grad_reduce
+
+
+def test_every_problem_of_one_launch_comes_in_one_message(tmp_path, monkeypatch, capsys):
+    """Three unrelated mistakes: one line naming all three (fixed in one round)."""
+    import pretrain_hdp
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    extra = ["--clip-grad", "-1", "--micro-batch-size", "2", "--save-interval", "5"]
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain_hdp.main(job_args(tmp_path / "cache", extra))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("pretrain_hdp.py: error: 3 problems with this launch: (1) "), err
+    for said in (
+        "--clip-grad must be >= 0",
+        "--micro-batch-size 2",
+        "--save-interval needs --save",
+    ):
+        assert said in err, err
+    assert not dist.is_initialized()
+
+
+def test_every_refused_flag_comes_in_one_message(tmp_path, capsys):
+    import pretrain_hdp
+
+    extra = ["--fp8-format", "hybrid", "--optimizer", "sgd", "--no-such-flag"]
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain_hdp.main(job_args(tmp_path / "cache", extra))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "3 problems with this launch" in err, err
+    for said in ("--fp8-format is not supported", "--optimizer is not supported", "--no-such-flag"):
+        assert said in err, err
+    assert "hybrid" not in err.split("--no-such-flag")[0].split("unknown arguments")[-1]

@@ -140,10 +140,14 @@ def _body_megatron_lm(rank, world_size, script, argv, launcher, env=None):
 
     from tests.megatron_lm.cpu_run import megatron_lm_cpu_shims
 
-    records = {"train": [], "valid": [], "loss_scale": []}
+    records = {"train": [], "valid": [], "loss_scale": [], "steps": []}
     stock_log, stock_evaluate = training.training_log, training.evaluate
 
     def training_log(*args, **kwargs):
+        from megatron.training import get_args
+
+        from megatron_hdp.megatron_lm import hooks
+
         given = inspect.signature(stock_log).bind(*args, **kwargs).arguments
         loss = given["loss_dict"].get("lm loss")
         if loss is not None:
@@ -153,6 +157,17 @@ def _body_megatron_lm(rank, world_size, script, argv, launcher, env=None):
             )
             records["loss_scale"].append(
                 (given["iteration"], float(given["loss_scale"]), int(given["skipped_iter"]))
+            )
+            # What Megatron-LM counted for the step, and (under --hdp) what HDP trained.
+            lengths = hooks._SCHEDULE.trained_lengths
+            records["steps"].append(
+                {
+                    "iteration": given["iteration"],
+                    "consumed_samples": get_args().consumed_train_samples,
+                    "lr": given["learning_rate"],
+                    "lengths": None if lengths is None else [int(n) for n in lengths],
+                    "flops": training.num_floating_point_operations(get_args(), 1),
+                }
             )
         return stock_log(*args, **kwargs)
 

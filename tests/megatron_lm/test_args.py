@@ -35,7 +35,7 @@ def test_hdp_sets_what_it_needs(trees, monkeypatch, tmp_path):
     assert args.dataloader_type == "external" and args.calculate_per_token_loss
     assert args.dataloader_save == str(tmp_path)  # checkpoints carry the data position
     assert args.hdp_attention_backend == "torch"  # "auto" resolved for this CPU
-    assert args.hdp_global_batch_units is None  # no --global-batch-size: token default
+    assert args.micro_batch_size == 1  # HDP packs its own micro-batches
 
 
 def test_without_hdp_nothing_changes(trees, monkeypatch):
@@ -52,7 +52,8 @@ REFUSED = {
     "--hdp-overwrite-checkpoints": ["--hdp-overwrite-checkpoints"],
     "--mock-data": ["--mock-data"],
     "--rotary-seq-len-interpolation-factor": ["--rotary-seq-len-interpolation-factor", "2"],
-    "--rampup-batch-size": ["--rampup-batch-size", "2", "2", "100"],
+    "--global-batch-size": ["--global-batch-size", "3"],  # Megatron-LM's counter: DP 2 | B
+    "--train-samples": ["--hdp-global-batch-tokens", "2048", "--train-samples", "8"],
     "--softmax-type": ["--softmax-type", "learnable"],
     "--inprocess-restart": ["--inprocess-restart"],
     "--tokenizer-type": ["--tokenizer-type", "SFTTokenizer"],
@@ -99,7 +100,7 @@ def test_flags_the_plan_replaces_are_reported_once(trees, monkeypatch, caplog):
     notes = [r.getMessage() for r in caplog.records if "has no effect with --hdp" in r.getMessage()]
     assert len(notes) == 3, notes
     said = [r.getMessage() for r in caplog.records]
-    assert any(m.startswith("--log-throughput counts --seq-length tokens") for m in said), said
+    assert not any("--log-throughput" in m for m in said), said  # counted as trained (hooks)
     assert notes[0].startswith("--micro-batch-size 2 has no effect with --hdp")
     assert notes[1].startswith("--cp-comm-type a2a has no effect with --hdp")
     assert notes[2].startswith("--attention-backend flash has no effect with --hdp")
@@ -123,12 +124,13 @@ def test_the_data_vocabulary_is_the_one_megatron_lm_built(trees, data, monkeypat
     from megatron.training import global_vars
 
     from megatron_hdp.data.training_data import build_training_data
+    from megatron_hdp.megatron_lm.args import global_batch
     from megatron_hdp.megatron_lm.data import megatron_lm_data_config
 
     args = _parse_and_validate(monkeypatch, [*BASE, "--hdp", "--data-path", data])
     monkeypatch.setattr(global_vars, "_GLOBAL_TOKENIZER", None)
     global_vars._build_tokenizer(args)  # as Megatron-LM's start-up does (sets the padding)
-    got = build_training_data(megatron_lm_data_config(args, None, 8))
+    got = build_training_data(megatron_lm_data_config(args, *global_batch(args)))
     assert got.vocab_size == global_vars.get_tokenizer().vocab_size == 257
     assert got.cfg.tokenizer.eod == 256
     assert args.padded_vocab_size == 384
@@ -151,3 +153,92 @@ def test_nvidias_quoted_split_is_read_as_megatron_lm_reads_it(trees, data, monke
     reader = build_training_data(batch_data_config(args, tokens_per_batch=None, units_per_batch=8))
     assert reader.cfg.split == [99.0, 1.0, 0.0]
     assert sorted(set(reader.valid_units[0].doc.tolist())) == [198, 199]  # 1 % of 200
+
+
+GPU_FLAGS = {
+    "--transformer-impl transformer_engine": ["--transformer-impl", "transformer_engine"],
+    "--fp8-format": ["--fp8-format", "hybrid", "--bf16"],
+    "--tp-comm-overlap": ["--tp-comm-overlap", "--tensor-model-parallel-size", "2"],
+    "--use-megatron-fsdp": ["--use-megatron-fsdp"],
+}
+
+
+def _parsed(monkeypatch, argv, world_size=2):
+    """Megatron-LM's parsed arguments, before any check (as `check_args` gets them)."""
+    from megatron.training import arguments
+
+    from megatron_hdp.megatron_lm.hooks import with_hdp_args
+
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *argv])
+    return arguments.parse_args(with_hdp_args(None))
+
+
+def test_gpu_only_flags_are_refused_on_cpu_together(trees, monkeypatch):
+    from megatron_hdp.megatron_lm.args import check_args
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    argv = [*BASE, "--hdp"] + [x for flags in GPU_FLAGS.values() for x in flags]
+    with pytest.raises(ValueError) as refused:
+        check_args(_parsed(monkeypatch, argv, world_size=4))
+    message = str(refused.value)
+    assert message.startswith("4 problems with this launch"), message
+    for flag in GPU_FLAGS:
+        assert f"{flag}: " in message and "CUDA GPUs only" in message, (flag, message)
+
+
+@pytest.mark.parametrize("flag", sorted(GPU_FLAGS))
+def test_on_cuda_a_gpu_only_flag_runs_unverified_or_is_refused(trees, monkeypatch, caplog, flag):
+    """Faked CUDA: TE, FP8 and Megatron-FSDP are accepted and logged as unverified on GPU;
+    --tp-comm-overlap is refused (its userbuffers have a fixed token count)."""
+    import logging
+
+    from megatron_hdp.megatron_lm.args import check_args
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    args = _parsed(monkeypatch, [*BASE, "--hdp", *GPU_FLAGS[flag]], world_size=4)
+    if flag == "--tp-comm-overlap":
+        with pytest.raises(ValueError, match="--tp-comm-overlap: Transformer Engine's userbuffers"):
+            check_args(args)
+        return
+    with caplog.at_level(logging.WARNING, logger="megatron_hdp"):
+        check_args(args)
+    said = [r.getMessage() for r in caplog.records if "unverified on GPU" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"{flag} with --hdp is accepted"), said
+
+
+def test_a_ramp_is_read_as_this_megatron_lm_reads_it(trees, monkeypatch, caplog):
+    """core_v0.16.1 ramps (and so does HDP); core_v0.19.0's Megatron-LM ignores the flag
+    (deprecated), so HDP does too, and says so."""
+    import logging
+
+    from megatron_hdp.megatron_lm.args import global_batch, megatron_ramps
+
+    flags = ["--global-batch-size", "6", "--rampup-batch-size", "2", "2", "8"]
+    flags += ["--train-samples", "20", "--eval-interval", "10"]  # a ramp needs samples
+    with caplog.at_level(logging.WARNING, logger="megatron_hdp"):
+        args = _parse_and_validate(monkeypatch, [*SHARED, *MEGATRON_CPU, "--hdp", *flags])
+    tokens, ramp = global_batch(args)
+    assert tokens == 6 * 512
+    ignored = [r.getMessage() for r in caplog.records if "ignores it" in r.getMessage()]
+    if megatron_ramps():
+        assert ramp.rampup == (2, 2, 8) and not ignored
+        assert [ramp.tokens_of_step(i) for i in range(5)] == [1024, 1024, 2048, 3072, 3072]
+    else:
+        assert args.rampup_batch_size is None and ramp.rampup is None
+        assert len(ignored) == 1 and ignored[0].startswith("--rampup-batch-size 2 2 8")
+
+
+def test_a_ramp_with_train_iters_is_refused_where_megatron_lm_ramps(trees, monkeypatch, capsys):
+    """core_v0.16.1 asserts no ramp-up for iteration-based training: one clear line instead."""
+    from megatron_hdp.megatron_lm.args import megatron_ramps
+
+    flags = ["--global-batch-size", "6", "--rampup-batch-size", "2", "2", "8"]
+    if not megatron_ramps():  # core_v0.19.0 ignores the ramp (test above)
+        _parse_and_validate(monkeypatch, [*BASE, "--hdp", *flags])
+        return
+    with pytest.raises(SystemExit):
+        _parse_and_validate(monkeypatch, [*BASE, "--hdp", *flags])
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--rampup-batch-size needs --train-samples, not --train-iters" in message, message

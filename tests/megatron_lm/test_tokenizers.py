@@ -217,6 +217,7 @@ def test_the_data_layer_reads_with_megatron_lms_own_tokenizer(trees, corpus, mon
     from megatron.training import global_vars
 
     from megatron_hdp.data.training_data import build_training_data
+    from megatron_hdp.megatron_lm.args import global_batch
     from megatron_hdp.megatron_lm.data import megatron_lm_data_config
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -229,7 +230,7 @@ def test_the_data_layer_reads_with_megatron_lms_own_tokenizer(trees, corpus, mon
     args = _parse_and_validate(monkeypatch, [*argv, *_flags(corpus, kind)])
     monkeypatch.setattr(global_vars, "_GLOBAL_TOKENIZER", None)
     tokenizer = global_vars._build_tokenizer(args)  # as Megatron-LM's start-up does
-    data = build_training_data(megatron_lm_data_config(args, None, 8))
+    data = build_training_data(megatron_lm_data_config(args, *global_batch(args)))
     assert data.vocab_size == tokenizer.vocab_size
     reader = data.datasets[0]
     assert len(reader) == len(texts)

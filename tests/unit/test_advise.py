@@ -289,7 +289,6 @@ def test_verdict_and_recommendation():
             ["--gpus", "16", "--tensor-model-parallel-size", "16", "--num-attention-heads", "16"],
             "16 exceeds the 8 GPUs of one NVLink node",
         ),
-        (["--mix", "byted_like", "--global-batch-size", "8"], "--global-batch-size 8"),
         (["--out", "FULL"], "not empty"),
         (["--hdp-capacity", "100"], "--seq-length 8192"),
     ],

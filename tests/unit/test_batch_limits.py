@@ -27,7 +27,7 @@ def test_a_batch_of_more_sequences_or_tokens_than_the_data_is_refused(tiny):
     with pytest.raises(ValueError) as info:
         build_training_data(_config(tiny, units_per_batch=11))
     assert str(info.value) == (
-        "--global-batch-size 11: a global batch of more than the 10 training sequences of the data"
+        "a global batch of 11 sequences: more than the 10 training sequences of the data"
     )
     build_training_data(_config(tiny, tokens_per_batch=245))
     with pytest.raises(ValueError) as info:
