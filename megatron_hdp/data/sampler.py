@@ -312,6 +312,8 @@ class TokenBudgetSampler:
             setup["schedule"] = [[until, [float(x) for x in w]] for until, w in self._phases]
         if self.ramp is not None and self.ramp.rampup is not None:
             setup["rampup"] = list(self.ramp.rampup)  # absent without one, as before ramps
+        if self.ramp is not None and self.ramp.schedule is not None:
+            setup["step_schedule"] = [list(e) for e in self.ramp.schedule]
         if self.sources != list(range(len(self.datasets))):
             setup["sources"] = list(self.sources)
         return setup

@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from megatron_hdp.data.batch_ramp import BatchRamp
+from megatron_hdp.data.batch_ramp import BatchRamp, parse_step_schedule
 from megatron_hdp.data.sampler import parse_split
 from megatron_hdp.data.spec import load_spec
 from megatron_hdp.data.training_data import DataConfig
@@ -112,7 +112,12 @@ def data_config(args: argparse.Namespace, world_size: int) -> DataConfig:
 
 
 def batch_ramp(args: argparse.Namespace) -> BatchRamp | None:
-    """`--global-batch-size` (with `--rampup-batch-size`) in samples of `--seq-length` tokens."""
+    """`--global-batch-size` (with `--rampup-batch-size`), or megatron-core 0.19's
+    `--step-batch-size-schedule`, in samples of `--seq-length` tokens."""
+    schedule = getattr(args, "step_batch_size_schedule", None)
+    if schedule is not None:  # megatron-core 0.19 (the drop-in): it replaces the batch size
+        steps = parse_step_schedule(schedule, int(args.seq_length))
+        return BatchRamp(steps[-1][1], int(args.seq_length), schedule=steps)
     if args.global_batch_size is None or args.hdp_global_batch_tokens is not None:
         return None
     rampup = getattr(args, "rampup_batch_size", None)

@@ -80,12 +80,6 @@ _REFUSED_MEGATRON = (
         "the embedded corpus of pretrain_hdp.py)",
     ),
     (
-        "step_batch_size_schedule",
-        lambda v: v is not None,
-        "--step-batch-size-schedule: HDP reads the batch size from --global-batch-size "
-        "(and --rampup-batch-size where Megatron-LM honours it) only",
-    ),
-    (
         "softmax_type",
         lambda v: v not in (None, "vanilla"),
         "--softmax-type: HDP's attention has only the vanilla softmax (learnable or "
@@ -427,11 +421,13 @@ def _batch_problems(args: argparse.Namespace) -> list[str]:
     from megatron_hdp.data.batch_ramp import ramp_problems
 
     rampup = getattr(args, "rampup_batch_size", None)
+    schedule = getattr(args, "step_batch_size_schedule", None)
     if args.hdp_global_batch_tokens is not None:
-        if args.global_batch_size is not None or rampup is not None:
+        if args.global_batch_size is not None or rampup is not None or schedule is not None:
             return [
-                "--hdp-global-batch-tokens and --global-batch-size / --rampup-batch-size: give "
-                "one of them (a token budget, or samples of --seq-length tokens per step)"
+                "--hdp-global-batch-tokens and --global-batch-size / --rampup-batch-size / "
+                "--step-batch-size-schedule: give one of them (a token budget, or samples of "
+                "--seq-length tokens per step)"
             ]
         counted = [
             "--" + dest.replace("_", "-")
@@ -445,6 +441,8 @@ def _batch_problems(args: argparse.Namespace) -> list[str]:
                 "give --global-batch-size (samples of --seq-length tokens per step)"
             ]
         return []
+    if schedule is not None:  # megatron-core 0.19; Megatron-LM refuses it with the others
+        return _schedule_problems(args, schedule)
     if args.global_batch_size is None:
         if rampup is not None:
             return ["--rampup-batch-size needs --global-batch-size (the size after the ramp)"]
@@ -474,6 +472,37 @@ def _batch_problems(args: argparse.Namespace) -> list[str]:
                 "asserts"
             )
     return problems
+
+
+def _data_parallel(args: argparse.Namespace) -> tuple[int, int]:
+    """(world size, Megatron-LM's data-parallel size world / (TP x PP x CP))."""
+    world = int(getattr(args, "world_size", None) or os.environ.get("WORLD_SIZE", "1"))
+    model = (
+        args.tensor_model_parallel_size
+        * args.pipeline_model_parallel_size
+        * args.context_parallel_size
+    )
+    return world, max(1, world // model)
+
+
+def _schedule_problems(args: argparse.Namespace, schedule: str) -> list[str]:
+    """`--step-batch-size-schedule` as megatron-core 0.19 reads it, and its sizes as
+    multiples of Megatron-LM's data-parallel size (its sample counter asserts the size of
+    every step it reaches)."""
+    from megatron_hdp.data.batch_ramp import parse_step_schedule
+
+    try:
+        steps = parse_step_schedule(schedule, int(args.seq_length))
+    except ValueError as err:
+        return [str(err)]
+    world, data_parallel = _data_parallel(args)
+    return [
+        f"--step-batch-size-schedule: batch size {size} (from {threshold} samples) is not a "
+        f"multiple of Megatron-LM's data-parallel size {data_parallel} (world {world} / "
+        "(TP x PP x CP)), which its sample counter asserts"
+        for threshold, size in steps
+        if size % data_parallel
+    ]
 
 
 def pool_size(args: argparse.Namespace) -> int:

@@ -102,3 +102,52 @@ def test_the_sampler_fills_each_step_to_its_ramped_budget():
         total = sum(u.length for u in batch)
         assert budget - 32 < total <= budget, (step, total, budget)
     assert sampler.setup()["rampup"] == [2, 2, 30]
+
+
+SCHEDULES = ["0:4 2K:8 6K:12", "0:2,1K:6", "0:8", "4K:6 0:2 8.5K:10"]
+
+
+def _step_calculator(schedule, seq_length):
+    if not hasattr(calculator, "StepBatchsizeNumMicroBatchesCalculator"):
+        pytest.skip("this megatron-core has no --step-batch-size-schedule (0.16)")
+    return calculator.StepBatchsizeNumMicroBatchesCalculator(1, 1, False, 1, schedule, seq_length)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_the_step_schedule_is_megatron_cores_calculator(schedule):
+    """megatron-core 0.19's `--step-batch-size-schedule` (thresholds in tokens): the same
+    size every step as its calculator, asked in any order, and the same number of steps for
+    `--train-samples` as core_v0.19.0's `update_train_iters` loop."""
+    from megatron_hdp.data.batch_ramp import parse_step_schedule
+
+    calc = _step_calculator(schedule, 128)
+    steps = parse_step_schedule(schedule, 128)
+    assert list(steps) == calc.schedule
+    ramp = BatchRamp(steps[-1][1], seq_length=128, schedule=steps)
+    want, consumed = [], 0
+    for _ in range(40):
+        calc.update(consumed, consistency_check=False)
+        want.append(calc.get_current_global_batch_size())
+        consumed += want[-1]
+    assert [ramp.samples_of_step(i) for i in range(40)] == want
+    late = BatchRamp(steps[-1][1], seq_length=128, schedule=steps)
+    assert [late.tokens_of_step(i) for i in (39, 5, 0)] == [128 * want[i] for i in (39, 5, 0)]
+    for train_samples in (1, 17, 64, 203):
+        iterations = consumed = 0
+        while consumed < train_samples:  # core_v0.19.0 training.py update_train_iters
+            calc.update(consumed, consistency_check=False)
+            consumed += calc.get_current_global_batch_size()
+            iterations += 1
+        assert ramp.train_iters(train_samples) == iterations, train_samples
+
+
+@pytest.mark.parametrize(
+    "schedule,word",
+    [("1K:4 2K:8", "first threshold"), ("0:4 0:8", "strictly"), ("0:4 x", "THRESHOLD"),
+     ("0:0", "positive"), ("0:a", "not a number")],
+)  # fmt: skip
+def test_a_bad_step_schedule_is_refused_naming_it(schedule, word):
+    from megatron_hdp.data.batch_ramp import parse_step_schedule
+
+    with pytest.raises(ValueError, match=word):
+        parse_step_schedule(schedule, 128)
