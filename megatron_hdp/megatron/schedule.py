@@ -175,7 +175,11 @@ def _pipeline_grad_sync(model_chunk, batches: list[LocalBatch]):
 
 
 def hdp_forward_backward(
-    runtime: StepRuntime, cfg: GPTConfig, *, empty_report: Callable[[], dict] | None = None
+    runtime: StepRuntime,
+    cfg: GPTConfig,
+    *,
+    empty_report: Callable[[], dict] | None = None,
+    moe_tracker_scale: Callable[[], float] | None = None,
 ) -> Callable:
     """Collective: a forward/backward function for Megatron-LM's `train_step` (HDP plans).
 
@@ -188,6 +192,9 @@ def hdp_forward_backward(
     (default `{"lm loss": zeros(2)}`), since Megatron-LM's `train_step` reads the keys of
     the first report and all-reduces each; with `--overlap-param-gather` it first runs the
     parameter all-gathers its skipped forward would have run (`gather_params_if_idle`).
+    With experts, `moe_tracker_scale()` (if given) is the factor the routers multiply their
+    losses by in Megatron's MoE loss tracker (`moe.MoEMicroBatch.tracker_scale`): Megatron-LM
+    passes its micro-batch count, which its `training_log` divides the tracked sums by.
     """
     warm_up_pool(runtime)
 
@@ -269,7 +276,9 @@ def hdp_forward_backward(
         # Summed on the device as Megatron's own schedules do: no host read per micro-batch.
         num_tokens = torch.zeros((), dtype=torch.int64, device=runtime.device)
         aux_grad_scale = 1.0
+        tracker_scale = None
         if cfg.num_experts is not None and not forward_only:
+            tracker_scale = None if moe_tracker_scale is None else float(moe_tracker_scale())
             # Megatron's finish divides every gradient by the global loss-token count; the MoE
             # load-balancing loss is already normalised (moe.py), so its gradient is scaled up.
             prepared = None if step.local is None else (step.local, step.read_error)
@@ -294,6 +303,7 @@ def hdp_forward_backward(
                             pad=sequence_parallel_pad(batch, cfg),
                             global_batch_tokens=step.plan.total_tokens(),
                             aux_grad_scale=aux_grad_scale,
+                            tracker_scale=tracker_scale,
                         )
                     )
                 with contextlib.nullcontext() if sync_here else no_sync():

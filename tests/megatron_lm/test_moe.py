@@ -1,0 +1,64 @@
+"""Mixture-of-experts through Megatron-LM's `pretrain_gpt.py --hdp`, on 1 and 2 CPU ranks.
+
+The reference is the same flags on one rank (world 1: no pool, no ring, no expert
+parallelism): single-process training. Two ranks as a pool of 2 with rings (capacity 256
+splits every document over 256 tokens) and as one replica of TP 2 with sequence parallelism
+and the experts split over both ranks (EP 2, alltoall) log the same losses and gradient
+norms at every step: the load-balancing loss and the z-loss are normalised over the global
+batch, and the expert biases move alike (the biases change the routing of step 2 on).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.megatron_lm.harness import MEGATRON_CPU, SHARED, run_megatron_lm
+
+MOE = [
+    "--num-experts", "4",
+    "--moe-router-topk", "2",
+    "--moe-ffn-hidden-size", "64",
+    "--moe-aux-loss-coeff", "1e-2",
+    "--moe-z-loss-coeff", "1e-3",
+    "--moe-router-enable-expert-bias",
+    "--moe-router-bias-update-rate", "0.1",
+    "--moe-router-score-function", "sigmoid",
+    "--moe-token-dispatcher-type", "alltoall",
+]  # fmt: skip
+
+RUN = ["--train-iters", "3", "--global-batch-size", "8", "--eval-iters", "0"]
+RUN += ["--eval-interval", "1000", "--hdp"]
+
+
+def _close(got, want, rel=1e-6):
+    assert len(got) == len(want) > 0, (got, want)
+    for g, w in zip(got, want, strict=True):
+        assert g == pytest.approx(w, rel=rel), (got, want)
+
+
+@pytest.mark.parametrize(
+    "model, layout",
+    [
+        ([], ["--hdp-capacity", "256"]),
+        (
+            # A shared expert, and experts in the first layer only (the second is dense).
+            ["--moe-shared-expert-intermediate-size", "64", "--moe-layer-freq", "[1,0]"],
+            [
+                *["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                *["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"],
+                *["--make-vocab-size-divisible-by", "64"],
+            ],
+        ),
+    ],
+    ids=["pool2-rings", "tp2-ep2-shared-freq"],
+)
+def test_moe_two_ranks_equal_one_rank(trees, data, model, layout):
+    """Three steps on 2 ranks log the losses and gradient norms of 1 rank."""
+    _, patched = trees
+    script = patched / "pretrain_gpt.py"
+    flags = [*SHARED, *MEGATRON_CPU, *MOE, *model, *RUN, "--data-path", data]
+    one = run_megatron_lm(script, 1, flags)  # vocabulary padded to 384 as with TP 2 x 64
+    two = run_megatron_lm(script, 2, [*flags, *layout], timeout_s=240)
+    assert [i for i, _, _ in two["train"]] == [1, 2, 3]
+    _close([r[1] for r in two["train"]], [r[1] for r in one["train"]])
+    _close([r[2] for r in two["train"]], [r[2] for r in one["train"]])
