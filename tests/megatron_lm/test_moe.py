@@ -10,6 +10,8 @@ batch, and the expert biases move alike (the biases change the routing of step 2
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.megatron_lm.harness import MEGATRON_CPU, SHARED, run_megatron_lm
@@ -52,13 +54,31 @@ def _close(got, want, rel=1e-6):
     ],
     ids=["pool2-rings", "tp2-ep2-shared-freq"],
 )
-def test_moe_two_ranks_equal_one_rank(trees, data, model, layout):
-    """Three steps on 2 ranks log the losses and gradient norms of 1 rank."""
+def test_moe_two_ranks_equal_one_rank(trees, data, capfd, model, layout):
+    """Three steps on 2 ranks log the losses and gradient norms of 1 rank.
+
+    Megatron-LM's own log line shows the same MoE losses too (`training_log`, from
+    Megatron's MoE loss tracker, printed with 7 digits).
+    """
     _, patched = trees
     script = patched / "pretrain_gpt.py"
     flags = [*SHARED, *MEGATRON_CPU, *MOE, *model, *RUN, "--data-path", data]
+    capfd.readouterr()
     one = run_megatron_lm(script, 1, flags)  # vocabulary padded to 384 as with TP 2 x 64
+    logged_one = _moe_losses(capfd.readouterr().out)
     two = run_megatron_lm(script, 2, [*flags, *layout], timeout_s=240)
+    logged_two = _moe_losses(capfd.readouterr().out)
     assert [i for i, _, _ in two["train"]] == [1, 2, 3]
     _close([r[1] for r in two["train"]], [r[1] for r in one["train"]])
     _close([r[2] for r in two["train"]], [r[2] for r in one["train"]])
+    for name in ("load_balancing_loss", "z_loss"):
+        assert len(logged_one[name]) == 3 and all(v > 0 for v in logged_one[name]), logged_one
+        _close(logged_two[name], logged_one[name], rel=2e-6)
+
+
+def _moe_losses(out: str) -> dict[str, list[float]]:
+    """The MoE losses of every iteration line Megatron-LM printed, by name."""
+    return {
+        name: [float(v) for v in re.findall(rf"\| {name}: (\S+) \|", out)]
+        for name in ("load_balancing_loss", "z_loss")
+    }
