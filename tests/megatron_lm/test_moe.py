@@ -6,6 +6,7 @@ splits every document over 256 tokens) and as one replica of TP 2 with sequence 
 and the experts split over both ranks (EP 2, alltoall) log the same losses and gradient
 norms at every step: the load-balancing loss and the z-loss are normalised over the global
 batch, and the expert biases move alike (the biases change the routing of step 2 on).
+With the MoE flags `pretrain_hdp.py` knows too, both entry points log the same losses.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 
 import pytest
 
+from tests.e2e.harness import run_pretrain
 from tests.megatron_lm.harness import MEGATRON_CPU, SHARED, run_megatron_lm
 
 MOE = [
@@ -82,3 +84,25 @@ def _moe_losses(out: str) -> dict[str, list[float]]:
         name: [float(v) for v in re.findall(rf"\| {name}: (\S+) \|", out)]
         for name in ("load_balancing_loss", "z_loss")
     }
+
+
+def test_moe_losses_equal_pretrain_hdp(trees, data):
+    """The MoE flags both entry points know: `pretrain_hdp.py`'s losses and gradient norms.
+
+    Two ranks, rings of 2, the load-balancing loss on (`pretrain_hdp.py` has no z-loss or
+    expert bias).
+    """
+    _, patched = trees
+    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64"]
+    moe += ["--moe-aux-loss-coeff", "1e-2", "--moe-token-dispatcher-type", "alltoall"]
+    flags = [*SHARED, *moe, "--data-path", data, "--train-iters", "2"]
+    flags += ["--global-batch-size", "8", "--hdp-capacity", "256"]
+    ran = run_megatron_lm(
+        patched / "pretrain_gpt.py",
+        2,
+        [*flags, *MEGATRON_CPU, "--eval-iters", "0", "--eval-interval", "1000", "--hdp"],
+    )
+    reference = run_pretrain(2, [*flags, "--no-progress-bar"])
+    assert max(r["max_ranks_per_sequence"] for r in reference) == 2  # rings ran
+    _close([r[1] for r in ran["train"]], [r["loss"] for r in reference])
+    _close([r[2] for r in ran["train"]], [r["grad_norm"] for r in reference])
