@@ -327,8 +327,9 @@ def moe_batch_info(
     `pad` tokens were appended for sequence parallelism; `aux_grad_scale` multiplies the
     gradient of the aux loss (the drop-in's Megatron finish divides every gradient by the
     global loss-token count afterwards); `tracker_scale` (None: no logging) puts the losses
-    into Megatron's MoE loss tracker (`moe.MoEMicroBatch`). The segment ids and document lengths are built on
-    the host and reach the device in one non-blocking copy (`host_copy`).
+    into Megatron's MoE loss tracker (`moe.MoEMicroBatch`). The segment ids and document
+    lengths are built on the host and reach the device in one non-blocking copy
+    (`host_copy`).
     """
     local = batch.shard.local_doc_lengths()
     num_docs = len(batch.full_doc_lengths)

@@ -58,7 +58,11 @@ _REFUSED = (
         "--moe-token-dispatcher-type flex: DeepEP / HybridEP dispatch is GPU-only and not wired "
         "with --hdp; use alltoall or allgather",
     ),
-    ("moe_enable_deepep", bool, "--moe-enable-deepep: DeepEP (flex dispatch) is not wired with --hdp"),
+    (
+        "moe_enable_deepep",
+        bool,
+        "--moe-enable-deepep: DeepEP (flex dispatch) is not wired with --hdp",
+    ),
     (
         "overlap_moe_expert_parallel_comm",
         bool,
@@ -122,7 +126,7 @@ def moe_fields(args: argparse.Namespace) -> dict:
 
 
 def moe_layer_pattern(args: argparse.Namespace) -> list[int]:
-    """1 for each layer with experts, 0 for a dense one (`--moe-layer-freq`, as Megatron reads it)."""
+    """1 for each layer with experts, 0 for a dense one (`--moe-layer-freq`, Megatron's way)."""
     freq = getattr(args, "moe_layer_freq", 1)
     if isinstance(freq, int):
         return [int(i % freq == 0) for i in range(args.num_layers)]

@@ -44,9 +44,7 @@ def _body(rank, world_size):
         router.train()
         # Two documents (4 + 3 tokens here) and PAD sequence-parallel pad tokens (row 2).
         segments = torch.tensor([0] * 4 + [1] * 3 + [2] * PAD)
-        batch = MoEMicroBatch(
-            segment_ids=segments, doc_lengths=[4, 3], global_tokens=GLOBAL_TOKENS
-        )
+        batch = MoEMicroBatch(segment_ids=segments, doc_lengths=[4, 3], global_tokens=GLOBAL_TOKENS)
         x = torch.randn(TOKENS + PAD, 1, HIDDEN)
         with moe_micro_batch(batch):
             probs, routing_map = router(x)

@@ -61,7 +61,9 @@ REFUSED = {
     # Mixture-of-experts settings HDP cannot make exact (or has not wired), each with experts.
     "--moe-grouped-gemm": ["--num-experts", "4", "--moe-grouped-gemm"],
     "--moe-expert-capacity-factor": ["--num-experts", "4", "--moe-expert-capacity-factor", "1"],
-    "--moe-token-dispatcher-type flex": ["--num-experts", "4", "--moe-token-dispatcher-type", "flex"],
+    "--moe-token-dispatcher-type flex": [
+        *["--num-experts", "4", "--moe-token-dispatcher-type", "flex"],
+    ],
     "--moe-input-jitter-eps": ["--num-experts", "4", "--moe-input-jitter-eps", "0.01"],
     "--moe-router-load-balancing-type seq_aux_loss": [
         *["--num-experts", "4", "--moe-router-load-balancing-type", "seq_aux_loss"],
@@ -112,7 +114,8 @@ def test_moe_settings_hdp_runs_pass_the_checks(trees, monkeypatch):
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     moe = ["--num-experts", "4", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"]
     moe += ["--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"]
-    moe += ["--moe-token-dispatcher-type", "alltoall", "--moe-shared-expert-intermediate-size", "64"]
+    moe += ["--moe-token-dispatcher-type", "alltoall"]
+    moe += ["--moe-shared-expert-intermediate-size", "64"]
     moe += ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     moe += ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
     args = _parse_and_validate(monkeypatch, [*BASE, "--hdp", *moe], world_size=4)
