@@ -170,10 +170,4 @@ def moe_refusals(args: argparse.Namespace) -> list[str]:
             "all-to-all across them cannot run in lock step)"
             + (f"; give --expert-tensor-parallel-size {tp // ep}" if tp % ep == 0 else "")
         )
-    if args.pipeline_model_parallel_size > 1:
-        problems.append(
-            "--num-experts with --pipeline-model-parallel-size > 1: HDP's schedule under "
-            "Megatron-LM's pretrain() runs experts without pipeline parallelism yet "
-            "(pretrain_hdp.py runs both)"
-        )
     return problems

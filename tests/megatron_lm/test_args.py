@@ -73,9 +73,6 @@ REFUSED = {
     ],
     # EP across replicas (TP 1, a pool of 2): the all-to-all would need them in lock step.
     "--expert-model-parallel-size": ["--num-experts", "4", "--expert-model-parallel-size", "2"],
-    "--num-experts with --pipeline-model-parallel-size": [
-        *["--num-experts", "4", "--pipeline-model-parallel-size", "2"],
-    ],
     "--spec": ["--spec", "my.module", "spec"],
     "--hdp-global-batch-tokens": ["--hdp-global-batch-tokens", "2048", "--global-batch-size", "8"],
     "--seq-length": ["--hdp-capacity", "100"],  # 512 tokens > 2 ranks x 100

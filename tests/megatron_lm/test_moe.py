@@ -53,8 +53,10 @@ def _close(got, want, rel=1e-6):
                 *["--make-vocab-size-divisible-by", "64"],
             ],
         ),
+        # Pipeline stages of one layer each: each stage's router tracks its own layer.
+        ([], ["--pipeline-model-parallel-size", "2"]),
     ],
-    ids=["pool2-rings", "tp2-ep2-shared-freq"],
+    ids=["pool2-rings", "tp2-ep2-shared-freq", "pp2"],
 )
 def test_moe_two_ranks_equal_one_rank(trees, data, capfd, model, layout):
     """Three steps on 2 ranks log the losses and gradient norms of 1 rank.
