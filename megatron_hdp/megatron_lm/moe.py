@@ -10,7 +10,8 @@ layout give the loss and gradients of single-process training (`megatron.moe`):
 - the expert-bias counts (`--moe-router-enable-expert-bias`) leave HDP's pad tokens out;
 - experts are parallel inside one replica: `--expert-model-parallel-size` x
   `--expert-tensor-parallel-size` = `--tensor-model-parallel-size` (replicas run different
-  numbers of micro-batches, so an all-to-all across them cannot run in lock step).
+  numbers of micro-batches, and rings at different positions, so an all-to-all across them
+  cannot run in lock step; `moe_refusals` says why in full).
 
 `moe_refusals(args)` names every MoE flag of a launch that cannot be made exact (or is not
 wired), with the reason; `args.check_args` adds them to the launch's one message. Imports
@@ -166,8 +167,13 @@ def moe_refusals(args: argparse.Namespace) -> list[str]:
         problems.append(
             f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} must "
             f"equal --tensor-model-parallel-size {tp} with --hdp: experts are parallel inside "
-            "one replica (HDP's replicas run different numbers of micro-batches, so an "
-            "all-to-all across them cannot run in lock step)"
+            "one replica. Across replicas the token dispatcher's all-to-all pairs the i-th "
+            "micro-batch of every rank of an EP group, but HDP's plan gives pool ranks "
+            "different numbers of micro-batches (the ranks with fewer would leave the others "
+            "waiting in the all-to-all) and puts a ring's micro-batch at different positions "
+            "on its members (one member in the ring's attention exchange while its EP peer "
+            "waits in an all-to-all: a deadlock); running them needs empty padding "
+            "micro-batches and ring-aligned positions per EP group, not built yet"
             + (f"; give --expert-tensor-parallel-size {tp // ep}" if tp % ep == 0 else "")
         )
     return problems
