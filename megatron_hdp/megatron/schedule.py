@@ -32,11 +32,13 @@ import weakref
 from collections.abc import Callable
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
 from megatron_hdp.data.batching import LocalBatch
 from megatron_hdp.data.iterator import HDPDataIterator, HDPGlobalBatch
+from megatron_hdp.megatron.ep_lockstep import lockstep_slots, padding_batch, padding_moe_info
 from megatron_hdp.megatron.grad_sync import OrderedGradSync, sync_in_backward
 from megatron_hdp.megatron.model import GPTConfig
 from megatron_hdp.megatron.moe import moe_micro_batch
@@ -201,10 +203,38 @@ def hdp_forward_backward(
     """
     warm_up_pool(runtime)
 
+    def _experts_across_replicas() -> bool:
+        """Whether an EP group spans pool ranks (its all-to-all needs lock step)."""
+        if cfg.num_experts is None:
+            return False
+        ep = parallel_state.get_expert_model_parallel_world_size()
+        etp = parallel_state.get_expert_tensor_parallel_world_size()
+        return ep * etp > cfg.tensor_model_parallel_size
+
     def zero_report() -> dict:
         if empty_report is not None:
             return empty_report()
         return {"lm loss": torch.zeros(2, device=runtime.device)}
+
+    def _with_padding(step, batches, padding: set[int]) -> list[LocalBatch]:
+        """Collective over the EP group: `batches` in this rank's lock-step slots.
+
+        Padding batches (`ep_lockstep`) fill the gaps; their ids go into `padding`.
+        """
+        rank = torch.distributed.get_rank(runtime.group)
+        slots = lockstep_slots(
+            step.plan, rank, parallel_state.get_expert_model_parallel_group(), runtime.device
+        )
+        if sum(slots) != len(batches):
+            raise RuntimeError(
+                f"pool rank {rank} has {len(batches)} micro-batches but {sum(slots)} plan slots"
+            )
+        real, out = iter(batches), []
+        for used in slots:
+            out.append(next(real) if used else padding_batch(rank, runtime.device))
+            if not used:
+                padding.add(id(out[-1]))
+        return out
 
     def _moe_inputs(step, forward_only, config):
         """This rank's batches, and the factory of each one's `moe.MoEMicroBatch` (or None).
@@ -228,8 +258,13 @@ def hdp_forward_backward(
             if cfg.pipeline_model_parallel_size > 1 and config.grad_scale_func is not None:
                 unit = torch.ones(1, device=runtime.device)
                 aux_grad_scale *= float(config.grad_scale_func(unit).item())
+        padding: set[int] = set()
+        if _experts_across_replicas():
+            batches = _with_padding(step, batches, padding)
 
         def info(batch, megatron_dict):
+            if id(batch) in padding:
+                return padding_moe_info(batch, step.plan.total_tokens(), tracker_scale)
             return moe_batch_info(
                 batch,
                 megatron_dict["packed_seq_params"],

@@ -8,10 +8,11 @@ layout give the loss and gradients of single-process training (`megatron.moe`):
   (`--moe-z-loss-coeff`) is the mean over the global batch's tokens (Megatron takes both per
   micro-batch, and HDP's micro-batches differ per layout);
 - the expert-bias counts (`--moe-router-enable-expert-bias`) leave HDP's pad tokens out;
-- experts are parallel inside one replica: `--expert-model-parallel-size` x
-  `--expert-tensor-parallel-size` = `--tensor-model-parallel-size` (replicas run different
-  numbers of micro-batches, and rings at different positions, so an all-to-all across them
-  cannot run in lock step; `moe_refusals` says why in full).
+- experts are parallel inside one replica (`--expert-model-parallel-size` x
+  `--expert-tensor-parallel-size` = `--tensor-model-parallel-size`), or across replicas
+  with TP 1 and expert TP 1: replicas run different numbers of micro-batches, and rings at
+  different positions, so the drop-in's schedule pads each EP group's micro-batches to lock
+  step for the dispatcher's all-to-all (`megatron.ep_lockstep`).
 
 `moe_refusals(args)` names every MoE flag of a launch that cannot be made exact (or is not
 wired), with the reason; `args.check_args` adds them to the launch's one message. Imports
@@ -122,6 +123,9 @@ def moe_fields(args: argparse.Namespace) -> dict:
         "moe_ffn_hidden_size": args.moe_ffn_hidden_size,
         "moe_aux_loss_coeff": aux_loss_coeff(args),
         "expert_model_parallel_size": args.expert_model_parallel_size,
+        "experts_across_replicas": (
+            args.tensor_model_parallel_size == 1 and args.expert_model_parallel_size > 1
+        ),
         "moe_token_dispatcher_type": args.moe_token_dispatcher_type,
     }
 
@@ -163,17 +167,13 @@ def moe_refusals(args: argparse.Namespace) -> list[str]:
         )
     tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
     etp = args.expert_tensor_parallel_size or tp  # Megatron-LM's default: TP
-    if ep * etp != tp:
+    if ep * etp != tp and not (tp == 1 and etp == 1):
         problems.append(
             f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} must "
-            f"equal --tensor-model-parallel-size {tp} with --hdp: experts are parallel inside "
-            "one replica. Across replicas the token dispatcher's all-to-all pairs the i-th "
-            "micro-batch of every rank of an EP group, but HDP's plan gives pool ranks "
-            "different numbers of micro-batches (the ranks with fewer would leave the others "
-            "waiting in the all-to-all) and puts a ring's micro-batch at different positions "
-            "on its members (one member in the ring's attention exchange while its EP peer "
-            "waits in an all-to-all: a deadlock); running them needs empty padding "
-            "micro-batches and ring-aligned positions per EP group, not built yet"
+            f"equal --tensor-model-parallel-size {tp} with --hdp (experts inside one "
+            "replica), or TP and expert TP must be 1 (experts across replicas: each EP group "
+            "pads its micro-batches to lock step, `megatron.ep_lockstep`); an expert grid "
+            "spanning TP ranks and replicas at once is not built"
             + (f"; give --expert-tensor-parallel-size {tp // ep}" if tp % ep == 0 else "")
         )
     return problems

@@ -71,8 +71,11 @@ REFUSED = {
     "--overlap-moe-expert-parallel-comm": [
         *["--num-experts", "4", "--overlap-moe-expert-parallel-comm"],
     ],
-    # EP across replicas (TP 1, a pool of 2): the all-to-all would need them in lock step.
-    "--expert-model-parallel-size": ["--num-experts", "4", "--expert-model-parallel-size", "2"],
+    # An expert grid over TP ranks and replicas at once (TP 1, expert TP 2, EP 2).
+    "--expert-model-parallel-size": [
+        *["--num-experts", "4", "--expert-model-parallel-size", "2"],
+        *["--expert-tensor-parallel-size", "2"],
+    ],
     "--spec": ["--spec", "my.module", "spec"],
     "--hdp-global-batch-tokens": ["--hdp-global-batch-tokens", "2048", "--global-batch-size", "8"],
     "--seq-length": ["--hdp-capacity", "100"],  # 512 tokens > 2 ranks x 100

@@ -55,8 +55,19 @@ def _close(got, want, rel=1e-6):
         ),
         # Pipeline stages of one layer each: each stage's router tracks its own layer.
         ([], ["--pipeline-model-parallel-size", "2"]),
+        # Experts across the 2 replicas (TP 1): rings and packs, uneven micro-batch counts.
+        ([], ["--expert-model-parallel-size", "2", "--hdp-capacity", "256"]),
+        # The Mixtral recipe's layout, scaled down to 4 ranks: EP 2 over replicas, PP 2.
+        (
+            [],
+            [
+                *["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+                *["--use-distributed-optimizer", "--overlap-grad-reduce"],
+                *["--overlap-param-gather", "--hdp-capacity", "256"],
+            ],
+        ),
     ],
-    ids=["pool2-rings", "tp2-ep2-shared-freq", "pp2"],
+    ids=["pool2-rings", "tp2-ep2-shared-freq", "pp2", "ep2-across-replicas", "ep2-pp2-4ranks"],
 )
 def test_moe_two_ranks_equal_one_rank(trees, data, capfd, model, layout):
     """Three steps on 2 ranks log the losses and gradient norms of 1 rank.
@@ -70,7 +81,8 @@ def test_moe_two_ranks_equal_one_rank(trees, data, capfd, model, layout):
     capfd.readouterr()
     one = run_megatron_lm(script, 1, flags)  # vocabulary padded to 384 as with TP 2 x 64
     logged_one = _moe_losses(capfd.readouterr().out)
-    two = run_megatron_lm(script, 2, [*flags, *layout], timeout_s=240)
+    world = 4 if "--use-distributed-optimizer" in layout else 2  # EP 2 x PP 2
+    two = run_megatron_lm(script, world, [*flags, *layout], timeout_s=300)
     logged_two = _moe_losses(capfd.readouterr().out)
     assert [i for i, _, _ in two["train"]] == [1, 2, 3]
     _close([r[1] for r in two["train"]], [r[1] for r in one["train"]])
