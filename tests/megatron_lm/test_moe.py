@@ -55,8 +55,12 @@ def _close(got, want, rel=1e-6):
         ),
         # Pipeline stages of one layer each: each stage's router tracks its own layer.
         ([], ["--pipeline-model-parallel-size", "2"]),
-        # Experts across the 2 replicas (TP 1): rings and packs, uneven micro-batch counts.
-        ([], ["--expert-model-parallel-size", "2", "--hdp-capacity", "256"]),
+        # Experts across the 2 replicas (TP 1): rings and packs, uneven micro-batch counts,
+        # in training and in evaluation (padded alike).
+        (
+            ["--eval-iters", "1", "--eval-interval", "3"],
+            ["--expert-model-parallel-size", "2", "--hdp-capacity", "256"],
+        ),
         # The Mixtral recipe's layout, scaled down to 4 ranks: EP 2 over replicas, PP 2.
         (
             [],
@@ -77,7 +81,7 @@ def test_moe_two_ranks_equal_one_rank(trees, data, capfd, model, layout):
     """
     _, patched = trees
     script = patched / "pretrain_gpt.py"
-    flags = [*SHARED, *MEGATRON_CPU, *MOE, *model, *RUN, "--data-path", data]
+    flags = [*SHARED, *MEGATRON_CPU, *MOE, *RUN, *model, "--data-path", data]
     capfd.readouterr()
     one = run_megatron_lm(script, 1, flags)  # vocabulary padded to 384 as with TP 2 x 64
     logged_one = _moe_losses(capfd.readouterr().out)
@@ -87,6 +91,8 @@ def test_moe_two_ranks_equal_one_rank(trees, data, capfd, model, layout):
     assert [i for i, _, _ in two["train"]] == [1, 2, 3]
     _close([r[1] for r in two["train"]], [r[1] for r in one["train"]])
     _close([r[2] for r in two["train"]], [r[2] for r in one["train"]])
+    if "--eval-iters" in model:
+        _close(two["valid"], one["valid"])
     for name in ("load_balancing_loss", "z_loss"):
         assert len(logged_one[name]) == 3 and all(v > 0 for v in logged_one[name]), logged_one
         _close(logged_two[name], logged_one[name], rel=2e-6)
