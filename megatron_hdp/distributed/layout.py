@@ -35,11 +35,13 @@ def moe_problems(
     dispatcher: str = "allgather",
     pp: int = 1,
     bias: bool = False,
+    across_replicas: bool = False,
 ) -> list[str]:
     """What is wrong with an MoE set-up (empty: nothing), one message per bad value.
 
     `bias`: the linear layers have biases (Megatron's default), which Megatron's experts
-    support only whole on one rank (expert TP = TP / EP = 1).
+    support only whole on one rank (expert TP = TP / EP = 1). `across_replicas`: TP 1 and
+    the experts split over pool ranks (the drop-in's lock-step padding, `ep_lockstep`).
     """
     problems = []
     if ep < 1:
@@ -54,7 +56,9 @@ def moe_problems(
         return problems
     if not 1 <= topk <= num_experts:
         problems.append(f"moe_router_topk {topk} must lie in [1, num_experts={num_experts}]")
-    if tp % ep:
+    if across_replicas and tp != 1:
+        problems.append(f"experts across replicas need tensor_model_parallel_size 1, got {tp}")
+    elif tp % ep and not across_replicas:
         problems.append(
             f"expert_model_parallel_size {ep} must divide tensor_model_parallel_size {tp}: "
             "experts are parallel inside one replica (EP folded onto its TP ranks), because "

@@ -115,6 +115,9 @@ class GPTConfig:
     expert_model_parallel_size: int = 1
     """Ranks the experts are split over, inside one replica: a divisor of the TP size
     (--expert-model-parallel-size)."""
+    experts_across_replicas: bool = False
+    """TP 1 with the experts split over pool ranks (EP over replicas): only the Megatron-LM
+    drop-in runs it, padding each EP group's micro-batches to lock step (`ep_lockstep`)."""
     moe_token_dispatcher_type: str = "allgather"
     """How tokens reach the experts of other EP ranks: "allgather" or "alltoall"
     (--moe-token-dispatcher-type)."""
@@ -174,6 +177,7 @@ class GPTConfig:
             dispatcher=self.moe_token_dispatcher_type,
             pp=self.pipeline_model_parallel_size,
             bias=self.add_bias_linear,
+            across_replicas=self.experts_across_replicas,
         ):
             raise ValueError(problem)
         if self.moe_aux_loss_coeff < 0:
@@ -214,6 +218,8 @@ class GPTConfig:
     @property
     def expert_tensor_parallel_size(self) -> int:
         """TP ranks each expert is split over: TP / EP (EP x ETP = the replica's TP ranks)."""
+        if self.experts_across_replicas:
+            return 1
         return self.tensor_model_parallel_size // self.expert_model_parallel_size
 
     @property

@@ -16,6 +16,17 @@ ring's members (point-to-point, in the pool group), those of tokens split over t
 by sequence parallelism over the TP group. Pad tokens (sequence-parallel padding) count
 for nothing. T counts every token of the global batch (loss mask or not).
 
+**The z-loss is per token** (ST-MoE's router z-loss, `--moe-z-loss-coeff`). Megatron takes
+the mean of `logsumexp(logits)^2` over the tokens of a micro-batch; HDP takes it over the
+tokens of the global batch, `coeff / T * sum_t logsumexp(logits_t)^2`, which is a sum of
+per-token terms and needs no count from any other rank. Pad tokens count for nothing.
+
+**The expert-bias counts leave the pad tokens out** (`--moe-router-enable-expert-bias`):
+Megatron adds every routed token of the step to `local_tokens_per_expert` and sums the
+counts over the stage (TP x DP x CP, which is the HDP pool x TP) in `finalize_model_grads`
+before it moves the biases; without the sequence-parallel pad tokens those counts are the
+global batch's whatever the layout, so every layout moves the biases alike.
+
 **Experts are initialised by their global index**, so a model built with any EP size (and
 any TP size) has the same experts: each expert draws its weights from a generator seeded
 by one number drawn for the layer plus its global index, and the layer consumes that one
@@ -57,6 +68,10 @@ class MoEMicroBatch:
         aux_loss: Sum of this rank's aux-loss terms so far (all layers), for logging: a
             float64 device scalar once a layer has added to it (never read here).
         device_doc_lengths: `doc_lengths` on the device (int64); None: made when needed.
+        tracker_scale: None: the losses are not logged to Megatron's MoE loss tracker;
+            else the factor each rank's share is multiplied by there (Megatron-LM's
+            `training_log` divides the tracked sums by its micro-batch count: the drop-in
+            passes that count, so the log shows the global batch's loss per MoE layer).
     """
 
     segment_ids: torch.Tensor
@@ -66,6 +81,7 @@ class MoEMicroBatch:
     aux_grad_scale: float = 1.0
     aux_loss: torch.Tensor | float = field(default=0.0)
     device_doc_lengths: torch.Tensor | None = None
+    tracker_scale: float | None = None
 
 
 _CURRENT: contextvars.ContextVar[MoEMicroBatch | None] = contextvars.ContextVar(
@@ -141,19 +157,8 @@ class SequenceAuxLossRouter(TopKRouter):
         coeff = self.get_aux_loss_coeff("aux_loss")
         if coeff == 0:
             return probs
-        batch = _CURRENT.get()
-        if batch is None:
-            raise RuntimeError(
-                "an MoE layer computed its load-balancing loss outside an HDP micro-batch "
-                "(wrap the forward in moe_micro_batch)"
-            )
-        rows = scores_for_aux_loss.shape[0]
-        segments = batch.segment_ids
-        if self.config.sequence_parallel:
-            tp_rank = dist.get_rank(self.tp_group)
-            segments = segments[tp_rank * rows : (tp_rank + 1) * rows]
-        if segments.numel() != rows:
-            raise RuntimeError(f"the router saw {rows} tokens, the micro-batch has {len(segments)}")
+        batch = _current("load-balancing loss")
+        segments = self._local_segments(batch, scores_for_aux_loss.shape[0])
         num_docs = len(batch.doc_lengths)
         device = scores_for_aux_loss.device
         # Row num_docs gathers the pad tokens' terms and is dropped: each document's row
@@ -175,7 +180,80 @@ class SequenceAuxLossRouter(TopKRouter):
         aux_loss = (prob_sums * weights).sum()
         # Summed on the device in float64, as a host float would be: no read per layer.
         batch.aux_loss = batch.aux_loss + aux_loss.detach().double()
+        self._track(batch, "load_balancing_loss", aux_loss / coeff)
         return _AttachAuxLoss.apply(probs, aux_loss, batch.aux_grad_scale)
+
+    def apply_z_loss(self, logits: torch.Tensor, padding_mask=None) -> torch.Tensor:
+        """Megatron's router z-loss over the tokens of the global batch (module docstring).
+
+        `coeff / T * sum_t logsumexp(logits_t)^2` over this rank's real tokens; its
+        gradient goes in with the micro-batch's `aux_grad_scale`. Only in training with
+        gradients on, as Megatron's. Collective over nothing.
+        """
+        coeff = self.config.moe_z_loss_coeff
+        if coeff is None or not (self.training and torch.is_grad_enabled()):
+            return logits
+        batch = _current("z-loss")
+        segments = self._local_segments(batch, logits.shape[0])
+        real = (segments < len(batch.doc_lengths)).to(logits.dtype)
+        squares = torch.square(torch.logsumexp(logits, dim=-1))
+        z_loss = (squares * real).sum() * (coeff / batch.global_tokens)
+        if coeff:
+            self._track(batch, "z_loss", z_loss / coeff)
+        return _AttachAuxLoss.apply(logits, z_loss, batch.aux_grad_scale)
+
+    def _apply_expert_bias(self, routing_map: torch.Tensor, padding_mask=None) -> None:
+        """Megatron's expert-bias token counts, without the pad tokens (module docstring)."""
+        if not (self.enable_expert_bias and torch.is_grad_enabled()):
+            return
+        batch = _current("expert-bias token counts")
+        segments = self._local_segments(batch, routing_map.shape[0])
+        with torch.no_grad():
+            real = (segments < len(batch.doc_lengths))[:, None]
+            self.local_tokens_per_expert += (routing_map & real).sum(dim=0)
+
+    def _local_segments(self, batch: MoEMicroBatch, rows: int) -> torch.Tensor:
+        """The document index of each of the `rows` tokens this rank's router sees.
+
+        With sequence parallelism the router sees this TP rank's share of the micro-batch.
+        """
+        segments = batch.segment_ids
+        if self.config.sequence_parallel:
+            tp_rank = dist.get_rank(self.tp_group)
+            segments = segments[tp_rank * rows : (tp_rank + 1) * rows]
+        if segments.numel() != rows:
+            raise RuntimeError(f"the router saw {rows} tokens, the micro-batch has {len(segments)}")
+        return segments
+
+    def _track(self, batch: MoEMicroBatch, name: str, share: torch.Tensor) -> None:
+        """Add this rank's share of a loss to Megatron's MoE loss tracker (if logging).
+
+        The shares of all ranks of the stage sum to the global batch's loss: the tracker
+        sums them over the stage (TP x DP x CP) when Megatron-LM logs, with no DP average.
+        """
+        if batch.tracker_scale is None:
+            return
+        from megatron.core.transformer.moe.moe_utils import save_to_aux_losses_tracker
+
+        save_to_aux_losses_tracker(
+            name,
+            share.detach().float() * batch.tracker_scale,
+            self.layer_number,
+            self.config.num_layers,
+            reduce_group=self.tp_dp_cp_group,
+            reduce_group_has_dp=True,
+        )
+
+
+def _current(what: str) -> MoEMicroBatch:
+    """The micro-batch the MoE routers run (`moe_micro_batch`); RuntimeError outside one."""
+    batch = _CURRENT.get()
+    if batch is None:
+        raise RuntimeError(
+            f"an MoE layer computed its {what} outside an HDP micro-batch (wrap the forward "
+            "in moe_micro_batch)"
+        )
+    return batch
 
 
 class GlobalIndexSequentialMLP(SequentialMLP):

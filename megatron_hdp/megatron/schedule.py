@@ -16,9 +16,10 @@ cannot be run here; these pieces follow its contracts and are tested against a
   `config.grad_scale_func`, as Megatron's schedules do: `--fp16`), and calls
   `config.finalize_model_grads_func(model, num_tokens)`, which all-reduces the gradients
   and the token count over the pool and divides by it. Needs `calculate_per_token_loss`.
-  With pipeline parallelism it hands this rank's micro-batches to Megatron-Core's own 1F1B
-  schedule instead (every stage gets the same batch dicts; the plan must be lock-step,
-  `scheduler.plan.lockstep_problems`), which calls the finish itself. Your `forward_step`
+  With pipeline parallelism (experts too) it hands this rank's micro-batches to
+  Megatron-Core's own 1F1B schedule instead (every stage gets the same batch dicts; the
+  plan must be lock-step, `scheduler.plan.lockstep_problems`), which calls the finish
+  itself. Your `forward_step`
   must pass `packed_seq_params` to the model on every stage (HDP attention needs the
   token layout and the ring on each), unlike Megatron-LM's stock `get_batch`, which
   returns nothing on the middle stages.
@@ -27,15 +28,18 @@ cannot be run here; these pieces follow its contracts and are tested against a
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
 from megatron_hdp.data.batching import LocalBatch
 from megatron_hdp.data.iterator import HDPDataIterator, HDPGlobalBatch
+from megatron_hdp.megatron.ep_lockstep import lockstep_slots, padding_batch, padding_moe_info
 from megatron_hdp.megatron.grad_sync import OrderedGradSync, sync_in_backward
 from megatron_hdp.megatron.model import GPTConfig
 from megatron_hdp.megatron.moe import moe_micro_batch
@@ -194,7 +198,11 @@ def _loss_scale(config, device: torch.device) -> float:
 
 
 def hdp_forward_backward(
-    runtime: StepRuntime, cfg: GPTConfig, *, empty_report: Callable[[], dict] | None = None
+    runtime: StepRuntime,
+    cfg: GPTConfig,
+    *,
+    empty_report: Callable[[], dict] | None = None,
+    moe_tracker_scale: Callable[[], float] | None = None,
 ) -> Callable:
     """Collective: a forward/backward function for Megatron-LM's `train_step` (HDP plans).
 
@@ -202,25 +210,91 @@ def hdp_forward_backward(
     on every rank of `runtime.group`: it warms the pool up (`warm_up_pool`) before any
     ring exchange. The returned function is collective over `runtime.group` (rings within
     it, one gradient sync over all of it), and with pipeline parallelism over
-    `runtime.pipeline_group` too.
+    `runtime.pipeline_group` too (experts included: each forward of Megatron's 1F1B runs
+    inside its micro-batch's router info, `moe.moe_micro_batch`).
     A rank that runs no micro-batch in a step (HDP allows it) returns `[empty_report()]`
     (default `{"lm loss": zeros(2)}`), since Megatron-LM's `train_step` reads the keys of
     the first report and all-reduces each; with `--overlap-param-gather` it first runs the
     parameter all-gathers its skipped forward would have run (`gather_params_if_idle`).
+    With experts, `moe_tracker_scale()` (if given) is the factor the routers multiply their
+    losses by in Megatron's MoE loss tracker (`moe.MoEMicroBatch.tracker_scale`): Megatron-LM
+    passes its micro-batch count, which its `training_log` divides the tracked sums by.
     """
     warm_up_pool(runtime)
+
+    def _experts_across_replicas() -> bool:
+        """Whether an EP group spans pool ranks (its all-to-all needs lock step)."""
+        if cfg.num_experts is None:
+            return False
+        ep = parallel_state.get_expert_model_parallel_world_size()
+        etp = parallel_state.get_expert_tensor_parallel_world_size()
+        return ep * etp > cfg.tensor_model_parallel_size
 
     def zero_report() -> dict:
         if empty_report is not None:
             return empty_report()
         return {"lm loss": torch.zeros(2, device=runtime.device)}
 
-    def _pipelined(step, model_chunk, forward_step_func, forward_only, force_all_reduce):
-        if cfg.num_experts is not None:
-            raise ValueError(
-                "the drop-in schedule does not run experts with pipeline parallelism yet "
-                "(pretrain_hdp.py does)"
+    def _with_padding(step, batches, padding: set[int]) -> list[LocalBatch]:
+        """Collective over the EP group: `batches` in this rank's lock-step slots.
+
+        Padding batches (`ep_lockstep`) fill the gaps; their ids go into `padding`.
+        """
+        rank = torch.distributed.get_rank(runtime.group)
+        slots = lockstep_slots(
+            step.plan, rank, parallel_state.get_expert_model_parallel_group(), runtime.device
+        )
+        if sum(slots) != len(batches):
+            raise RuntimeError(
+                f"pool rank {rank} has {len(batches)} micro-batches but {sum(slots)} plan slots"
             )
+        real, out = iter(batches), []
+        for used in slots:
+            out.append(next(real) if used else padding_batch(rank, runtime.device))
+            if not used:
+                padding.add(id(out[-1]))
+        return out
+
+    def _moe_inputs(step, forward_only, config):
+        """This rank's batches, and the factory of each one's `moe.MoEMicroBatch` (or None).
+
+        Collective over `runtime.group` with experts in training (the loss-token count).
+        Megatron's finish divides every gradient by the global loss-token count; the MoE
+        load-balancing loss and z-loss are already normalised (`moe.py`), so their gradient
+        is scaled up by that count and by the loss scale of `config.grad_scale_func`
+        (`--fp16`), as the LM loss is on both paths.
+        """
+        if cfg.num_experts is None:
+            return _local(step, runtime), None
+        aux_grad_scale, tracker_scale = 1.0, None
+        if forward_only:
+            batches = _local(step, runtime)
+        else:
+            tracker_scale = None if moe_tracker_scale is None else float(moe_tracker_scale())
+            prepared = None if step.local is None else (step.local, step.read_error)
+            batches, loss_tokens = read_and_count(step.plan, step.source, runtime, prepared)
+            # The LM loss is back-propagated times the optimizer's loss scale on both paths
+            # (`_scaled` here, Megatron's 1F1B with PP): the MoE losses get it too.
+            aux_grad_scale = float(loss_tokens) * _loss_scale(config, runtime.device)
+        padding: set[int] = set()
+        if _experts_across_replicas():
+            batches = _with_padding(step, batches, padding)
+
+        def info(batch, megatron_dict):
+            if id(batch) in padding:
+                return padding_moe_info(batch, step.plan.total_tokens(), tracker_scale)
+            return moe_batch_info(
+                batch,
+                megatron_dict["packed_seq_params"],
+                pad=sequence_parallel_pad(batch, cfg),
+                global_batch_tokens=step.plan.total_tokens(),
+                aux_grad_scale=aux_grad_scale,
+                tracker_scale=tracker_scale,
+            )
+
+        return batches, info
+
+    def _pipelined(step, model_chunk, forward_step_func, forward_only, force_all_reduce):
         if runtime.pipeline_group is None:
             raise ValueError(
                 "with pipeline parallelism the StepRuntime needs pipeline_group (the layout's "
@@ -229,9 +303,21 @@ def hdp_forward_backward(
         problems = lockstep_problems(step.plan)
         if problems:
             raise ValueError(f"the plan cannot run on pipelines in lock step: {problems[0]}")
-        batches = _local(step, runtime)
+        batches, moe_info = _moe_inputs(step, forward_only, get_model_config(model_chunk))
         if not batches:
             gather_params_if_idle(model_chunk)
+        dicts = [megatron_batch(b, cfg, runtime) for b in batches]
+        if moe_info is not None:
+            # Megatron's 1F1B calls forward_step_func once per micro-batch, in order, on
+            # every stage: each call runs its forward inside its micro-batch's router info.
+            infos = iter([moe_info(b, d) for b, d in zip(batches, dicts, strict=True)])
+            user_forward_step = forward_step_func
+
+            @functools.wraps(user_forward_step)
+            def forward_step_func(*args, **kwargs):
+                with moe_micro_batch(next(infos)):
+                    return user_forward_step(*args, **kwargs)
+
         schedule = get_forward_backward_func(pp_size=cfg.pipeline_model_parallel_size)
         with contextlib.ExitStack() as stack:
             if forward_only:
@@ -240,7 +326,7 @@ def hdp_forward_backward(
                 stack.enter_context(_pipeline_grad_sync(model_chunk, batches))
             reports = schedule(
                 forward_step_func=forward_step_func,
-                data_iterator=iter([megatron_batch(b, cfg, runtime) for b in batches]),
+                data_iterator=iter(dicts),
                 model=[model_chunk],
                 num_microbatches=len(batches),
                 seq_length=1,  # shapes travel with every tensor (variable_seq_lengths)
@@ -296,15 +382,7 @@ def hdp_forward_backward(
         reports = []
         # Summed on the device as Megatron's own schedules do: no host read per micro-batch.
         num_tokens = torch.zeros((), dtype=torch.int64, device=runtime.device)
-        aux_grad_scale = 1.0
-        if cfg.num_experts is not None and not forward_only:
-            # Megatron's finish divides every gradient by the global loss-token count; the MoE
-            # load-balancing loss is already normalised (moe.py), so its gradient is scaled up.
-            prepared = None if step.local is None else (step.local, step.read_error)
-            batches, loss_tokens = read_and_count(step.plan, step.source, runtime, prepared)
-            aux_grad_scale = float(loss_tokens) * _loss_scale(config, runtime.device)
-        else:
-            batches = _local(step, runtime)
+        batches, moe_info = _moe_inputs(step, forward_only, config)
         no_sync = config.no_sync_func or contextlib.nullcontext
         overlap = _overlapped(model_chunk) and not forward_only
         if overlap:
@@ -314,16 +392,8 @@ def hdp_forward_backward(
             for batch, sync_here in zip(batches, starts_sync, strict=True):
                 megatron_dict = megatron_batch(batch, cfg, runtime)
                 routers = contextlib.nullcontext()
-                if cfg.num_experts is not None:
-                    routers = moe_micro_batch(
-                        moe_batch_info(
-                            batch,
-                            megatron_dict["packed_seq_params"],
-                            pad=sequence_parallel_pad(batch, cfg),
-                            global_batch_tokens=step.plan.total_tokens(),
-                            aux_grad_scale=aux_grad_scale,
-                        )
-                    )
+                if moe_info is not None:
+                    routers = moe_micro_batch(moe_info(batch, megatron_dict))
                 with contextlib.nullcontext() if sync_here else no_sync():
                     with routers:
                         output, loss_func = forward_step_func(iter([megatron_dict]), model_chunk)

@@ -382,13 +382,16 @@ def moe_batch_info(
     pad: int,
     global_batch_tokens: int,
     aux_grad_scale: float = 1.0,
+    tracker_scale: float | None = None,
 ) -> MoEMicroBatch:
     """What the MoE routers need to compute the per-sequence aux loss of `batch`.
 
     `pad` tokens were appended for sequence parallelism; `aux_grad_scale` multiplies the
     gradient of the aux loss (the drop-in's Megatron finish divides every gradient by the
-    global loss-token count afterwards). The segment ids and document lengths are built on
-    the host and reach the device in one non-blocking copy (`host_copy`).
+    global loss-token count afterwards); `tracker_scale` (None: no logging) puts the losses
+    into Megatron's MoE loss tracker (`moe.MoEMicroBatch`). The segment ids and document
+    lengths are built on the host and reach the device in one non-blocking copy
+    (`host_copy`).
     """
     local = batch.shard.local_doc_lengths()
     num_docs = len(batch.full_doc_lengths)
@@ -409,6 +412,7 @@ def moe_batch_info(
         global_tokens=global_batch_tokens,
         ring=ring,
         aux_grad_scale=aux_grad_scale,
+        tracker_scale=tracker_scale,
     )
 
 

@@ -19,6 +19,7 @@ import os
 from megatron_hdp.data.sampler import parse_split
 from megatron_hdp.errors import one_message
 from megatron_hdp.megatron.arguments import add_hdp_args
+from megatron_hdp.megatron_lm.moe import moe_refusals
 
 logger = logging.getLogger(__name__)
 
@@ -125,12 +126,6 @@ _REFUSED_MEGATRON = (
     ("use_legacy_models", bool, "--use-legacy-models: HDP runs Megatron-Core's GPTModel"),
     ("spec", lambda v: v is not None, "--spec: HDP sets the layer spec (HDP core attention)"),
     ("yaml_cfg", lambda v: v is not None, "--yaml-cfg: give the flags on the command line"),
-    (
-        "num_experts",
-        lambda v: v is not None,
-        "--num-experts: experts run under pretrain_hdp.py and the drop-in schedule, not yet "
-        "through Megatron-LM's pretrain()",
-    ),
     ("mtp_num_layers", lambda v: v is not None, "--mtp-num-layers: not supported with HDP"),
     ("multi_latent_attention", bool, "--multi-latent-attention: HDP attention is MHA/GQA"),
     (
@@ -377,6 +372,7 @@ def _refusals(args: argparse.Namespace, flags: dict) -> list[str]:
     for dest, refused, message in _REFUSED_MEGATRON:
         if dest in args and refused(getattr(args, dest)):
             problems.append(f"{message} (with --hdp)")
+    problems += [f"{message} (with --hdp)" for message in moe_refusals(args)]
     if getattr(args, "dataloader_type", None) not in (None, "external"):
         problems.append(
             f"--dataloader-type {args.dataloader_type}: --hdp brings its own data iterator "

@@ -153,7 +153,12 @@ class _Schedule:
             check_plans=args.hdp_check_plans,
             seed=args.seed,
         )
-        self.schedule = hdp_forward_backward(self.runtime, cfg)
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        # Megatron-LM's training_log divides the MoE loss tracker by its micro-batch count.
+        self.schedule = hdp_forward_backward(
+            self.runtime, cfg, moe_tracker_scale=get_num_microbatches
+        )
 
     def __call__(self, *, data_iterator, **kwargs):
         """Collective over the HDP pool (and the pipeline): one step of HDP micro-batches."""

@@ -13,10 +13,15 @@ the GPU from its CUDA RNG tracker: still equal on every replica, but not `pretra
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
 
 import torch
 
 from megatron_hdp.megatron.model import GPTConfig
+from megatron_hdp.megatron_lm.moe import moe_fields, moe_layer_pattern
+
+logger = logging.getLogger(__name__)
 
 
 def gpt_config(args: argparse.Namespace, vocab_size: int | None = None) -> GPTConfig:
@@ -51,6 +56,7 @@ def gpt_config(args: argparse.Namespace, vocab_size: int | None = None) -> GPTCo
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
         fp8=getattr(args, "fp8", None) is not None,
+        **moe_fields(args),
     )
 
 
@@ -66,7 +72,11 @@ def _layer_specs(args: argparse.Namespace, cfg: GPTConfig):
     from megatron_hdp.megatron.model import hdp_block_spec
 
     if args.transformer_impl == "local":
-        return hdp_block_spec(cfg)
+        block = hdp_block_spec(cfg)
+        if cfg.num_experts is not None:
+            dense = hdp_block_spec(_dense(cfg)).layer_specs[0]
+            block.layer_specs = _moe_or_dense(args, cfg, block.layer_specs[0], dense)
+        return block
     if args.transformer_impl != "transformer_engine":
         raise ValueError(f"--transformer-impl {args.transformer_impl} is not supported with --hdp")
     from megatron.core.extensions.transformer_engine import TENorm
@@ -76,10 +86,48 @@ def _layer_specs(args: argparse.Namespace, cfg: GPTConfig):
     from megatron_hdp.megatron.core_attention import HDPCoreAttention
     from megatron_hdp.megatron.model import SeededTransformerLayer
 
-    spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
-    spec.module = SeededTransformerLayer
-    spec.submodules.self_attention.submodules.core_attention = HDPCoreAttention
-    return TransformerBlockSubmodules(layer_specs=[spec] * cfg.layers_per_stage, layer_norm=TENorm)
+    def te_spec(num_experts):
+        spec = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=cfg.qk_layernorm
+        )
+        spec.module = SeededTransformerLayer
+        spec.submodules.self_attention.submodules.core_attention = HDPCoreAttention
+        if num_experts is not None:
+            _hdp_experts(spec)
+        return spec
+
+    layers = [te_spec(None)] * cfg.layers_per_stage
+    if cfg.num_experts is not None:
+        logger.warning(
+            "--hdp: experts in Transformer Engine's layer spec are unverified (no TE here to "
+            "test them); --transformer-impl local is the tested path"
+        )
+        layers = _moe_or_dense(args, cfg, te_spec(cfg.num_experts), layers[0])
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=TENorm)
+
+
+def _hdp_experts(spec) -> None:
+    """HDP's router and globally indexed experts in an MoE layer spec (as `hdp_layer_spec`)."""
+    from megatron_hdp.megatron import compat
+    from megatron_hdp.megatron.moe import GlobalIndexSequentialMLP, SequenceAuxLossRouter
+
+    moe = compat.submodules_of(spec.submodules.mlp)
+    moe.router = SequenceAuxLossRouter
+    moe.experts = compat.with_module(moe.experts, GlobalIndexSequentialMLP)
+
+
+def _dense(cfg: GPTConfig) -> GPTConfig:
+    """`cfg` without experts: the shape of the dense layers of `--moe-layer-freq`."""
+    return dataclasses.replace(cfg, num_experts=None, expert_model_parallel_size=1)
+
+
+def _moe_or_dense(args, cfg: GPTConfig, moe_spec, dense_spec) -> list:
+    """This stage's layer specs: `moe_spec` where `--moe-layer-freq` puts experts."""
+    from megatron.core import parallel_state
+
+    first = parallel_state.get_pipeline_model_parallel_rank() * cfg.layers_per_stage
+    pattern = moe_layer_pattern(args)[first : first + cfg.layers_per_stage]
+    return [moe_spec if experts else dense_spec for experts in pattern]
 
 
 def hdp_gpt_builder(
