@@ -383,6 +383,7 @@ class Trainer:
                     "cache_dir": cfg.cache_dir or DEFAULT_CACHE,
                 },
                 keep=2 * self.args.hdp_prefetch_depth + 4,
+                lengths=[d.sequence_lengths for d in self.data.datasets],
                 timeout_s=timeout_s,
                 save=self.args.save,
             )

@@ -3,15 +3,16 @@
 Both are plain classes; `client.start_service` runs them as Ray actors. Imports Ray only
 inside the planner's methods that start or hand out other actors and objects.
 
-- `SourceLoader` opens one source (`sources.open_source`: an indexed dataset, or raw JSONL
-  that it tokenizes) and serves token ranges. It holds no stream position: which units a
-  step reads is the planner's decision, so a replacement reads exactly what the dead one
-  would have, and no document is skipped or read twice.
+- `SourceLoader` opens one part of a source (`sources.open_source`: a contiguous range of
+  its documents) and serves token ranges of it. It holds no stream position: which units
+  a step reads is the planner's decision, so a replacement reads exactly what the dead
+  one would have, and no document is skipped or read twice.
 - `PlannerActor` owns the job's sampler: it draws each global batch and plans it once, for
   all ranks, and keeps the last few in Ray's object store for the ranks to fetch. It also
-  supervises the loaders: `loaders` per source as the spec says, plus one warm *shadow*
-  per source (opened, idle) that takes over when a loader dies, after which a new shadow
-  is started. The service's resumable state is the sampler's (a few integers per stream):
+  supervises the loaders: `loaders` per source as the spec says, each owning one of the
+  source's token-balanced document ranges (`sources.token_partition`), plus one warm
+  *shadow* per source (opened on the whole source, idle) that takes over the part of a
+  loader that dies, after which a new shadow is started. The service's resumable state is the sampler's (a few integers per stream):
   checkpoints store it, and a resumed job starts the planner from it.
 """
 
@@ -22,22 +23,28 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from megatron_hdp.data.sources import lengths_digest, open_source
+from megatron_hdp.data.sources import lengths_digest, open_source, token_partition
 from megatron_hdp.data.spec import SourceSpec
 
 logger = logging.getLogger(__name__)
 
 
 class SourceLoader:
-    """Reads token ranges of one source (runs as a Ray actor)."""
+    """Reads token ranges of documents `[first, end)` of one source (runs as a Ray actor).
 
-    def __init__(self, source: SourceSpec, open_args: dict) -> None:
-        self.source = source
-        self.reader = open_source(source, **open_args)
+    `docs=None`: the whole source (a shadow, which can take over any part).
+    """
 
-    def ready(self) -> str:
-        """The digest of its source's document lengths, once open (a start-up barrier)."""
-        return lengths_digest(self.reader)
+    def __init__(self, source: SourceSpec, open_args: dict, docs=None) -> None:
+        self.source, self.docs = source, docs
+        self.reader = open_source(source, **open_args, docs=docs)
+
+    def ready(self) -> np.ndarray:
+        """The lengths of the documents it owns, once open (a start-up barrier)."""
+        lengths = np.asarray(self.reader.sequence_lengths, dtype=np.int64)
+        if self.docs is None or len(lengths) == self.docs[1] - self.docs[0]:
+            return lengths  # the whole source, or a reader that holds only its part
+        return lengths[self.docs[0] : self.docs[1]]
 
     def read(self, requests: Sequence[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
         """Tokens of `(doc, offset, length)` requests, concatenated, and each one's length."""
@@ -59,6 +66,8 @@ class PlannerActor:
         sources: The data spec's sources (or one per dataset of a `--data-path` blend).
         open_args: How loaders open a source (`open_source` keywords).
         keep: Batches kept for ranks that are behind (older ones are dropped).
+        lengths: Each source's document lengths (what the ranks planned with): they cut
+            the sources into the loaders' token-balanced parts.
     """
 
     def __init__(
@@ -68,6 +77,7 @@ class PlannerActor:
         sources: Sequence[SourceSpec],
         open_args: dict,
         keep: int,
+        lengths: Sequence,
     ) -> None:
         import ray
 
@@ -78,16 +88,24 @@ class PlannerActor:
         self.first = self.produced
         self.batches: dict[int, object] = {}
         self.replacements = 0
-        self.loaders = [[self._start(k) for _ in range(s.loaders)] for k, s in enumerate(sources)]
-        self.shadows = [self._start(k) for k in range(len(sources))]
-        self.digests = [
-            sorted(set(ray.get([h.ready.remote() for h in [*group, shadow]])))
-            for group, shadow in zip(self.loaders, self.shadows, strict=True)
+        self.bounds = [
+            token_partition(n, s.loaders) for n, s in zip(lengths, self.sources, strict=True)
         ]
+        self.loaders = [
+            [self._start(k, (int(b[i]), int(b[i + 1]))) for i in range(len(b) - 1)]
+            for k, b in enumerate(self.bounds)
+        ]
+        self.shadows = [self._start(k) for k in range(len(sources))]
+        self.digests = []
+        for group, shadow in zip(self.loaders, self.shadows, strict=True):
+            parts = ray.get([h.ready.remote() for h in group])
+            whole = ray.get(shadow.ready.remote())
+            self.digests.append(sorted({lengths_digest(_Lengths(np.concatenate(parts))),
+                                        lengths_digest(_Lengths(whole))}))  # fmt: skip
 
-    def _start(self, source: int):
+    def _start(self, source: int, docs=None):
         loader = self._ray.remote(SourceLoader).options(num_cpus=0, max_restarts=0)
-        return loader.remote(self.sources[source], self.open_args)
+        return loader.remote(self.sources[source], self.open_args, docs)
 
     def batch(self, step: int) -> list:
         """`[ref]` to `(units, plan, sampler state after it)` of the 1-based batch `step`.
@@ -112,6 +130,10 @@ class PlannerActor:
         """The serving loaders of every source (a list per source)."""
         return self.loaders
 
+    def partitions(self) -> list[list[int]]:
+        """Per source, the document boundaries of its loaders' parts (`token_partition`)."""
+        return [b.tolist() for b in self.bounds]
+
     def replace_loader(self, source: int, slot: int, dead_id: str):
         """The loader now serving `slot` of `source`, after one that died (`dead_id`).
 
@@ -133,9 +155,17 @@ class PlannerActor:
         return replacement
 
     def source_digests(self) -> list[list[str]]:
-        """Per source, the distinct length digests its loaders opened (one when they agree)."""
+        """Per source, the distinct length digests its loaders (their parts together) and its
+        shadow opened (one when they agree)."""
         return self.digests
 
     def status(self) -> dict:
         """Batches planned, the first one, and loader replacements so far."""
         return {"produced": self.produced, "first": self.first, "replaced": self.replacements}
+
+
+class _Lengths:
+    """Document lengths in the shape `lengths_digest` reads."""
+
+    def __init__(self, lengths: np.ndarray) -> None:
+        self.sequence_lengths = lengths
