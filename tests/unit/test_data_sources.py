@@ -174,3 +174,17 @@ def test_token_partition_cuts_contiguous_balanced_ranges(parts):
         tokens = lengths[bounds[k] : bounds[k + 1]].sum()
         if parts <= 5:  # an even split, within one document either side
             assert abs(tokens - share) <= 2 * lengths.max()
+
+
+def test_a_ranks_requests_go_to_the_loader_that_owns_their_document():
+    from megatron_hdp.data.service.client import RayDataService
+
+    service = RayDataService.__new__(RayDataService)  # no Ray: only the routing
+    service.bounds = [np.asarray([0, 4, 9, 12]), np.asarray([0, 5])]
+    requests = [[(0, 0, 3), (11, 2, 5), (4, 0, 1), (3, 1, 1), (8, 0, 2)], [(4, 0, 2)]]
+    assert service._shares(requests) == {
+        (0, 0): [(0, 0, 3), (3, 1, 1)],
+        (0, 2): [(11, 2, 5)],
+        (0, 1): [(4, 0, 1), (8, 0, 2)],
+        (1, 0): [(4, 0, 2)],
+    }
