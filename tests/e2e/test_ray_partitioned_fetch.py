@@ -131,7 +131,7 @@ def test_partitioned_fetch_is_bit_identical_to_the_in_process_loader(
         feed = service.batches({"steps": 0})
         kill = counts == COUNTS[1]  # a loader of the JSONL-on-read source dies at step 2
         first, end = (int(b) for b in service.bounds[1][1:3]) if kill else (0, 0)
-        hit = False
+        hit, fetched = False, [0, 0, 0]
         for step in range(STEPS):
             if step == 1 and kill:
                 ray.kill(service.loaders[1][1], no_restart=True)
@@ -139,11 +139,28 @@ def test_partitioned_fetch_is_bit_identical_to_the_in_process_loader(
             hit |= step >= 1 and any(u.dataset == 1 and first <= u.doc < end for u in batch.units)
             for rank in (0, 1):
                 source = service.tokens(batch, rank, read_local)
+                for k, ranges in enumerate(source.datasets):
+                    fetched[k] += sum(len(piece) for piece in ranges.ranges.values())
                 assert _flat(read_local(batch.plan, source, rank)) == reference[step][rank], (
                     f"step {step + 1}, rank {rank}"
                 )
         replaced = ray.get(planner.status.remote())["replaced"]
         assert replaced == (1 if kill else 0)
         assert hit or not kill  # the killed loader's range was read after its death
+        stats = service.loader_stats()
+        assert [(r["source"], r["slot"], r["role"]) for r in stats] == [
+            *((s.name, slot, "loader") for s, n in zip(sources, counts) for slot in range(n)),
+            *((s.name, None, "shadow") for s in sources),
+        ]
+        if not kill:  # every token the ranks received was counted by the loader that sent it
+            for k, s in enumerate(sources):
+                served = [r for r in stats if r["source"] == s.name and r["role"] == "loader"]
+                assert sum(r["tokens"] for r in served) == fetched[k] > 0
+                assert all(tuple(r["docs"]) == bounds for r, bounds in zip(
+                    served, zip(service.bounds[k][:-1].tolist(), service.bounds[k][1:].tolist())
+                ))  # fmt: skip
+            syn = [r for r in stats if r["source"] == "syn" and r["tokens"] > 0]
+            assert all(r["cpu_s"] >= 2e-6 * r["tokens"] for r in syn)  # its declared CPU cost
+            assert all(r.get("uss", 1) > 0 and 0 <= r["busy_share"] <= 1 for r in stats)
     finally:
         ray.kill(planner, no_restart=True)

@@ -19,6 +19,7 @@ inside the planner's methods that start or hand out other actors and objects.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -38,6 +39,8 @@ class SourceLoader:
     def __init__(self, source: SourceSpec, open_args: dict, docs=None) -> None:
         self.source, self.docs = source, docs
         self.reader = open_source(source, **open_args, docs=docs)
+        self.started = time.perf_counter()
+        self.counts = {"reads": 0, "tokens": 0, "cpu_s": 0.0, "busy_s": 0.0}
 
     def ready(self) -> np.ndarray:
         """The lengths of the documents it owns, once open (a start-up barrier)."""
@@ -48,13 +51,35 @@ class SourceLoader:
 
     def read(self, requests: Sequence[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
         """Tokens of `(doc, offset, length)` requests, concatenated, and each one's length."""
+        wall, cpu = time.perf_counter(), time.process_time()
         parts = [
             np.asarray(self.reader.get(doc, offset=offset, length=length))
             for doc, offset, length in requests
         ]
         sizes = np.asarray([len(p) for p in parts], dtype=np.int64)
         tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+        self.counts["reads"] += 1
+        self.counts["tokens"] += len(tokens)
+        self.counts["cpu_s"] += time.process_time() - cpu
+        self.counts["busy_s"] += time.perf_counter() - wall
         return tokens, sizes
+
+    def stats(self) -> dict:
+        """What it has served and what it costs, measured in the actor's process.
+
+        `reads` and `tokens` served, `cpu_s` (process CPU seconds spent in reads), `busy_s`
+        (wall seconds in reads) and `busy_share` (of the seconds since it opened its
+        source), the documents it owns, and its process memory in bytes from psutil
+        (`uss`, `pss` where the platform has them, `rss`; absent without psutil).
+        """
+        alive = time.perf_counter() - self.started
+        out = {
+            **self.counts,
+            "busy_share": self.counts["busy_s"] / alive if alive > 0 else 0.0,
+            "docs": list(self.docs) if self.docs is not None else None,
+        }
+        out.update(process_memory())
+        return out
 
 
 class PlannerActor:
@@ -154,6 +179,29 @@ class PlannerActor:
         )
         return replacement
 
+    def loader_stats(self) -> list[dict]:
+        """Every loader's and shadow's `SourceLoader.stats`, with its source, slot and role.
+
+        A loader that does not answer (dead, not yet replaced) is listed with `error`.
+        """
+        ray = self._ray
+        actors = [
+            (s.name, slot, "loader", h)
+            for s, group in zip(self.sources, self.loaders, strict=True)
+            for slot, h in enumerate(group)
+        ] + [(s.name, None, "shadow", h) for s, h in zip(self.sources, self.shadows, strict=True)]
+        out = []
+        for (name, slot, role, handle), ref in zip(
+            actors, [a[3].stats.remote() for a in actors], strict=True
+        ):
+            record = {"source": name, "slot": slot, "role": role}
+            try:
+                record.update(ray.get(ref, timeout=30))
+            except ray.exceptions.RayError as err:
+                record["error"] = type(err).__name__
+            out.append(record)
+        return out
+
     def source_digests(self) -> list[list[str]]:
         """Per source, the distinct length digests its loaders (their parts together) and its
         shadow opened (one when they agree)."""
@@ -169,3 +217,13 @@ class _Lengths:
 
     def __init__(self, lengths: np.ndarray) -> None:
         self.sequence_lengths = lengths
+
+
+def process_memory() -> dict:
+    """This process's memory in bytes (`uss`, `pss`, `rss`, as psutil reports; {} without it)."""
+    try:
+        import psutil
+    except ImportError:
+        return {}
+    info = psutil.Process().memory_full_info()
+    return {k: int(getattr(info, k)) for k in ("uss", "pss", "rss") if hasattr(info, k)}

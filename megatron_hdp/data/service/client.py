@@ -258,6 +258,14 @@ class RayDataService:
             self.sentinel.close()
             self.sentinel = None
 
+    def loader_stats(self) -> list[dict]:
+        """Every source loader's and shadow's measurements (`PlannerActor.loader_stats`)."""
+        return _get(
+            self.planner.loader_stats.remote(),
+            timeout_s=self.timeout_s,
+            what="the data service's planner actor, asked for its loaders' measurements",
+        )
+
     def batches(self, state: dict) -> RemoteBatches:
         """The batches after the sampler state `state` (what a resume restored)."""
         return RemoteBatches(self.planner, state, timeout_s=self.timeout_s)
