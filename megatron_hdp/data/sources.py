@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -128,7 +129,7 @@ def lengths_index(files, *, json_key: str, tokenizer, cache_dir) -> dict[str, np
     start = time.perf_counter()
     index = _build_index(files, json_key, tokenizer)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
+    temporary = path.with_name(f"{path.stem}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp.npz")
     np.savez(temporary, **index)
     os.replace(temporary, path)
     logger.info(
@@ -266,9 +267,9 @@ def open_source(
     tokenizer=None,
     docs=None,
 ):
-    """Open one source for reading (an `IndexedDataset`, `JsonlTokens`, `JsonlOnRead` or
-    `SyntheticTokens`).
+    """Open one source for reading (an indexed dataset, JSONL or synthetic reader).
 
+    The reader is an `IndexedDataset`, `JsonlTokens`, `JsonlOnRead` or `SyntheticTokens`.
     JSONL text is tokenized with `tokenizer` if given (an object with `encode` and `eod`),
     else with the one `build_tokenizer(tokenizer_type, tokenizer_model=...)` builds.
     `docs=(first, end)`: a JSONL source tokenized when opened tokenizes only those

@@ -213,9 +213,7 @@ def _source(origin: str, index: int, raw, base: Path) -> SourceSpec:
         raise _fail(origin, f"sources[{index}] needs a 'name' without '/', got {name!r}")
     kinds = [k for k in ("path", "jsonl", "builtin", "synthetic") if raw.get(k) is not None]
     if len(kinds) != 1:
-        raise _fail(
-            origin, f"source {name!r} needs exactly one of path, jsonl, builtin, synthetic"
-        )
+        raise _fail(origin, f"source {name!r} needs exactly one of path, jsonl, builtin, synthetic")
     if kinds[0] != "jsonl" and ("tokenize" in raw or "json_key" in raw):
         raise _fail(origin, f"source {name!r}: tokenize and json_key are for jsonl sources")
     loaders = raw.get("loaders", 1)

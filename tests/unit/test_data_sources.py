@@ -112,9 +112,8 @@ def _synthetic_spec(**fields):
 
 def test_synthetic_documents_are_deterministic_and_charge_their_cpu_cost():
     source = _synthetic_spec(documents=20, min_tokens=5, max_tokens=50, seed=3, vocab=100)
-    a, b = open_source(source, tokenizer_type="ByteLevel", tokenizer_model=None, cache_dir=None), (
-        SyntheticTokens(source.synthetic_params)
-    )
+    a = open_source(source, tokenizer_type="ByteLevel", tokenizer_model=None, cache_dir=None)
+    b = SyntheticTokens(source.synthetic_params)
     assert len(a) == 20 and 5 <= a.sequence_lengths.min() and a.sequence_lengths.max() <= 50
     for doc in range(20):
         tokens = a.get(doc)
@@ -188,3 +187,22 @@ def test_a_ranks_requests_go_to_the_loader_that_owns_their_document():
         (0, 1): [(4, 0, 1), (8, 0, 2)],
         (1, 0): [(4, 0, 2)],
     }
+
+
+def test_a_synthetic_vocab_beyond_the_byte_tokenizer_is_refused_at_start(tmp_path):
+    import argparse
+
+    from megatron_hdp.megatron.validation import _check_data_spec
+
+    spec = tmp_path / "spec.json"
+    args = argparse.Namespace(
+        hdp_data_spec=str(spec), data_path=None, train_iters=5,
+        tokenizer_type="ByteLevel", data_cache_path=str(tmp_path),
+    )  # fmt: skip
+    for vocab in (257, 300):
+        spec.write_text(json.dumps({"sources": [{"name": "s", "synthetic": {"vocab": vocab}}]}))
+        if vocab == 257:
+            _check_data_spec(args)
+        else:
+            with pytest.raises(ValueError, match="source 's': synthetic vocab 300 .* \\(257\\)"):
+                _check_data_spec(args)

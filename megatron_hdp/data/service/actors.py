@@ -12,8 +12,9 @@ inside the planner's methods that start or hand out other actors and objects.
   supervises the loaders: `loaders` per source as the spec says, each owning one of the
   source's token-balanced document ranges (`sources.token_partition`), plus one warm
   *shadow* per source (opened on the whole source, idle) that takes over the part of a
-  loader that dies, after which a new shadow is started. The service's resumable state is the sampler's (a few integers per stream):
-  checkpoints store it, and a resumed job starts the planner from it.
+  loader that dies, after which a new shadow is started. The service's resumable state
+  is the sampler's (a few integers per stream): checkpoints store it, and a resumed job
+  starts the planner from it.
 """
 
 from __future__ import annotations
@@ -191,7 +192,7 @@ class PlannerActor:
             for slot, h in enumerate(group)
         ] + [(s.name, None, "shadow", h) for s, h in zip(self.sources, self.shadows, strict=True)]
         out = []
-        for (name, slot, role, handle), ref in zip(
+        for (name, slot, role, _), ref in zip(
             actors, [a[3].stats.remote() for a in actors], strict=True
         ):
             record = {"source": name, "slot": slot, "role": role}
@@ -203,8 +204,10 @@ class PlannerActor:
         return out
 
     def source_digests(self) -> list[list[str]]:
-        """Per source, the distinct length digests its loaders (their parts together) and its
-        shadow opened (one when they agree)."""
+        """Per source, the distinct length digests its loaders and its shadow opened.
+
+        The loaders' parts are put together: one digest when they all agree.
+        """
         return self.digests
 
     def status(self) -> dict:
