@@ -75,36 +75,55 @@ def jsonl_documents(
             an object, or lacks a string under `json_key`; naming the file if it cannot be
             read.
     """
+    for _, _, _, where, text in jsonl_spans(paths, json_key=json_key):
+        yield where, text
+
+
+def jsonl_text(raw: bytes, where: str, json_key: str) -> bytes:
+    """The UTF-8 text under `json_key` of one JSONL line `raw` (found at `where`).
+
+    Raises:
+        ValueError: Naming `where`, as `jsonl_documents` says.
+    """
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{where}: not valid UTF-8 ({exc.reason})") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not valid JSON ({exc.msg})") from exc
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if json_key not in record:
+        raise ValueError(f"{where}: no key {json_key!r}")
+    text = record[json_key]
+    if not isinstance(text, str):
+        raise ValueError(f"{where}: value of {json_key!r} is {type(text).__name__}, not a string")
+    return text.encode("utf-8")
+
+
+def jsonl_spans(
+    paths: str | Path | Iterable[str | Path], *, json_key: str = "text"
+) -> Iterator[tuple[int, int, int, str, bytes]]:
+    """`jsonl_documents` with where each document's line lies in its file.
+
+    Yields:
+        `(file index, first byte, byte after the line, "<file>:<line>", text)`.
+    """
     if isinstance(paths, str | Path):
         paths = [paths]
-    for path in paths:
+    for index, path in enumerate(paths):
         try:
             stream = open(path, "rb")
         except OSError as exc:
             raise ValueError(f"cannot read JSONL file {str(path)!r}: {exc.strerror}") from exc
         with stream:
+            position = 0
             for lineno, raw in enumerate(stream, start=1):
+                start, position = position, position + len(raw)
                 if not raw.strip():
                     continue
                 where = f"{path}:{lineno}"
-                try:
-                    record = json.loads(raw.decode("utf-8"))
-                except UnicodeDecodeError as exc:
-                    raise ValueError(f"{where}: not valid UTF-8 ({exc.reason})") from exc
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{where}: not valid JSON ({exc.msg})") from exc
-                if not isinstance(record, dict):
-                    raise ValueError(
-                        f"{where}: expected a JSON object, got {type(record).__name__}"
-                    )
-                if json_key not in record:
-                    raise ValueError(f"{where}: no key {json_key!r}")
-                text = record[json_key]
-                if not isinstance(text, str):
-                    raise ValueError(
-                        f"{where}: value of {json_key!r} is {type(text).__name__}, not a string"
-                    )
-                yield where, text.encode("utf-8")
+                yield index, start, position, where, jsonl_text(raw, where, json_key)
 
 
 def _visible_walk(root: Path) -> Iterator[tuple[str, list[str]]]:

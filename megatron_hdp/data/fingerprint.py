@@ -43,10 +43,14 @@ def dataset_fingerprint(prefix: str | os.PathLike) -> str:
     """`sha256:<hex>` of a dataset: the `.idx` and a sample of the `.bin` of `prefix`.
 
     A data spec's JSONL source (`jsonl:<file>,<file>`, as checkpoints name it) is
-    fingerprinted by a sample of each file.
+    fingerprinted by a sample of each file; a synthetic source (`synthetic:<parameters>`)
+    by its content parameters.
     """
     prefix = str(prefix)
     digest = hashlib.sha256()
+    if prefix.startswith("synthetic:"):  # its content is a function of its parameters
+        digest.update(prefix.encode())
+        return "sha256:" + digest.hexdigest()[:32]
     if prefix.startswith("jsonl:"):
         for name in prefix.removeprefix("jsonl:").split(","):
             _sample(Path(name), digest)

@@ -17,9 +17,14 @@ service both read it (`--hdp-data-spec FILE`)::
     }
 
 - A source is an indexed dataset (`path`: the prefix of a `.bin`/`.idx` pair), raw JSONL
-  text tokenized when it is opened (`jsonl`: one file or a list, `json_key`, default
-  "text"), or the embedded corpus (`builtin: "stdlib"`). `loaders` is how many source-loader
-  actors the Ray service runs for it (1 to 64, default 1; the in-process loader ignores it).
+  text (`jsonl`: one file or a list, `json_key`, default "text"; `tokenize`: "on_open",
+  the default, tokenizes it all when opened, "on_read" keeps a cached lengths index and
+  tokenizes each document when it is read), the embedded corpus (`builtin: "stdlib"`), or
+  deterministic synthetic documents with a declared cost per token read, for tests and
+  benchmarks (`synthetic: {documents, min_tokens, max_tokens, seed, vocab,
+  cpu_us_per_token, latency_us_per_token}`). `loaders` is how many source-loader actors
+  the Ray service runs for it (1 to 64, default 1; each holds a contiguous, token-balanced
+  range of the documents; the in-process loader ignores it).
 - `length_buckets` split every source's training sequences by length into streams named
   `source/bucket`: a sequence goes to the first bucket whose `max_tokens` it fits (the last
   bucket has no `max_tokens`). Without buckets each source is one stream.
@@ -46,7 +51,24 @@ from pathlib import Path
 #: Built-in sources a spec may name with `builtin`.
 BUILTIN_SOURCES = ("stdlib",)
 
-_SOURCE_KEYS = {"name", "path", "jsonl", "json_key", "builtin", "weight", "loaders"}
+_SOURCE_KEYS = {
+    "name", "path", "jsonl", "json_key", "tokenize", "builtin", "synthetic", "weight", "loaders"
+}  # fmt: skip
+#: When a JSONL source is tokenized: all of it when opened, or each document when read.
+TOKENIZE_MODES = ("on_open", "on_read")
+#: A synthetic source's fields and defaults (`cpu_us_per_token`, `latency_us_per_token`:
+#: the cost of each token read; they do not change the tokens).
+SYNTHETIC_DEFAULTS = {
+    "documents": 100,
+    "min_tokens": 16,
+    "max_tokens": 1024,
+    "seed": 0,
+    "vocab": 257,
+    "cpu_us_per_token": 0.0,
+    "latency_us_per_token": 0.0,
+}
+#: The synthetic fields that are costs, not content.
+SYNTHETIC_COSTS = ("cpu_us_per_token", "latency_us_per_token")
 _TOP_KEYS = {"sources", "length_buckets", "schedule"}
 
 #: Source-loader actors a source may ask for: each is a Ray actor holding the source open.
@@ -58,7 +80,7 @@ _EXPONENT_FORM = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE]
 
 @dataclass(frozen=True)
 class SourceSpec:
-    """One source of documents (exactly one of `path`, `jsonl`, `builtin` is set)."""
+    """One source of documents (exactly one of `path`, `jsonl`, `builtin`, `synthetic` is set)."""
 
     name: str
     weight: float
@@ -67,13 +89,22 @@ class SourceSpec:
     json_key: str = "text"
     builtin: str | None = None
     loaders: int = 1
+    tokenize: str = "on_open"
+    synthetic: tuple[tuple[str, float], ...] = ()
 
     @property
     def kind(self) -> str:
-        """The kind of source: indexed, jsonl or builtin."""
+        """The kind of source: indexed, jsonl, builtin or synthetic."""
         if self.builtin is not None:
             return "builtin"
+        if self.synthetic:
+            return "synthetic"
         return "indexed" if self.path else "jsonl"
+
+    @property
+    def synthetic_params(self) -> dict:
+        """A synthetic source's fields (defaults filled in)."""
+        return dict(self.synthetic)
 
 
 @dataclass(frozen=True)
@@ -180,9 +211,11 @@ def _source(origin: str, index: int, raw, base: Path) -> SourceSpec:
     name = raw.get("name")
     if not isinstance(name, str) or not name or "/" in name:
         raise _fail(origin, f"sources[{index}] needs a 'name' without '/', got {name!r}")
-    kinds = [k for k in ("path", "jsonl", "builtin") if raw.get(k) is not None]
+    kinds = [k for k in ("path", "jsonl", "builtin", "synthetic") if raw.get(k) is not None]
     if len(kinds) != 1:
-        raise _fail(origin, f"source {name!r} needs exactly one of path, jsonl, builtin")
+        raise _fail(origin, f"source {name!r} needs exactly one of path, jsonl, builtin, synthetic")
+    if kinds[0] != "jsonl" and ("tokenize" in raw or "json_key" in raw):
+        raise _fail(origin, f"source {name!r}: tokenize and json_key are for jsonl sources")
     loaders = raw.get("loaders", 1)
     if isinstance(loaders, bool) or not isinstance(loaders, int) or not 1 <= loaders <= MAX_LOADERS:
         raise _fail(
@@ -205,6 +238,9 @@ def _source(origin: str, index: int, raw, base: Path) -> SourceSpec:
                 f"got {raw['builtin']!r}",
             )
         return SourceSpec(name, weight, builtin=raw["builtin"], loaders=loaders)
+    if kinds[0] == "synthetic":
+        params = _synthetic(origin, name, raw["synthetic"])
+        return SourceSpec(name, weight, synthetic=params, loaders=loaders)
     if kinds[0] == "path":
         return SourceSpec(name, weight, path=resolve(raw["path"]), loaders=loaders)
     files = raw["jsonl"] if isinstance(raw["jsonl"], list) else [raw["jsonl"]]
@@ -213,9 +249,50 @@ def _source(origin: str, index: int, raw, base: Path) -> SourceSpec:
     key = raw.get("json_key", "text")
     if not isinstance(key, str) or not key:
         raise _fail(origin, f"source {name!r}: json_key must be a non-empty string")
+    tokenize = raw.get("tokenize", "on_open")
+    if tokenize not in TOKENIZE_MODES:
+        raise _fail(
+            origin, f"source {name!r}: tokenize must be one of {TOKENIZE_MODES}, got {tokenize!r}"
+        )
     return SourceSpec(
-        name, weight, jsonl=tuple(resolve(f) for f in files), json_key=key, loaders=loaders
+        name,
+        weight,
+        jsonl=tuple(resolve(f) for f in files),
+        json_key=key,
+        loaders=loaders,
+        tokenize=tokenize,
     )
+
+
+def _synthetic(origin: str, name: str, raw) -> tuple[tuple[str, float], ...]:
+    """A synthetic source's checked fields, defaults filled in, as sorted pairs."""
+    if not isinstance(raw, dict):
+        raise _fail(origin, f"source {name!r}: synthetic must be an object, got {raw!r}")
+    unknown = sorted(set(raw) - set(SYNTHETIC_DEFAULTS))
+    if unknown:
+        raise _fail(
+            origin,
+            f"source {name!r}: synthetic has unknown keys {unknown} "
+            f"(known: {sorted(SYNTHETIC_DEFAULTS)})",
+        )
+    params = {**SYNTHETIC_DEFAULTS, **raw}
+    for key, value in params.items():
+        if key in SYNTHETIC_COSTS:
+            params[key] = _weight(origin, f"source {name!r} synthetic {key}", value)
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise _fail(
+                origin, f"source {name!r}: synthetic {key} must be an integer >= 0, got {value!r}"
+            )
+    if params["documents"] < 1 or not 2 <= params["min_tokens"] <= params["max_tokens"]:
+        raise _fail(
+            origin,
+            f"source {name!r}: synthetic needs documents >= 1 and 2 <= min_tokens <= "
+            f"max_tokens, got {params['documents']}, {params['min_tokens']}, "
+            f"{params['max_tokens']}",
+        )
+    if params["vocab"] < 2:
+        raise _fail(origin, f"source {name!r}: synthetic vocab must be >= 2 (ids and the EOD)")
+    return tuple(sorted(params.items()))
 
 
 def _buckets(origin: str, raw) -> tuple[Bucket, ...]:

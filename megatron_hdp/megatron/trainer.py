@@ -385,6 +385,7 @@ class Trainer:
                     "cache_dir": cfg.cache_dir or DEFAULT_CACHE,
                 },
                 keep=2 * self.args.hdp_prefetch_depth + 4,
+                lengths=[d.sequence_lengths for d in self.data.datasets],
                 timeout_s=timeout_s,
                 save=self.args.save,
             )
@@ -586,6 +587,12 @@ class Trainer:
                 window.offload.append(record)
             if predictions is not None:
                 record.update(predictions)
+            if (
+                self.service is not None
+                and self.rank == 0
+                and (self.iteration % args.log_interval == 0 or self.iteration == args.train_iters)
+            ):  # the source loaders' measurements, on logging steps
+                record["data_service"] = self.service.loader_stats()
             if self.report.timeline_due(self.iteration):
                 with _writing("a step timeline (--hdp-timeline-interval)", None):
                     self.report.record_timeline(self.iteration, plan, result)

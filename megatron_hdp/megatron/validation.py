@@ -459,6 +459,14 @@ def _check_data_spec(args: argparse.Namespace) -> None:
                 check_readable_file(where, source.path + suffix)
         for path in source.jsonl:
             check_readable_file(where, path)
+        vocab = source.synthetic_params.get("vocab")
+        if vocab is not None and args.tokenizer_type == "ByteLevel" and vocab > 257:
+            raise ValueError(
+                f"{where} synthetic vocab {vocab} holds ids that the ByteLevel tokenizer's "
+                "vocabulary (257) does not"
+            )
+        if source.tokenize == "on_read":  # its lengths index is cached there
+            check_writable_folder("--data-cache-path", args.data_cache_path or str(Path.home()))
         if source.kind == "builtin":
             check_writable_folder("--data-cache-path", args.data_cache_path or str(Path.home()))
             if args.tokenizer_type != "ByteLevel":

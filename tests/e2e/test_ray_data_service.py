@@ -140,6 +140,14 @@ def test_ray_service_gives_the_in_process_batches_and_losses(spec_path, ray_clus
     steps = run_pretrain(2, _args(spec_path, spec_path.parent / "c1", extra=_ray(ray_cluster)))
     assert _units(steps) == _units(reference)
     assert _losses(steps) == _losses(reference)
+    # the loaders' measurements ride on every logged step's record (--log-interval 1)
+    last = steps[-1]["data_service"]
+    assert [(r["source"], r["slot"], r["role"]) for r in last] == [
+        ("indexed", 0, "loader"), ("docs", 0, "loader"), ("docs", 1, "loader"),
+        ("indexed", None, "shadow"), ("docs", None, "shadow"),
+    ]  # fmt: skip
+    assert all(r["tokens"] > 0 for r in last if r["role"] == "loader")  # both docs parts read
+    assert all(r["tokens"] == 0 for r in last if r["role"] == "shadow")
 
 
 KILLER = textwrap.dedent(

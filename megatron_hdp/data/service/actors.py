@@ -3,51 +3,84 @@
 Both are plain classes; `client.start_service` runs them as Ray actors. Imports Ray only
 inside the planner's methods that start or hand out other actors and objects.
 
-- `SourceLoader` opens one source (`sources.open_source`: an indexed dataset, or raw JSONL
-  that it tokenizes) and serves token ranges. It holds no stream position: which units a
-  step reads is the planner's decision, so a replacement reads exactly what the dead one
-  would have, and no document is skipped or read twice.
+- `SourceLoader` opens one part of a source (`sources.open_source`: a contiguous range of
+  its documents) and serves token ranges of it. It holds no stream position: which units
+  a step reads is the planner's decision, so a replacement reads exactly what the dead
+  one would have, and no document is skipped or read twice.
 - `PlannerActor` owns the job's sampler: it draws each global batch and plans it once, for
   all ranks, and keeps the last few in Ray's object store for the ranks to fetch. It also
-  supervises the loaders: `loaders` per source as the spec says, plus one warm *shadow*
-  per source (opened, idle) that takes over when a loader dies, after which a new shadow
-  is started. The service's resumable state is the sampler's (a few integers per stream):
-  checkpoints store it, and a resumed job starts the planner from it.
+  supervises the loaders: `loaders` per source as the spec says, each owning one of the
+  source's token-balanced document ranges (`sources.token_partition`), plus one warm
+  *shadow* per source (opened on the whole source, idle) that takes over the part of a
+  loader that dies, after which a new shadow is started. The service's resumable state
+  is the sampler's (a few integers per stream): checkpoints store it, and a resumed job
+  starts the planner from it.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from megatron_hdp.data.sources import lengths_digest, open_source
+from megatron_hdp.data.sources import lengths_digest, open_source, token_partition
 from megatron_hdp.data.spec import SourceSpec
 
 logger = logging.getLogger(__name__)
 
 
 class SourceLoader:
-    """Reads token ranges of one source (runs as a Ray actor)."""
+    """Reads token ranges of documents `[first, end)` of one source (runs as a Ray actor).
 
-    def __init__(self, source: SourceSpec, open_args: dict) -> None:
-        self.source = source
-        self.reader = open_source(source, **open_args)
+    `docs=None`: the whole source (a shadow, which can take over any part).
+    """
 
-    def ready(self) -> str:
-        """The digest of its source's document lengths, once open (a start-up barrier)."""
-        return lengths_digest(self.reader)
+    def __init__(self, source: SourceSpec, open_args: dict, docs=None) -> None:
+        self.source, self.docs = source, docs
+        self.reader = open_source(source, **open_args, docs=docs)
+        self.started = time.perf_counter()
+        self.counts = {"reads": 0, "tokens": 0, "cpu_s": 0.0, "busy_s": 0.0}
+
+    def ready(self) -> np.ndarray:
+        """The lengths of the documents it owns, once open (a start-up barrier)."""
+        lengths = np.asarray(self.reader.sequence_lengths, dtype=np.int64)
+        if self.docs is None or len(lengths) == self.docs[1] - self.docs[0]:
+            return lengths  # the whole source, or a reader that holds only its part
+        return lengths[self.docs[0] : self.docs[1]]
 
     def read(self, requests: Sequence[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
         """Tokens of `(doc, offset, length)` requests, concatenated, and each one's length."""
+        wall, cpu = time.perf_counter(), time.process_time()
         parts = [
             np.asarray(self.reader.get(doc, offset=offset, length=length))
             for doc, offset, length in requests
         ]
         sizes = np.asarray([len(p) for p in parts], dtype=np.int64)
         tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+        self.counts["reads"] += 1
+        self.counts["tokens"] += len(tokens)
+        self.counts["cpu_s"] += time.process_time() - cpu
+        self.counts["busy_s"] += time.perf_counter() - wall
         return tokens, sizes
+
+    def stats(self) -> dict:
+        """What it has served and what it costs, measured in the actor's process.
+
+        `reads` and `tokens` served, `cpu_s` (process CPU seconds spent in reads), `busy_s`
+        (wall seconds in reads) and `busy_share` (of the seconds since it opened its
+        source), the documents it owns, and its process memory in bytes from psutil
+        (`uss`, `pss` where the platform has them, `rss`; absent without psutil).
+        """
+        alive = time.perf_counter() - self.started
+        out = {
+            **self.counts,
+            "busy_share": self.counts["busy_s"] / alive if alive > 0 else 0.0,
+            "docs": list(self.docs) if self.docs is not None else None,
+        }
+        out.update(process_memory())
+        return out
 
 
 class PlannerActor:
@@ -59,6 +92,8 @@ class PlannerActor:
         sources: The data spec's sources (or one per dataset of a `--data-path` blend).
         open_args: How loaders open a source (`open_source` keywords).
         keep: Batches kept for ranks that are behind (older ones are dropped).
+        lengths: Each source's document lengths (what the ranks planned with): they cut
+            the sources into the loaders' token-balanced parts.
     """
 
     def __init__(
@@ -68,6 +103,7 @@ class PlannerActor:
         sources: Sequence[SourceSpec],
         open_args: dict,
         keep: int,
+        lengths: Sequence,
     ) -> None:
         import ray
 
@@ -78,16 +114,24 @@ class PlannerActor:
         self.first = self.produced
         self.batches: dict[int, object] = {}
         self.replacements = 0
-        self.loaders = [[self._start(k) for _ in range(s.loaders)] for k, s in enumerate(sources)]
-        self.shadows = [self._start(k) for k in range(len(sources))]
-        self.digests = [
-            sorted(set(ray.get([h.ready.remote() for h in [*group, shadow]])))
-            for group, shadow in zip(self.loaders, self.shadows, strict=True)
+        self.bounds = [
+            token_partition(n, s.loaders) for n, s in zip(lengths, self.sources, strict=True)
         ]
+        self.loaders = [
+            [self._start(k, (int(b[i]), int(b[i + 1]))) for i in range(len(b) - 1)]
+            for k, b in enumerate(self.bounds)
+        ]
+        self.shadows = [self._start(k) for k in range(len(sources))]
+        self.digests = []
+        for group, shadow in zip(self.loaders, self.shadows, strict=True):
+            parts = ray.get([h.ready.remote() for h in group])
+            whole = ray.get(shadow.ready.remote())
+            self.digests.append(sorted({lengths_digest(_Lengths(np.concatenate(parts))),
+                                        lengths_digest(_Lengths(whole))}))  # fmt: skip
 
-    def _start(self, source: int):
+    def _start(self, source: int, docs=None):
         loader = self._ray.remote(SourceLoader).options(num_cpus=0, max_restarts=0)
-        return loader.remote(self.sources[source], self.open_args)
+        return loader.remote(self.sources[source], self.open_args, docs)
 
     def batch(self, step: int) -> list:
         """`[ref]` to `(units, plan, sampler state after it)` of the 1-based batch `step`.
@@ -112,6 +156,10 @@ class PlannerActor:
         """The serving loaders of every source (a list per source)."""
         return self.loaders
 
+    def partitions(self) -> list[list[int]]:
+        """Per source, the document boundaries of its loaders' parts (`token_partition`)."""
+        return [b.tolist() for b in self.bounds]
+
     def replace_loader(self, source: int, slot: int, dead_id: str):
         """The loader now serving `slot` of `source`, after one that died (`dead_id`).
 
@@ -132,10 +180,53 @@ class PlannerActor:
         )
         return replacement
 
+    def loader_stats(self) -> list[dict]:
+        """Every loader's and shadow's `SourceLoader.stats`, with its source, slot and role.
+
+        A loader that does not answer (dead, not yet replaced) is listed with `error`.
+        """
+        ray = self._ray
+        actors = [
+            (s.name, slot, "loader", h)
+            for s, group in zip(self.sources, self.loaders, strict=True)
+            for slot, h in enumerate(group)
+        ] + [(s.name, None, "shadow", h) for s, h in zip(self.sources, self.shadows, strict=True)]
+        out = []
+        for (name, slot, role, _), ref in zip(
+            actors, [a[3].stats.remote() for a in actors], strict=True
+        ):
+            record = {"source": name, "slot": slot, "role": role}
+            try:
+                record.update(ray.get(ref, timeout=30))
+            except ray.exceptions.RayError as err:
+                record["error"] = type(err).__name__
+            out.append(record)
+        return out
+
     def source_digests(self) -> list[list[str]]:
-        """Per source, the distinct length digests its loaders opened (one when they agree)."""
+        """Per source, the distinct length digests its loaders and its shadow opened.
+
+        The loaders' parts are put together: one digest when they all agree.
+        """
         return self.digests
 
     def status(self) -> dict:
         """Batches planned, the first one, and loader replacements so far."""
         return {"produced": self.produced, "first": self.first, "replaced": self.replacements}
+
+
+class _Lengths:
+    """Document lengths in the shape `lengths_digest` reads."""
+
+    def __init__(self, lengths: np.ndarray) -> None:
+        self.sequence_lengths = lengths
+
+
+def process_memory() -> dict:
+    """This process's memory in bytes (`uss`, `pss`, `rss`, as psutil reports; {} without it)."""
+    try:
+        import psutil
+    except ImportError:
+        return {}
+    info = psutil.Process().memory_full_info()
+    return {k: int(getattr(info, k)) for k in ("uss", "pss", "rss") if hasattr(info, k)}

@@ -7,7 +7,9 @@ starts) the job's planner actor, which starts the source loaders. Then, per step
    sampler that `data.prefetch.Prefetcher` draws from, so this runs ahead of training);
 2. works out which token ranges its own micro-batches need (the same reading code as the
    in-process loader, run once against a recorder) and fetches exactly those from the
-   source loaders, spread over each source's loaders (`RayDataService.tokens`);
+   loaders that own them (each loader owns a contiguous, token-balanced range of its
+   source's documents): every request of every source is sent at once, and the rank
+   waits once for all of them (`RayDataService.tokens`);
 3. reads its micro-batches from what was fetched.
 
 A loader that dies mid-fetch is replaced by its source's shadow (`PlannerActor.
@@ -170,11 +172,12 @@ class RayDataService:
 
     def __init__(self, planner, *, timeout_s: float, sentinel: Sentinel | None = None) -> None:
         self.planner, self.timeout_s, self.sentinel = planner, timeout_s, sentinel
-        self.loaders = _get(
-            planner.loader_handles.remote(),
+        self.loaders, bounds = _get(
+            [planner.loader_handles.remote(), planner.partitions.remote()],
             timeout_s=timeout_s,
             what="the data service's planner actor, starting its source loaders",
         )
+        self.bounds = [np.asarray(b, dtype=np.int64) for b in bounds]
 
     def check_sources(self, names: Sequence[str], digests: Sequence[str]) -> None:
         """ValueError naming a source whose loaders opened other documents than this rank.
@@ -207,10 +210,14 @@ class RayDataService:
         sources: Sequence,
         open_args: dict,
         keep: int,
+        lengths: Sequence,
         timeout_s: float = 300.0,
         save: str | None = None,
     ) -> RayDataService:
         """Join the cluster at `address` and start the job's planner (one rank does this).
+
+        `lengths`: each source's document lengths, which the planner cuts into its loaders'
+        parts (the rank's readers' `sequence_lengths`).
 
         Returns once the planner's loaders have opened their sources. The planner actor is
         named after `job_key`, so one job never uses another's; the other ranks `attach`.
@@ -220,7 +227,8 @@ class RayDataService:
         actor = ray_remote(PlannerActor).options(
             name=f"planner-{job_key}", num_cpus=0, max_restarts=0
         )
-        planner = actor.remote(sampler, plan, list(sources), open_args, keep)
+        lengths = [np.asarray(n, dtype=np.int64) for n in lengths]
+        planner = actor.remote(sampler, plan, list(sources), open_args, keep, lengths)
         return cls(planner, timeout_s=timeout_s, sentinel=sentinel)
 
     @classmethod
@@ -250,6 +258,14 @@ class RayDataService:
             self.sentinel.close()
             self.sentinel = None
 
+    def loader_stats(self) -> list[dict]:
+        """Every source loader's and shadow's measurements (`PlannerActor.loader_stats`)."""
+        return _get(
+            self.planner.loader_stats.remote(),
+            timeout_s=self.timeout_s,
+            what="the data service's planner actor, asked for its loaders' measurements",
+        )
+
     def batches(self, state: dict) -> RemoteBatches:
         """The batches after the sampler state `state` (what a resume restored)."""
         return RemoteBatches(self.planner, state, timeout_s=self.timeout_s)
@@ -263,22 +279,49 @@ class RayDataService:
         """
         recorders = [_Recorder() for _ in self.loaders]
         collect(batch.plan, IndexedTokens(recorders, batch.units), rank)
-        fetched = [self._fetch(k, list(r.requests)) for k, r in enumerate(recorders)]
+        fetched = self._fetch([list(r.requests) for r in recorders])
         return IndexedTokens([_Fetched(f) for f in fetched], batch.units, **kwargs)
 
-    def _fetch(self, source: int, requests: list) -> dict:
-        """Token ranges of one source, spread over its loaders (slot i takes every n-th)."""
+    def _shares(self, requests: list[list]) -> dict[tuple[int, int], list]:
+        """Each source's requests grouped by the loader that owns their document."""
+        shares: dict[tuple[int, int], list] = {}
+        for source, wanted in enumerate(requests):
+            if not wanted:
+                continue
+            docs = np.asarray([doc for doc, _, _ in wanted], dtype=np.int64)
+            owners = np.searchsorted(self.bounds[source], docs, side="right") - 1
+            for request, slot in zip(wanted, owners.tolist(), strict=True):
+                shares.setdefault((source, slot), []).append(request)
+        return shares
+
+    def _fetch(self, requests: list[list]) -> list[dict]:
+        """Per source, the token ranges `requests` name, from the loaders that own them.
+
+        Every share is sent before any answer is awaited, and the rank waits once for all.
+        A share whose loader died is sent again to the loader the planner puts in its
+        place (its source's shadow), up to `ATTEMPTS` times.
+        """
         import ray
 
-        slots = len(self.loaders[source])
-        shares = {slot: requests[slot::slots] for slot in range(slots) if requests[slot::slots]}
-        ranges: dict = {}
-        for slot, share in shares.items():
-            for attempt in range(ATTEMPTS):
-                loader = self.loaders[source][slot]
+        ranges: list[dict] = [{} for _ in requests]
+        pending = self._shares(requests)
+        for attempt in range(ATTEMPTS):
+            sent = {
+                key: (self.loaders[key[0]][key[1]], self.loaders[key[0]][key[1]].read.remote(share))
+                for key, share in pending.items()
+            }
+            refs = [ref for _, ref in sent.values()]
+            _, late = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
+            if late:
+                (source, slot) = next(k for k, (_, r) in sent.items() if r in late)
+                raise DataServiceError(
+                    f"source loader {slot} of source {source} of the data service: no "
+                    f"answer within {self.timeout_s:g} s"
+                )
+            retry = {}
+            for (source, slot), (loader, ref) in sent.items():
                 try:
-                    tokens, sizes = ray.get(loader.read.remote(share), timeout=self.timeout_s)
-                    break
+                    tokens, sizes = ray.get(ref)
                 except ray.exceptions.RayActorError as err:
                     if attempt == ATTEMPTS - 1:
                         raise DataServiceError(
@@ -291,11 +334,13 @@ class RayDataService:
                         timeout_s=self.timeout_s,
                         what="the data service's planner actor, asked to replace a dead loader",
                     )
-                except ray.exceptions.GetTimeoutError as err:
-                    raise DataServiceError(
-                        f"source loader {slot} of source {source} of the data service: no "
-                        f"answer within {self.timeout_s:g} s"
-                    ) from err
-            for request, piece in zip(share, np.split(tokens, np.cumsum(sizes)[:-1]), strict=True):
-                ranges[request] = piece
+                    retry[(source, slot)] = pending[(source, slot)]
+                    continue
+                share = pending[(source, slot)]
+                pieces = np.split(tokens, np.cumsum(sizes)[:-1])
+                for request, piece in zip(share, pieces, strict=True):
+                    ranges[source][request] = piece
+            pending = retry
+            if not pending:
+                break
         return ranges

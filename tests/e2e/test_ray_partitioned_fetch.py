@@ -1,0 +1,166 @@
+"""Partitioned, parallel fetch from the Ray data service gives the in-process batches.
+
+A local Ray (`ray.init(num_cpus=2)`) runs the planner actor and the source loaders of three
+sources: synthetic documents with a CPU cost per token, raw JSONL tokenized at read time
+(lengths index), and raw JSONL tokenized when opened (each loader tokenizes only its own
+range, so a request routed to the wrong loader fails). Loader counts are rotated so that
+every source runs with 1, 2 and 3 loaders. For every step and both pool ranks the
+micro-batches read through the service are bit-identical to the in-process loader's
+(`read_local` over the sources opened in this process), also when a loader is killed
+mid-run and its shadow takes over its range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+
+import numpy as np
+import pytest
+
+from megatron_hdp.data.batching import IndexedTokens, read_local
+from megatron_hdp.data.sampler import DatasetUnits, TokenBudgetSampler
+from megatron_hdp.data.sources import lengths_digest, open_source, token_partition
+from megatron_hdp.data.spec import parse_spec
+from megatron_hdp.scheduler import plan_step
+
+ray = pytest.importorskip("ray")
+
+STEPS = 4
+SEQ = 128
+PLAN = functools.partial(plan_step, pool_size=2, capacity=SEQ, policy="greedy")
+#: Loaders of (synthetic, JSONL on read, JSONL on open) per run: each source gets 1, 2, 3.
+COUNTS = [(1, 2, 3), (2, 3, 1), (3, 1, 2)]
+
+
+@pytest.fixture(scope="module")
+def local_ray(tmp_path_factory):
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(
+        num_cpus=2,
+        object_store_memory=100_000_000,
+        include_dashboard=False,
+        log_to_driver=False,
+        namespace="megatron_hdp",
+        _temp_dir=str(tmp_path_factory.mktemp("ray")),
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """The spec's sources, their in-process readers and the open arguments."""
+    folder = tmp_path_factory.mktemp("data")
+    rng = np.random.default_rng(11)
+    words = ["alpha", "beta", "gamma", "ring", "pack", "zigzag"]
+    for name in ("read", "open"):
+        with open(folder / f"{name}.jsonl", "w") as out:
+            for k in range(24):
+                text = " ".join(words[int(i)] for i in rng.integers(0, 6, int(rng.integers(2, 40))))
+                out.write(json.dumps({"text": f"{name} {k}: {text}"}) + "\n")
+    spec = parse_spec(
+        {
+            "sources": [
+                {
+                    "name": "syn",
+                    "synthetic": {"documents": 30, "min_tokens": 8, "max_tokens": 300, "seed": 4,
+                                  "cpu_us_per_token": 2.0},
+                },
+                {"name": "read", "jsonl": "read.jsonl", "tokenize": "on_read"},
+                {"name": "open", "jsonl": "open.jsonl"},
+            ]
+        },
+        base=folder,
+    )  # fmt: skip
+    open_args = {"tokenizer_type": "ByteLevel", "tokenizer_model": None, "cache_dir": folder}
+    readers = [open_source(s, **open_args) for s in spec.sources]
+    return spec.sources, readers, open_args
+
+
+def _sampler(readers):
+    streams = [
+        DatasetUnits.from_documents(np.arange(len(r)), r.sequence_lengths, max_seq_length=SEQ)
+        for r in readers
+    ]
+    return TokenBudgetSampler(streams, [1.0, 1.0, 1.0], seed=2, tokens_per_batch=600)
+
+
+def _flat(batches) -> list[bytes]:
+    return [
+        b.tokens.numpy().tobytes() + b.labels.numpy().tobytes() + b.loss_mask.numpy().tobytes()
+        for b in batches
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference(setup):
+    _, readers, _ = setup
+    sampler, out = _sampler(readers), []
+    for _ in range(STEPS):
+        units = sampler.next_batch()
+        plan = PLAN([u.length for u in units])
+        out.append([_flat(read_local(plan, IndexedTokens(readers, units), r)) for r in (0, 1)])
+    return out
+
+
+@pytest.mark.parametrize("counts", COUNTS, ids=lambda c: "loaders-" + "-".join(map(str, c)))
+def test_partitioned_fetch_is_bit_identical_to_the_in_process_loader(
+    local_ray, setup, reference, counts
+):
+    from megatron_hdp.data.service.actors import PlannerActor
+    from megatron_hdp.data.service.client import RayDataService
+
+    sources, readers, open_args = setup
+    sources = [dataclasses.replace(s, loaders=n) for s, n in zip(sources, counts, strict=True)]
+    lengths = [r.sequence_lengths for r in readers]
+    planner = (
+        ray.remote(PlannerActor)
+        .options(num_cpus=0, max_restarts=0)
+        .remote(_sampler(readers), PLAN, sources, open_args, 8, lengths)
+    )
+    try:
+        service = RayDataService(planner, timeout_s=300)
+        service.check_sources([s.name for s in sources], [lengths_digest(r) for r in readers])
+        for got, n, length in zip(service.bounds, counts, lengths, strict=True):
+            assert got.tolist() == token_partition(length, n).tolist()
+        feed = service.batches({"steps": 0})
+        kill = counts == COUNTS[1]  # a loader of the JSONL-on-read source dies at step 2
+        first, end = (int(b) for b in service.bounds[1][1:3]) if kill else (0, 0)
+        hit, fetched = False, [0, 0, 0]
+        for step in range(STEPS):
+            if step == 1 and kill:
+                ray.kill(service.loaders[1][1], no_restart=True)
+            batch = feed.next_batch()
+            hit |= step >= 1 and any(u.dataset == 1 and first <= u.doc < end for u in batch.units)
+            for rank in (0, 1):
+                source = service.tokens(batch, rank, read_local)
+                for k, ranges in enumerate(source.datasets):
+                    fetched[k] += sum(len(piece) for piece in ranges.ranges.values())
+                assert _flat(read_local(batch.plan, source, rank)) == reference[step][rank], (
+                    f"step {step + 1}, rank {rank}"
+                )
+        replaced = ray.get(planner.status.remote())["replaced"]
+        assert replaced == (1 if kill else 0)
+        assert hit or not kill  # the killed loader's range was read after its death
+        stats = service.loader_stats()
+        assert [(r["source"], r["slot"], r["role"]) for r in stats] == [
+            *((s.name, slot, "loader") for s, n in zip(sources, counts) for slot in range(n)),
+            *((s.name, None, "shadow") for s in sources),
+        ]
+        if not kill:  # every token the ranks received was counted by the loader that sent it
+            for k, s in enumerate(sources):
+                served = [r for r in stats if r["source"] == s.name and r["role"] == "loader"]
+                assert sum(r["tokens"] for r in served) == fetched[k] > 0
+                assert all(tuple(r["docs"]) == bounds for r, bounds in zip(
+                    served, zip(service.bounds[k][:-1].tolist(), service.bounds[k][1:].tolist())
+                ))  # fmt: skip
+            syn = [r for r in stats if r["source"] == "syn" and r["tokens"] > 0]
+            assert all(r["cpu_s"] >= 2e-6 * r["tokens"] for r in syn)  # its declared CPU cost
+            assert all(r.get("uss", 1) > 0 and 0 <= r["busy_share"] <= 1 for r in stats)
+    finally:
+        ray.kill(planner, no_restart=True)
