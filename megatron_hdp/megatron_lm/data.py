@@ -73,11 +73,17 @@ class ValidBatches:
 
 
 def _state_path(args: argparse.Namespace) -> str:
+    return state_path(args, args.load, args.iteration)
+
+
+def state_path(args: argparse.Namespace, folder: str, iteration: int) -> str:
+    """Where a checkpoint of `folder` at `iteration` holds HDP's data position (one file:
+    data-parallel rank 0, TP 0, stage 0, no expert-rank suffix)."""
     from megatron.training.checkpointing import get_checkpoint_name
 
     return get_checkpoint_name(
-        args.load,
-        args.iteration,
+        folder,
+        iteration,
         pipeline_parallel=args.pipeline_model_parallel_size > 1,
         tensor_rank=0,
         pipeline_rank=0,
@@ -143,6 +149,12 @@ def datasets_provider(train_valid_test_num_samples, vp_stage=None):
     valid = None
     if data.fresh_valid_sampler() is not None and args.eval_iters > 0:
         valid = ValidBatches(data, args.eval_iters, lambda s: loader(s, depth=0))
+    elif args.eval_iters > 0 and torch.distributed.get_rank() == 0:
+        logger.warning(
+            "--split %s leaves the validation split without documents: evaluations are "
+            "skipped (no validation loss is logged)",
+            args.split,
+        )
     return train, valid, None
 
 

@@ -14,7 +14,12 @@ Megatron-LM's `pretrain()` takes no argument:
 - `megatron.training.training.num_floating_point_operations` (the FLOPs of
   `--log-throughput` and of the FLOP counter in checkpoints): under `--hdp` those of the
   sequences the last training step really trained (`trained_flops`), not `--global-batch-size`
-  samples of `--seq-length` tokens.
+  samples of `--seq-length` tokens;
+- `megatron.training.checkpointing.maybe_save_dataloader_state`: under `--hdp` global rank 0
+  alone writes the data position (`save_data_position`: it is the same on every rank), where
+  `--load` reads it; Megatron-LM's own writes one file per data-parallel rank into folders
+  named by the expert rank too, which only the expert rank 0 ranks create (experts across
+  replicas crashed there).
 
 Every hook reads `get_args().hdp` when it runs: without `--hdp` each one calls the stock
 function it replaced, so the job is stock Megatron-LM. The patch
@@ -168,6 +173,11 @@ class _Schedule:
 
         # Keys this step's dropout masks (Megatron-LM sets it before each train_step).
         self.runtime.iteration = int(getattr(get_args(), "curr_iteration", 0) or 0)
+        if data_iterator is None and kwargs.get("forward_only"):
+            # --split left the validation split without documents (`datasets_provider`
+            # logged it); Megatron-LM still evaluates (it counts the split's loader list,
+            # not its loader): nothing to evaluate, no loss, on every rank alike.
+            return []
         step = next(data_iterator)
         if self.runtime.check_plans:
             from megatron_hdp.distributed.plan_check import check_plan_agreement
@@ -225,6 +235,38 @@ def _counted_flops(stock):
     return num_floating_point_operations
 
 
+def save_data_position(train_iterator, iteration, dataloader_save_path) -> None:
+    """Under `--hdp`: HDP's data position into the checkpoint, written by global rank 0.
+
+    HDP's training iterator draws every step of the pool from one sampler, so its state is
+    the same on every rank; `--load` reads the copy of data-parallel rank 0, TP 0, stage 0
+    (`data.STATE_FILE`, no expert-rank suffix). Not collective (the checkpoint's own saves
+    around it are).
+    """
+    if dataloader_save_path is None or torch.distributed.get_rank() != 0:
+        return
+    import os
+
+    from megatron.training import get_args
+
+    from megatron_hdp.megatron_lm.data import state_path
+
+    path = state_path(get_args(), dataloader_save_path, iteration)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    state = {"dataloader_state_dict": train_iterator.iterable.save_state()}
+    torch.save(state, path)
+
+
+def _either_save_position(stock):
+    def maybe_save_dataloader_state(train_iterator, iteration, dataloader_save_path):
+        if _hdp_on():
+            return save_data_position(train_iterator, iteration, dataloader_save_path)
+        return stock(train_iterator, iteration, dataloader_save_path)
+
+    maybe_save_dataloader_state.__wrapped__ = stock
+    return maybe_save_dataloader_state
+
+
 def _checked_validate_args(validate_args):
     from megatron_hdp.megatron_lm.args import check_args, finish_args
 
@@ -271,6 +313,14 @@ def install_hooks() -> None:
         training.num_floating_point_operations
     )
     training.num_floating_point_operations = _counted_flops(training.num_floating_point_operations)
+    from megatron.training import checkpointing
+
+    _INSTALLED[(checkpointing.__name__, "maybe_save_dataloader_state")] = (
+        checkpointing.maybe_save_dataloader_state
+    )
+    checkpointing.maybe_save_dataloader_state = _either_save_position(
+        checkpointing.maybe_save_dataloader_state
+    )
 
 
 def hdp_pretrain(pretrain, *, loss_func=None):
