@@ -19,6 +19,8 @@ from pathlib import Path
 PAGE = 4096
 #: Pages of the `.bin` read between its first and last.
 SAMPLED_PAGES = 62
+#: How the name of synthetic data starts (`megatron_lm.mock_data.mock_prefix`).
+MOCK = "mock:"
 
 
 def _bin_offsets(size: int) -> list[int]:
@@ -43,10 +45,14 @@ def dataset_fingerprint(prefix: str | os.PathLike) -> str:
     """`sha256:<hex>` of a dataset: the `.idx` and a sample of the `.bin` of `prefix`.
 
     A data spec's JSONL source (`jsonl:<file>,<file>`, as checkpoints name it) is
-    fingerprinted by a sample of each file.
+    fingerprinted by a sample of each file. Synthetic data (`mock:<definition>`, the
+    drop-in's `--mock-data`) is fingerprinted by its definition, which fixes every token.
     """
     prefix = str(prefix)
     digest = hashlib.sha256()
+    if prefix.startswith(MOCK):
+        digest.update(prefix.encode())
+        return "sha256:" + digest.hexdigest()[:32]
     if prefix.startswith("jsonl:"):
         for name in prefix.removeprefix("jsonl:").split(","):
             _sample(Path(name), digest)

@@ -73,12 +73,6 @@ REFUSED_HDP_FLAGS = {
 #: Megatron-LM arguments (dest, value test, message) that HDP cannot run with.
 _REFUSED_MEGATRON = (
     (
-        "mock_data",
-        bool,
-        "--mock-data: HDP plans documents; give --data-path (or omit it for "
-        "the embedded corpus of pretrain_hdp.py)",
-    ),
-    (
         "rampup_batch_size",
         lambda v: v is not None,
         "--rampup-batch-size: HDP would train the full batch from the first step while "
@@ -328,6 +322,8 @@ def _refusals(args: argparse.Namespace, flags: dict) -> list[str]:
         )
     if args.hdp_data_spec is not None and args.data_path:
         problems.append("--hdp-data-spec and --data-path: give one of them")
+    if args.hdp_data_spec is not None and getattr(args, "mock_data", False):
+        problems.append("--hdp-data-spec and --mock-data: give one of them")
     if args.hdp_global_batch_tokens is not None and args.global_batch_size is not None:
         problems.append(
             "--hdp-global-batch-tokens and --global-batch-size: give one of them (a token "

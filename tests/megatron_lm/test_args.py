@@ -50,7 +50,7 @@ REFUSED = {
     "--hdp-offload": ["--hdp-offload"],
     "--hdp-validate-only": ["--hdp-validate-only"],
     "--hdp-overwrite-checkpoints": ["--hdp-overwrite-checkpoints"],
-    "--mock-data": ["--mock-data"],
+    "--mock-data": ["--mock-data", "--hdp-data-spec", "spec.yaml"],  # two data sources
     "--rotary-seq-len-interpolation-factor": ["--rotary-seq-len-interpolation-factor", "2"],
     "--rampup-batch-size": ["--rampup-batch-size", "2", "2", "100"],
     "--softmax-type": ["--softmax-type", "learnable"],
