@@ -83,6 +83,7 @@ def _state_path(args: argparse.Namespace) -> str:
         tensor_rank=0,
         pipeline_rank=0,
         expert_parallel=False,
+        expert_rank=0,  # unused without expert parallelism; no process group needed
         basename=STATE_FILE,
     )
 

@@ -79,8 +79,7 @@ def test_mock_fingerprint_names_the_definition():
 
 #: The flags of both runs: rings of 2 for the (mostly > 256 token) units of --seq-length 512.
 FLAGS = [*SHARED, *MEGATRON_CPU, "--mock-data", "--global-batch-size", "8", "--hdp"]
-FLAGS += ["--hdp-capacity", "256", "--eval-iters", "0", "--eval-interval", "1000"]
-FLAGS += ["--train-iters", "4"]
+FLAGS += ["--eval-iters", "0", "--eval-interval", "1000", "--train-iters", "4"]
 
 
 def _close(got, want, rel=1e-5):
@@ -93,12 +92,15 @@ def test_mock_data_two_ranks_with_rings_equal_one_rank_across_a_resume(trees, da
     """2 ranks (capacity 256: rings of 2) for 4 steps equal 1 rank for 2 steps, --save, then
     --load and 2 more; a --load with --data-path instead of --mock-data is refused."""
     _, patched = trees
+    first_batch = _summary(0, 1, 1234)[3][0]  # the same seed, split, batch and --seq-length
+    assert max(length for _, _, length in first_batch) > 256  # so the 2-rank run rings
     script = patched / "pretrain_gpt.py"
     save = str(tmp_path / "ckpt")
-    ring = run_megatron_lm(script, 2, FLAGS, timeout_s=300)
+    ring = run_megatron_lm(script, 2, [*FLAGS, "--hdp-capacity", "256"], timeout_s=300)
+    alone = [*FLAGS, "--hdp-capacity", "512"]  # one rank holds a whole --seq-length unit
     stop = ["--exit-interval", "2", "--save", save, "--save-interval", "2"]
-    first = run_megatron_lm(script, 1, [*FLAGS, *stop], timeout_s=300)
-    resume = [*FLAGS, "--load", save, "--no-load-rng"]
+    first = run_megatron_lm(script, 1, [*alone, *stop], timeout_s=300)
+    resume = [*alone, "--load", save, "--no-load-rng"]
     resumed = run_megatron_lm(script, 1, resume, timeout_s=300)
     assert [i for i, _, _ in ring["train"]] == [1, 2, 3, 4]
     assert [i for i, _, _ in first["train"] + resumed["train"]] == [1, 2, 3, 4]

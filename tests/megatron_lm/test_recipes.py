@@ -52,7 +52,7 @@ EXPECTED: dict[str, tuple[str, tuple, str | None]] = {
     "G175'": ("trains", V019, "--fp16, --step-batch-size-schedule, keyed dropout 0.1"),
     "L8": ("trains", BOTH, None),
     "L8'": ("trains", BOTH, None),
-    "L8m": ("trains", BOTH, "--mock-data under --hdp"),
+    "L8m": ("trains", BOTH, None),
     "MX": ("trains", BOTH, "MoE through pretrain()"),
     "LF'": ("refused: Megatron-FSDP", BOTH, "GPU-only flags refused on CPU"),
     "OSS'": ("issue 47: --num-experts", BOTH, None),
