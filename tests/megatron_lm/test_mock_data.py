@@ -7,6 +7,7 @@ with rings equals 1 rank, across a --save / --load, and a resume on other data i
 
 from __future__ import annotations
 
+import logging
 import types
 
 import numpy as np
@@ -90,13 +91,26 @@ def _close(got, want, rel=1e-5):
 
 def test_mock_data_two_ranks_with_rings_equal_one_rank_across_a_resume(trees, data, tmp_path):
     """2 ranks (capacity 256: rings of 2) for 4 steps equal 1 rank for 2 steps, --save, then
-    --load and 2 more; a --load with --data-path instead of --mock-data is refused."""
+    --load and 2 more; a --load with --data-path instead of --mock-data is refused. Rank 0
+    logs once what --mock-data means."""
     _, patched = trees
     first_batch = _summary(0, 1, 1234)[3][0]  # the same seed, split, batch and --seq-length
     assert max(length for _, _, length in first_batch) > 256  # so the 2-rank run rings
     script = patched / "pretrain_gpt.py"
     save = str(tmp_path / "ckpt")
-    ring = run_megatron_lm(script, 2, [*FLAGS, "--hdp-capacity", "256"], timeout_s=300)
+    log = tmp_path / "hdp.log"  # the forked ranks inherit this handler
+    handler, hdp_logger = logging.FileHandler(log), logging.getLogger("megatron_hdp")
+    level = hdp_logger.level
+    hdp_logger.addHandler(handler)
+    hdp_logger.setLevel(logging.INFO)
+    try:
+        ring = run_megatron_lm(script, 2, [*FLAGS, "--hdp-capacity", "256"], timeout_s=300)
+    finally:
+        hdp_logger.removeHandler(handler)
+        hdp_logger.setLevel(level)
+        handler.close()
+    meaning = [line for line in log.read_text().splitlines() if "--mock-data under --hdp" in line]
+    assert len(meaning) == 1 and "MockGPTLowLevelDataset" in meaning[0], meaning  # rank 0 only
     alone = [*FLAGS, "--hdp-capacity", "512"]  # one rank holds a whole --seq-length unit
     stop = ["--exit-interval", "2", "--save", save, "--save-interval", "2"]
     first = run_megatron_lm(script, 1, [*alone, *stop], timeout_s=300)
