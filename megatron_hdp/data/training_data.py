@@ -261,9 +261,11 @@ def build_training_data(cfg: DataConfig) -> TrainingData:
 def training_data_from(
     prefixes: list[str], datasets: list, cfg: DataConfig, vocab_size: int
 ) -> TrainingData:
-    """Split datasets already open (one per `cfg.blend` entry, or one without a blend) and
-    make the samplers; `prefixes` name them in checkpoints. Each dataset needs
-    `sequence_lengths` and `get(doc, offset, length)` (Megatron's `IndexedDataset`).
+    """Split datasets already open and make the samplers (no reading, no communication).
+
+    One dataset per `cfg.blend` entry, or one without a blend; `prefixes` name them in
+    checkpoints. Each dataset needs `sequence_lengths` and `get(doc, offset, length)`
+    (Megatron's `IndexedDataset`).
 
     Raises ValueError for a dataset split with no usable document or a global batch larger
     than the training data.
