@@ -19,6 +19,8 @@ from pathlib import Path
 PAGE = 4096
 #: Pages of the `.bin` read between its first and last.
 SAMPLED_PAGES = 62
+#: How the name of synthetic data starts (`megatron_lm.mock_data.mock_prefix`).
+MOCK = "mock:"
 
 
 def _bin_offsets(size: int) -> list[int]:
@@ -44,11 +46,12 @@ def dataset_fingerprint(prefix: str | os.PathLike) -> str:
 
     A data spec's JSONL source (`jsonl:<file>,<file>`, as checkpoints name it) is
     fingerprinted by a sample of each file; a synthetic source (`synthetic:<parameters>`)
-    by its content parameters.
+    by its content parameters, and the drop-in's `--mock-data` (`mock:<definition>`) by its
+    definition, which fixes every token.
     """
     prefix = str(prefix)
     digest = hashlib.sha256()
-    if prefix.startswith("synthetic:"):  # its content is a function of its parameters
+    if prefix.startswith(("synthetic:", MOCK)):  # content a function of the name
         digest.update(prefix.encode())
         return "sha256:" + digest.hexdigest()[:32]
     if prefix.startswith("jsonl:"):

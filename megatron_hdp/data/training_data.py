@@ -269,6 +269,21 @@ def build_training_data(cfg: DataConfig) -> TrainingData:
         prefixes = [ensure_stdlib_corpus(cfg.cache_dir or DEFAULT_CACHE)]
         logger.debug("no --data-path: using the embedded stdlib corpus %s", prefixes[0])
     datasets = [open_indexed_dataset(prefix) for prefix in prefixes]
+    return training_data_from(prefixes, datasets, cfg, vocab_size)
+
+
+def training_data_from(
+    prefixes: list[str], datasets: list, cfg: DataConfig, vocab_size: int
+) -> TrainingData:
+    """Split datasets already open and make the samplers (no reading, no communication).
+
+    One dataset per `cfg.blend` entry, or one without a blend; `prefixes` name them in
+    checkpoints. Each dataset needs `sequence_lengths` and `get(doc, offset, length)`
+    (Megatron's `IndexedDataset`).
+
+    Raises ValueError for a dataset split with no usable document or a global batch larger
+    than the training data.
+    """
     train_units, valid_units = _split_units(prefixes, datasets, cfg)
     if not all(len(u) > 0 for u in valid_units):
         logger.warning("no validation documents in some dataset: evaluation is skipped")

@@ -75,10 +75,6 @@ REFUSED_HDP_FLAGS = {
 #: Megatron-LM arguments (dest, value test, message) that HDP cannot run with.
 _REFUSED_MEGATRON = (
     (
-        "mock_data",
-        bool,
-        "--mock-data: HDP plans documents; give --data-path (or omit it for "
-        "the embedded corpus of pretrain_hdp.py)",
     ),
     (
         "softmax_type",
@@ -399,6 +395,8 @@ def _refusals(args: argparse.Namespace, flags: dict) -> list[str]:
     if args.hdp_data_spec is not None and args.data_path:
         problems.append("--hdp-data-spec and --data-path: give one of them")
     problems += _batch_problems(args)
+    if args.hdp_data_spec is not None and getattr(args, "mock_data", False):
+        problems.append("--hdp-data-spec and --mock-data: give one of them")
     if args.hdp_capacity is not None and args.hdp_capacity <= 0:
         problems.append(f"--hdp-capacity must be positive, got {args.hdp_capacity}")
     if args.hdp_prefetch_depth < 0:

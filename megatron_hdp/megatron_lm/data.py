@@ -5,6 +5,7 @@ it opens the same datasets `pretrain_hdp.py` opens for the same flags and return
 loader (an `HDPDataIterator` with `save_state`, which Megatron-LM's checkpoint calls when
 `dataloader_save` is set) and a validation loader that starts again at every evaluation.
 On a resume it continues the training loader from the position stored in the checkpoint.
+`--mock-data` reads Megatron-Core's synthetic documents instead (`mock_data`).
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def state_path(args: argparse.Namespace, folder: str, iteration: int) -> str:
         tensor_rank=0,
         pipeline_rank=0,
         expert_parallel=False,
+        expert_rank=0,  # unused without expert parallelism; no process group needed
         basename=STATE_FILE,
     )
 
@@ -104,12 +106,19 @@ def datasets_provider(train_valid_test_num_samples, vp_stage=None):
     from megatron_hdp.megatron.config import device_profile
     from megatron_hdp.megatron.model import model_shape
     from megatron_hdp.megatron_lm.args import capacity, global_batch
+    from megatron_hdp.megatron_lm.mock_data import describe, mock_training_data
     from megatron_hdp.megatron_lm.model import gpt_config
     from megatron_hdp.scheduler.cost import CostModel
 
     args = get_args()
     tokens, ramp = global_batch(args)
-    data = build_training_data(megatron_lm_data_config(args, tokens, ramp))
+    data_cfg = megatron_lm_data_config(args, tokens, ramp)
+    if args.mock_data:
+        data = mock_training_data(data_cfg)
+        if torch.distributed.get_rank() == 0:
+            logger.warning("%s", describe(data.datasets[0], args.seq_length))
+    else:
+        data = build_training_data(data_cfg)
     cfg = gpt_config(args)
     padded = gpt_config(args, vocab_size=_padded(data.vocab_size, args)).vocab_size
     if padded != cfg.vocab_size:

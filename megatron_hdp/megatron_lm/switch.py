@@ -167,6 +167,7 @@ def _lost_data_position(args: argparse.Namespace, iteration: int, ckpt_args) -> 
         tensor_rank=0,
         pipeline_rank=0,
         expert_parallel=False,
+        expert_rank=0,  # unused without expert parallelism; no process group needed
         basename=STATE_FILE,
     )
     return None if os.path.exists(path) else path

@@ -50,7 +50,7 @@ REFUSED = {
     "--hdp-offload": ["--hdp-offload"],
     "--hdp-validate-only": ["--hdp-validate-only"],
     "--hdp-overwrite-checkpoints": ["--hdp-overwrite-checkpoints"],
-    "--mock-data": ["--mock-data"],
+    "--mock-data": ["--mock-data", "--hdp-data-spec", "spec.yaml"],  # two data sources
     "--rotary-seq-len-interpolation-factor": ["--rotary-seq-len-interpolation-factor", "2"],
     "--global-batch-size": ["--global-batch-size", "3"],  # Megatron-LM's counter: DP 2 | B
     "--train-samples": ["--hdp-global-batch-tokens", "2048", "--train-samples", "8"],

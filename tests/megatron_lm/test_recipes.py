@@ -52,7 +52,7 @@ EXPECTED: dict[str, tuple[str, tuple, str | None]] = {
     "G175'": ("trains", V019, None),
     "L8": ("trains", BOTH, None),
     "L8'": ("trains", BOTH, None),
-    "L8m": ("trains", BOTH, "--mock-data under --hdp"),
+    "L8m": ("trains", BOTH, None),
     "MX": ("trains", BOTH, None),
     "LF'": ("refused: Megatron-FSDP", BOTH, None),
     "OSS'": ("issue 47: --num-experts", BOTH, None),
