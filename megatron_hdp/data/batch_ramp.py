@@ -183,7 +183,9 @@ def parse_step_schedule(text: str, seq_length: int) -> tuple[tuple[int, int], ..
         try:
             entries.append((_count(threshold) // seq_length, _count(size)))
         except ValueError:
-            raise ValueError(f'--step-batch-size-schedule: entry "{entry}" is not a number') from None
+            raise ValueError(
+                f'--step-batch-size-schedule: entry "{entry}" is not a number'
+            ) from None
     entries.sort(key=lambda e: e[0])
     if not entries or entries[0][0] != 0:
         raise ValueError(f'--step-batch-size-schedule "{text}": the first threshold must be 0')

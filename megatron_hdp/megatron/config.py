@@ -112,8 +112,11 @@ def data_config(args: argparse.Namespace, world_size: int) -> DataConfig:
 
 
 def batch_ramp(args: argparse.Namespace) -> BatchRamp | None:
-    """`--global-batch-size` (with `--rampup-batch-size`), or megatron-core 0.19's
-    `--step-batch-size-schedule`, in samples of `--seq-length` tokens."""
+    """The batch size per step in samples of `--seq-length` tokens (None: a token budget).
+
+    `--global-batch-size` (with `--rampup-batch-size`), or megatron-core 0.19's
+    `--step-batch-size-schedule`.
+    """
     schedule = getattr(args, "step_batch_size_schedule", None)
     if schedule is not None:  # megatron-core 0.19 (the drop-in): it replaces the batch size
         steps = parse_step_schedule(schedule, int(args.seq_length))

@@ -74,8 +74,7 @@ REFUSED_HDP_FLAGS = {
 
 #: Megatron-LM arguments (dest, value test, message) that HDP cannot run with.
 _REFUSED_MEGATRON = (
-    (
-    ),
+    (),
     (
         "softmax_type",
         lambda v: v not in (None, "vanilla"),
@@ -482,7 +481,8 @@ def _data_parallel(args: argparse.Namespace) -> tuple[int, int]:
 def _schedule_problems(args: argparse.Namespace, schedule: str) -> list[str]:
     """`--step-batch-size-schedule` as megatron-core 0.19 reads it, and its sizes as
     multiples of Megatron-LM's data-parallel size (its sample counter asserts the size of
-    every step it reaches)."""
+    every step it reaches).
+    """
     from megatron_hdp.data.batch_ramp import parse_step_schedule
 
     try:
