@@ -479,9 +479,10 @@ def _data_parallel(args: argparse.Namespace) -> tuple[int, int]:
 
 
 def _schedule_problems(args: argparse.Namespace, schedule: str) -> list[str]:
-    """`--step-batch-size-schedule` as megatron-core 0.19 reads it, and its sizes as
-    multiples of Megatron-LM's data-parallel size (its sample counter asserts the size of
-    every step it reaches).
+    """What is wrong with `--step-batch-size-schedule`, one sentence each.
+
+    Parsed as megatron-core 0.19 reads it; its sizes must be multiples of Megatron-LM's
+    data-parallel size (its sample counter asserts the size of every step it reaches).
     """
     from megatron_hdp.data.batch_ramp import parse_step_schedule
 

@@ -78,8 +78,9 @@ def _state_path(args: argparse.Namespace) -> str:
 
 
 def state_path(args: argparse.Namespace, folder: str, iteration: int) -> str:
-    """Where a checkpoint of `folder` at `iteration` holds HDP's data position (one file:
-    data-parallel rank 0, TP 0, stage 0, no expert-rank suffix).
+    """Where a checkpoint of `folder` at `iteration` holds HDP's data position.
+
+    One file: data-parallel rank 0, TP 0, stage 0, no expert-rank suffix.
     """
     from megatron.training.checkpointing import get_checkpoint_name
 
