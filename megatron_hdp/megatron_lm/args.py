@@ -74,7 +74,6 @@ REFUSED_HDP_FLAGS = {
 
 #: Megatron-LM arguments (dest, value test, message) that HDP cannot run with.
 _REFUSED_MEGATRON = (
-    (),
     (
         "softmax_type",
         lambda v: v not in (None, "vanilla"),
