@@ -39,8 +39,10 @@ _FP32_PARAM_PREFIX = "optimizer.state.fp32_param"
 
 
 def map_float32_params(optimizer) -> None:
-    """Give each mixed-precision optimizer in `optimizer` that holds float32 parameters the
-    `sharded_state_dict` / `load_state_dict` of this module (idempotent; local).
+    """Fix the checkpoint methods of `optimizer`'s mixed-precision members with float32 params.
+
+    Each such member gets this module's `sharded_state_dict` / `load_state_dict`
+    (idempotent; local, no collective).
 
     `optimizer` is Megatron's optimizer as built (a `ChainedOptimizer` calls its members'
     methods, so the instances' methods are the ones replaced). Optimizers without float32
@@ -72,8 +74,11 @@ def _model_params_in_torch_order(optimizer) -> list:
 
 
 def _sharded_state_dict(self, model_sharded_state_dict, is_loading=False, metadata=None):
-    """Megatron-Core's `Float16OptimizerWithFloat16Params.sharded_state_dict` with torch's
-    numbering of the parameters, float32 ones included (see the module docstring)."""
+    """Megatron-Core's `Float16OptimizerWithFloat16Params.sharded_state_dict`, fixed.
+
+    The parameters numbered as torch's Adam numbers them, float32 ones included, and a main
+    weight entry for every parameter (see the module docstring). Local, no collective.
+    """
     if is_loading:
         self.init_state_fn(self.optimizer, self.config)
     state_dict = self.state_dict()
@@ -115,7 +120,10 @@ def _sharded_state_dict(self, model_sharded_state_dict, is_loading=False, metada
 
 
 def _load_state_dict(self, state_dict):
-    """Megatron-Core's load, then the float32 parameters from their saved main copies."""
+    """Megatron-Core's load, then the float32 parameters from their saved main copies.
+
+    Local, no collective.
+    """
     mains = _as_groups(state_dict.pop(FP32_FROM_FP32, None), self.fp32_from_fp32_groups)
     key = "fp32_from_fp16_params"
     state_dict[key] = _as_groups(state_dict[key], self.fp32_from_float16_groups)
@@ -128,8 +136,11 @@ def _load_state_dict(self, state_dict):
 
 
 def _as_groups(saved, groups: list):
-    """`saved` main parameters by group index (this module's) or a list of groups (Megatron's
-    own, kept), as a list of one entry per group of `groups`; None stays None."""
+    """Saved main parameters as a list of one entry per group of `groups`.
+
+    `saved` is by group index (this module's) or already a list (Megatron's own, kept);
+    None stays None.
+    """
     if not isinstance(saved, dict):
         return saved
     return [saved.get(i, []) for i in range(len(groups))]
