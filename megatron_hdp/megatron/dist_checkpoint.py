@@ -43,6 +43,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron_hdp.distributed.helper_processes import sigterm_blocked, start_manager
 from megatron_hdp.megatron import compat
 from megatron_hdp.megatron.engine import Engine
+from megatron_hdp.megatron.mixed_precision_state import map_float32_params
 
 logger = logging.getLogger(__name__)
 
@@ -215,6 +216,7 @@ def state_dict(
     out: dict = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
     out["model"] = engine.model.module.sharded_state_dict(metadata=metadata)
     if optimizer:
+        map_float32_params(engine.optimizer)  # --bf16 / --fp16: the norms stay float32
         out["optimizer"] = engine.optimizer.sharded_state_dict(
             out["model"], is_loading=is_loading, metadata=metadata
         )

@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -190,6 +191,61 @@ def test_resume_equals_uninterrupted(corpus_cache, tmp_path, distributed_optimiz
         if distributed_optimizer and name.startswith("optimizer."):
             continue  # flat bucket buffers whose padding is uninitialised memory
         torch.testing.assert_close(b[name], value, rtol=1e-6, atol=1e-7, msg=name)
+
+
+#: 16-bit runs: bfloat16, and float16 with a dynamic loss scale that overflows at step 1
+#: (halved), then grows after two clean steps (--loss-scale-window 2), across the resume.
+SIXTEEN_BIT = {
+    "bf16": ["--bf16"],
+    "fp16": ["--fp16", "--initial-loss-scale", str(2**24), "--loss-scale-window", "2"]
+    + ["--hysteresis", "1"],
+}
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["optimizer", "distopt"])
+@pytest.mark.parametrize("dtype", sorted(SIXTEEN_BIT))
+def test_a_16_bit_run_resumes_exactly(corpus_cache, tmp_path, dtype, distributed_optimizer):
+    """--bf16 / --fp16 (float32 norms, Megatron's mixed-precision optimizer): 4 steps saved
+    at 2, resumed from the step-2 checkpoint for 2 more, on 2 ranks with rings: the losses,
+    gradient norms, loss scales and the saved model and optimizer state of step 4 are the
+    uninterrupted run's. The optimizer state is filed by Megatron-LM's keys, every model
+    parameter's Adam moments and float32 main weight under its own name."""
+    extra = [*SIXTEEN_BIT[dtype], "--save-interval", "2"]
+    if distributed_optimizer:
+        extra.append("--use-distributed-optimizer")
+    straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
+
+    def run(more):
+        args = default_corpus_args(corpus_cache, capacity=256, iters=4, extra=extra + more)
+        return run_pretrain(2, args)
+
+    straight = run(["--save", str(straight_dir)])
+    resumed_dir.mkdir()
+    shutil.copytree(straight_dir / "iter_0000002", resumed_dir / "iter_0000002")
+    (resumed_dir / "latest_checkpointed_iteration.txt").write_text("2")
+    second = run(["--load", str(resumed_dir), "--save", str(resumed_dir)])
+    assert max(s["max_ranks_per_sequence"] for s in straight) == 2  # rings ran
+    assert [s["iteration"] for s in second] == [3, 4]
+    for key in ("loss", "grad_norm", "loss_scale", "skipped", "lr"):
+        assert [s.get(key) for s in second] == [s.get(key) for s in straight[2:]], key
+    if dtype == "fp16":  # the scaler's state came back: scale and clean-step count
+        scales = [s["loss_scale"] for s in straight]
+        assert scales[0] == 2.0**23 and len(set(scales)) > 1, scales
+    a = saved_tensors(straight_dir / "iter_0000004")
+    b = saved_tensors(resumed_dir / "iter_0000004")
+    assert a.keys() == b.keys()
+    norms = [k for k in a if not k.startswith("optimizer.") and "layernorm" in k]
+    assert norms and all(a[k].dtype == torch.float32 for k in norms), norms  # not cast
+    for name, value in a.items():
+        if distributed_optimizer and name.startswith("optimizer."):
+            continue  # flat bucket buffers whose padding is uninitialised memory
+        torch.testing.assert_close(b[name], value, rtol=0, atol=0, msg=name)
+    if not distributed_optimizer:
+        weights = [k for k in a if not k.startswith("optimizer.") and "_extra_state" not in k]
+        for kind in ("exp_avg", "exp_avg_sq", "fp32_param"):
+            assert {f"optimizer.state.{kind}.{k}" for k in weights} <= a.keys(), kind
+            for k in weights:
+                assert a[f"optimizer.state.{kind}.{k}"].dtype == torch.float32, (kind, k)
 
 
 def test_offloading_run_gives_the_same_losses(corpus_cache, tmp_path):

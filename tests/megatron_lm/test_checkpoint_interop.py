@@ -146,6 +146,29 @@ def test_an_hdp_checkpoint_resumes_in_megatron_lm(trees, data, tmp_path):
     _close(_norms(resumed), [r["grad_norm"] for r in whole[2:]])
 
 
+def test_a_bf16_hdp_checkpoint_resumes_in_megatron_lm(trees, data, tmp_path):
+    """--bf16: pretrain_hdp.py (float32 norms, Megatron's mixed-precision optimizer) trains
+    two steps and saves; pretrain_gpt.py --hdp --bf16 resumes it in full, the optimizer's
+    Adam moments and float32 main weights included (Megatron-LM asks for a main weight
+    of every parameter, the norms' too), and takes steps 3 and 4 to pretrain_hdp.py's
+    uninterrupted losses and gradient norms within bfloat16 rounding (its Float16Module
+    computes the norms in bfloat16)."""
+    _, patched = trees
+    ckpt = str(tmp_path / "hdp")
+    base = [*SHARED, "--data-path", data, "--train-iters", "4", *HDP, *DECAY, "--bf16"]
+    whole = run_pretrain(2, [*base, "--no-progress-bar", "--save", ckpt, "--save-interval", "2"])
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as tracker:
+        tracker.write("2")  # resume from step 2
+    resumed = run_megatron_lm(
+        patched / "pretrain_gpt.py",
+        2,
+        [*base, *MEGATRON_CPU, "--hdp", "--load", ckpt, "--no-load-rng", *KEEP_SCHEDULE],
+    )
+    assert [i for i, _, _ in resumed["train"]] == [3, 4]
+    _close(_losses(resumed), [r["loss"] for r in whole[2:]], rel=1e-4)
+    _close(_norms(resumed), [r["grad_norm"] for r in whole[2:]], rel=1e-2)
+
+
 def test_stock_megatron_lm_loads_hdp_weights_as_its_own(trees, data, tmp_path):
     """Two equal trainings, one saved by pretrain_hdp.py and one by Megatron-LM (--hdp, the
     same losses): stock pretrain_gpt.py without --hdp, at TP 2, continues from either with
