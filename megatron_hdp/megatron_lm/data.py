@@ -163,7 +163,7 @@ def datasets_provider(train_valid_test_num_samples, vp_stage=None):
     elif args.eval_iters > 0 and torch.distributed.get_rank() == 0:
         logger.warning(
             "--split %s leaves the validation split without documents: evaluations are "
-            "skipped (no validation loss is logged)",
+            "skipped (no validation loss is logged; stock Megatron-LM fails there)",
             args.split,
         )
     return train, valid, None

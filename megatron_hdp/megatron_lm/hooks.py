@@ -19,7 +19,9 @@ Megatron-LM's `pretrain()` takes no argument:
   alone writes the data position (`save_data_position`: it is the same on every rank), where
   `--load` reads it; Megatron-LM's own writes one file per data-parallel rank into folders
   named by the expert rank too, which only the expert rank 0 ranks create (experts across
-  replicas crashed there).
+  replicas crashed there);
+- `megatron.training.training.evaluate_and_print_results`: under `--hdp` an evaluation with
+  no loader (a `--split` that leaves the split without documents) is skipped, not failed.
 
 Every hook reads `get_args().hdp` when it runs: without `--hdp` each one calls the stock
 function it replaced, so the job is stock Megatron-LM. The patch
@@ -173,11 +175,6 @@ class _Schedule:
 
         # Keys this step's dropout masks (Megatron-LM sets it before each train_step).
         self.runtime.iteration = int(getattr(get_args(), "curr_iteration", 0) or 0)
-        if data_iterator is None and kwargs.get("forward_only"):
-            # --split left the validation split without documents (`datasets_provider`
-            # logged it); Megatron-LM still evaluates (it counts the split's loader list,
-            # not its loader): nothing to evaluate, no loss, on every rank alike.
-            return []
         step = next(data_iterator)
         if self.runtime.check_plans:
             from megatron_hdp.distributed.plan_check import check_plan_agreement
@@ -267,6 +264,25 @@ def _either_save_position(stock):
     return maybe_save_dataloader_state
 
 
+def _either_evaluate(stock):
+    """`evaluate_and_print_results` that, under `--hdp`, skips a split with no loader.
+
+    HDP's dataset provider gives no validation loader when `--split` leaves the validation
+    split without documents (it logs so); Megatron-LM still evaluates, since it tests its
+    list of loaders, not the loader, and would fail on the missing iterator. The same on
+    every rank (the split is the same everywhere), so no collective is skipped unevenly.
+    """
+    signature = inspect.signature(stock)
+
+    def evaluate_and_print_results(*args, **kwargs):
+        if _hdp_on() and signature.bind(*args, **kwargs).arguments.get("data_iterator") is None:
+            return None
+        return stock(*args, **kwargs)
+
+    evaluate_and_print_results.__wrapped__ = stock
+    return evaluate_and_print_results
+
+
 def _checked_validate_args(validate_args):
     from megatron_hdp.megatron_lm.args import check_args, finish_args
 
@@ -313,6 +329,10 @@ def install_hooks() -> None:
         training.num_floating_point_operations
     )
     training.num_floating_point_operations = _counted_flops(training.num_floating_point_operations)
+    _INSTALLED[(training.__name__, "evaluate_and_print_results")] = (
+        training.evaluate_and_print_results
+    )
+    training.evaluate_and_print_results = _either_evaluate(training.evaluate_and_print_results)
     from megatron.training import checkpointing
 
     _INSTALLED[(checkpointing.__name__, "maybe_save_dataloader_state")] = (
