@@ -255,10 +255,11 @@ def save_data_position(train_iterator, iteration, dataloader_save_path) -> None:
 
 
 def _either_save_position(stock):
-    def maybe_save_dataloader_state(train_iterator, iteration, dataloader_save_path):
+    def maybe_save_dataloader_state(train_iterator, iteration, dataloader_save_path, **groups):
+        # core_v0.19.0 also passes its process groups (tp_group, pp_group, dp_group, ...)
         if _hdp_on():
             return save_data_position(train_iterator, iteration, dataloader_save_path)
-        return stock(train_iterator, iteration, dataloader_save_path)
+        return stock(train_iterator, iteration, dataloader_save_path, **groups)
 
     maybe_save_dataloader_state.__wrapped__ = stock
     return maybe_save_dataloader_state
