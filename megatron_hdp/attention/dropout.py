@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_hdp.attention.kernels.base import VarlenBlocks, accumulation_dtype
+from megatron_hdp.attention.kernels.cpu import expand_groups, reduce_groups
 from megatron_hdp.attention.kernels.device import DeviceFacts
 from megatron_hdp.attention.ring_index import StepBlocks
 
@@ -269,16 +270,6 @@ def _pieces(blocks: VarlenBlocks):
         q0, k0 = q0 + lq, k0 + lk
 
 
-def _expand(x_TGD: torch.Tensor, heads: int) -> torch.Tensor:
-    groups = x_TGD.shape[1]
-    return x_TGD if groups == heads else x_TGD.repeat_interleave(heads // groups, dim=1)
-
-
-def _reduce(x_THD: torch.Tensor, groups: int) -> torch.Tensor:
-    t, heads, d = x_THD.shape
-    return x_THD if heads == groups else x_THD.view(t, groups, heads // groups, d).sum(dim=2)
-
-
 class KeyedDropoutKernel:
     """A varlen kernel with keyed dropout on the probabilities: dense blocks, any device.
 
@@ -330,7 +321,7 @@ class KeyedDropoutKernel:
         lse = torch.empty((heads, q_THD.shape[0]), dtype=acc, device=q_THD.device)
         for rows, cols in _pieces(blocks):
             q = q_THD[rows].to(acc)
-            k, v = (_expand(x[cols], heads).to(acc) for x in (k_TGD, v_TGD))
+            k, v = (expand_groups(x[cols], heads).to(acc) for x in (k_TGD, v_TGD))
             _, dropped, lse_b, _ = self._probs(q, k, blocks, rows, cols, None, scale)
             out[rows] = torch.einsum("hqk,khd->qhd", dropped, v)
             lse[:, rows] = lse_b
@@ -346,7 +337,7 @@ class KeyedDropoutKernel:
         dv = torch.empty(v_TGD.shape, dtype=acc, device=q_THD.device)
         for rows, cols in _pieces(blocks):
             q, dout, out = (x[rows].to(acc) for x in (q_THD, dout_THD, out_THD))
-            k, v = (_expand(x[cols], heads).to(acc) for x in (k_TGD, v_TGD))
+            k, v = (expand_groups(x[cols], heads).to(acc) for x in (k_TGD, v_TGD))
             probs, dropped, _, keep = self._probs(
                 q, k, blocks, rows, cols, lse_HT[:, rows].to(acc), scale
             )
@@ -355,8 +346,8 @@ class KeyedDropoutKernel:
             delta = (dout * out).sum(-1).T.unsqueeze(-1)  # [H, q, 1]
             dscores = probs * (dprobs - delta)
             dq[rows] = torch.einsum("hqk,khd->qhd", dscores, k) * scale
-            dk[cols] = _reduce(torch.einsum("hqk,qhd->khd", dscores, q) * scale, groups)
-            dv[cols] = _reduce(dv_b, groups)
+            dk[cols] = reduce_groups(torch.einsum("hqk,qhd->khd", dscores, q) * scale, groups)
+            dv[cols] = reduce_groups(dv_b, groups)
         return dq.to(q_THD.dtype), dk.to(k_TGD.dtype), dv.to(v_TGD.dtype)
 
 

@@ -151,25 +151,14 @@ def _lost_data_position(args: argparse.Namespace, iteration: int, ckpt_args) -> 
     """
     if getattr(args, "finetune", False) or not getattr(ckpt_args, "hdp", False):
         return None
-    from megatron.training.checkpointing import get_checkpoint_name
-
     from megatron_hdp.megatron.dist_checkpoint import is_dist_checkpoint, read_common
-    from megatron_hdp.megatron_lm.data import STATE_FILE
+    from megatron_hdp.megatron_lm.data import state_path
 
     folder = checkpoint_folder(args.load, iteration)
     if is_dist_checkpoint(folder) and read_common(folder).get("hdp"):
         return None  # pretrain_hdp.py's: the position is in its `hdp` entry
 
-    path = get_checkpoint_name(
-        args.load,
-        iteration,
-        pipeline_parallel=args.pipeline_model_parallel_size > 1,
-        tensor_rank=0,
-        pipeline_rank=0,
-        expert_parallel=False,
-        expert_rank=0,  # unused without expert parallelism; no process group needed
-        basename=STATE_FILE,
-    )
+    path = state_path(args, args.load, iteration)
     return None if os.path.exists(path) else path
 
 

@@ -15,12 +15,14 @@ from megatron_hdp.attention.kernels.base import VarlenBlocks
 from megatron_hdp.attention.kernels.device import DeviceFacts
 
 
-def _expand(x_TGD: torch.Tensor, heads: int) -> torch.Tensor:
+def expand_groups(x_TGD: torch.Tensor, heads: int) -> torch.Tensor:
+    """K or V of `groups` heads repeated to `heads` (GQA), [tokens, heads, dim]."""
     groups = x_TGD.shape[1]
     return x_TGD if groups == heads else x_TGD.repeat_interleave(heads // groups, dim=1)
 
 
-def _reduce(x_THD: torch.Tensor, groups: int) -> torch.Tensor:
+def reduce_groups(x_THD: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of `expand_groups`: per-head rows summed back to `groups` heads."""
     t, heads, d = x_THD.shape
     return x_THD if heads == groups else x_THD.view(t, groups, heads // groups, d).sum(dim=2)
 
@@ -59,8 +61,8 @@ class BlockLoopKernel:
         for rows, cols in self._pieces(blocks):
             out_b, lse_b = self._block.forward(
                 q_THD[rows].transpose(0, 1).contiguous(),
-                _expand(k_TGD[cols], heads).transpose(0, 1).contiguous(),
-                _expand(v_TGD[cols], heads).transpose(0, 1).contiguous(),
+                expand_groups(k_TGD[cols], heads).transpose(0, 1).contiguous(),
+                expand_groups(v_TGD[cols], heads).transpose(0, 1).contiguous(),
                 causal=blocks.causal,
                 scale=scale,
             )
@@ -79,16 +81,16 @@ class BlockLoopKernel:
             dq_b, dk_b, dv_b = self._block.backward(
                 dout_THD[rows].transpose(0, 1).contiguous(),
                 q_THD[rows].transpose(0, 1).contiguous(),
-                _expand(k_TGD[cols], heads).transpose(0, 1).contiguous(),
-                _expand(v_TGD[cols], heads).transpose(0, 1).contiguous(),
+                expand_groups(k_TGD[cols], heads).transpose(0, 1).contiguous(),
+                expand_groups(v_TGD[cols], heads).transpose(0, 1).contiguous(),
                 out_THD[rows].transpose(0, 1).contiguous(),
                 lse_HT[:, rows].contiguous(),
                 causal=blocks.causal,
                 scale=scale,
             )
             dq[rows] = dq_b.transpose(0, 1)
-            dk[cols] = _reduce(dk_b.transpose(0, 1), groups)
-            dv[cols] = _reduce(dv_b.transpose(0, 1), groups)
+            dk[cols] = reduce_groups(dk_b.transpose(0, 1), groups)
+            dv[cols] = reduce_groups(dv_b.transpose(0, 1), groups)
         return dq, dk, dv
 
 
