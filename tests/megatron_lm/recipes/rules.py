@@ -98,7 +98,13 @@ VOCAB_DIVISOR_DEFAULT = 128
 #: Per setup, sizes that differ from SIZES (and why).
 SIZE_OVERRIDES: dict[str, dict] = {
     # Megatron-LM needs every ramp stage divisible by micro-batch (4) x data-parallel (2)
-    "R15": {"--global-batch-size": ["16"], "--rampup-batch-size": ["8", "8", "16"]},
+    # 48 samples: 4 steps with the ramp (8, 8, 16, 16: core_v0.16.1), 3 without it
+    # (core_v0.19.0 ignores --rampup-batch-size)
+    "R15": {
+        "--global-batch-size": ["16"],
+        "--rampup-batch-size": ["8", "8", "16"],
+        "--train-samples": ["48"],
+    },
     # 2 layers on PP2 leave one layer per stage, too few for virtual stages of 1 layer
     "VP": {"--num-layers": ["4"]},
 }
