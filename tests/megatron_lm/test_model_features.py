@@ -37,7 +37,7 @@ def test_fp16_dynamic_loss_scale_on_rings_equals_one_rank(trees, data):
     _, patched = trees
     flags = [*SHARED, "--data-path", data, "--train-iters", "6", "--global-batch-size", "4"]
     flags += ["--fp16", "--initial-loss-scale", "4096", "--min-loss-scale", "1"]
-    flags += ["--loss-scale-window", "2", "--hysteresis", "1", *QUIET, *MEGATRON_CPU, "--hdp"]
+    flags += ["--loss-scale-window", "3", "--hysteresis", "1", *QUIET, *MEGATRON_CPU, "--hdp"]
     script = patched / "pretrain_gpt.py"
     rings = run_megatron_lm(script, 2, [*flags, "--hdp-capacity", "256"])
     single = run_megatron_lm(script, 1, [*flags, "--hdp-capacity", "512"])
@@ -93,7 +93,7 @@ def test_fp16_loss_scaler_resumes_from_a_checkpoint(trees, data, tmp_path):
     _, patched = trees
     flags = [*SHARED, "--data-path", data, "--train-iters", "5", "--global-batch-size", "4"]
     flags += ["--fp16", "--initial-loss-scale", "4096", "--min-loss-scale", "1"]
-    flags += ["--loss-scale-window", "2", "--hysteresis", "1", *QUIET, *MEGATRON_CPU, "--hdp"]
+    flags += ["--loss-scale-window", "3", "--hysteresis", "1", *QUIET, *MEGATRON_CPU, "--hdp"]
     flags += ["--hdp-capacity", "256"]
     script, save = patched / "pretrain_gpt.py", str(tmp_path / "ckpt")
     straight = run_megatron_lm(script, 2, flags)
@@ -104,9 +104,10 @@ def test_fp16_loss_scaler_resumes_from_a_checkpoint(trees, data, tmp_path):
     assert [r[0] for r in first["train"] + second["train"]] == [1, 2, 3, 4, 5]
     scales = [r[1:] for r in straight["loss_scale"]]
     assert [r[1:] for r in first["loss_scale"] + second["loss_scale"]] == scales
-    # Step 2 ran at 2048 after the overflow of step 1: restarted from 4096 with no clean
-    # steps counted, step 4 would log 8192, not 4096.
-    assert scales[:4] == [(2048.0, 1), (2048.0, 0), (4096.0, 0), (4096.0, 0)], scales
+    # Step 1 overflows (4096 -> 2048), steps 2 and 3 are clean but short of the window of
+    # 3: step 3 logs 2048. A scaler restarted at step 3 (from --initial-loss-scale 4096, no
+    # clean steps counted) would log 4096 there.
+    assert scales[:3] == [(2048.0, 1), (2048.0, 0), (2048.0, 0)], scales
     got = [r[1] for r in first["train"] + second["train"]]
     _close(got, [r[1] for r in straight["train"]], rel=1e-6)
 
