@@ -22,6 +22,8 @@ import time
 
 import numpy as np
 
+from megatron_hdp.provenance import environment
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -93,6 +95,7 @@ def main() -> None:
         "rows": rows,
         "versions": {"python": platform.python_version(), "ray": ray.__version__},
         "machine": f"{platform.machine()}, Ray local with num_cpus=2",
+        "environment": environment(),  # git revision, torch, megatron-core, platform
     }
     with open(args.out, "w") as out:
         json.dump(result, out, indent=1)
