@@ -37,8 +37,9 @@ def test_the_data_spec_example_is_a_valid_spec():
     section = page[page.index("## Data spec (`--hdp-data-spec`)") :]
     block = section[section.index("```yaml\n") + len("```yaml\n") : section.index("```\n", 10)]
     spec = parse_spec(yaml.safe_load(block), base="/data")
-    assert [s.kind for s in spec.sources] == ["indexed", "jsonl", "builtin"]
-    assert spec.streams[:2] == ("code/short", "code/long") and len(spec.streams) == 6
+    assert [s.kind for s in spec.sources] == ["indexed", "jsonl", "jsonl", "builtin"]
+    assert [s.tokenize for s in spec.sources][1:3] == ["on_open", "on_read"]
+    assert spec.streams[:2] == ("code/short", "code/long") and len(spec.streams) == 8
     spec.check_covers(5000)
 
 
