@@ -592,7 +592,13 @@ class Trainer:
                 and self.rank == 0
                 and (self.iteration % args.log_interval == 0 or self.iteration == args.train_iters)
             ):  # the source loaders' measurements, on logging steps
-                record["data_service"] = self.service.loader_stats()
+                try:
+                    record["data_service"] = self.service.loader_stats()
+                except DataServiceError as err:
+                    # rank 0 alone asks: a dead planner is reported by every rank at its
+                    # next batch (one line each, with the checkpoint), not here by one
+                    logger.warning("no loader measurements this step: %s", err)
+                    record["data_service"] = None
             if self.report.timeline_due(self.iteration):
                 with _writing("a step timeline (--hdp-timeline-interval)", None):
                     self.report.record_timeline(self.iteration, plan, result)
