@@ -19,6 +19,9 @@ document; at step s it holds the K/V of source j = (p - s) mod k):
 - j <  p: both local chunks against the source's *first* chunk, fully visible;
 - j >  p: the local *second* chunk against both source chunks, fully visible.
 Every other chunk pair is masked out entirely. This holds for any chunk sizes.
+
+An attention variant that changes each query row's softmax as a whole (the sink of
+`sinks.py`) is a `RowFinalize` step after the merge, on the pack and the ring path alike.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -42,6 +45,32 @@ if TYPE_CHECKING:
     from megatron_hdp.attention.dropout import AttentionDropout
 
 _TAG_FWD_KV, _TAG_BWD_KV, _TAG_BWD_DKV = 11, 12, 13
+
+
+class RowFinalize(Protocol):
+    """A step after the log-sum-exp merge of every query row (an attention variant's seam).
+
+    Runs once per row, on the merged `(out [T, H, D], lse [H, T])` of all ring steps (or of
+    the pack's one kernel call), before the output leaves the attention; the kernels'
+    backward then takes the finalized out and lse. `params` are tensors it differentiates
+    (autograd inputs of the attention). Local: no communication. Example:
+    `sinks.SoftmaxSink`.
+    """
+
+    def forward(self, out_THD, lse_HT, *params) -> tuple[torch.Tensor, torch.Tensor]:
+        """The finalized `(out, lse)`, in lse's dtype."""
+        ...
+
+    def backward(self, dout_THD, out_THD, lse_HT, *params) -> tuple[torch.Tensor, ...]:
+        """The gradient of each of `params`, given the finalized out and lse."""
+        ...
+
+
+def _finalize_grads(ctx, first: int, dout_THD, out_THD, lse_HT, params) -> tuple:
+    """The gradients of the finalize step's params (autograd inputs from `first` on)."""
+    if ctx.finalize is None or not any(ctx.needs_input_grad[first:]):
+        return (None,) * len(params)
+    return ctx.finalize.backward(dout_THD, out_THD, lse_HT, *params)
 
 
 @dataclass(frozen=True)
@@ -175,7 +204,9 @@ def _kv_buffer(spec: RingAttentionSpec, source: int, like: torch.Tensor) -> torc
 
 class _HDPAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_THD, k_TGD, v_TGD, spec: RingAttentionSpec, scale: float):
+    def forward(
+        ctx, q_THD, k_TGD, v_TGD, spec: RingAttentionSpec, scale: float, finalize=None, *params
+    ):
         num_groups = k_TGD.shape[1]
         active, me = spec.active, spec.active.index(spec.position)
         n = len(active)
@@ -210,14 +241,16 @@ class _HDPAttention(torch.autograd.Function):
                 lse_HT[:, rows] = lse_new
             if pending is not None:
                 kv_cur = pending.wait()
+        if finalize is not None:
+            out_THD, lse_HT = finalize.forward(out_THD, lse_HT, *params)
         out_THD = out_THD.to(q_THD.dtype)
-        ctx.save_for_backward(q_THD, k_TGD, v_TGD, out_THD, lse_HT)
-        ctx.spec, ctx.scale, ctx.steps = spec, scale, steps
+        ctx.save_for_backward(q_THD, k_TGD, v_TGD, out_THD, lse_HT, *params)
+        ctx.spec, ctx.scale, ctx.steps, ctx.finalize = spec, scale, steps, finalize
         return out_THD
 
     @staticmethod
     def backward(ctx, dout_THD):
-        q_THD, k_TGD, v_TGD, out_THD, lse_HT = ctx.saved_tensors
+        q_THD, k_TGD, v_TGD, out_THD, lse_HT, *params = ctx.saved_tensors
         spec, scale, steps = ctx.spec, ctx.scale, ctx.steps
         num_groups = k_TGD.shape[1]
         active, me = spec.active, spec.active.index(spec.position)
@@ -266,7 +299,8 @@ class _HDPAttention(torch.autograd.Function):
             dkv_own = pending_dkv.wait()
         dk_TGD = dkv_own[:, :num_groups].to(k_TGD.dtype)
         dv_TGD = dkv_own[:, num_groups:].to(v_TGD.dtype)
-        return dq_THD.to(q_THD.dtype), dk_TGD, dv_TGD, None, None
+        dparams = _finalize_grads(ctx, 6, dout_THD, out_THD, lse_HT, params)
+        return dq_THD.to(q_THD.dtype), dk_TGD, dv_TGD, None, None, None, *dparams
 
 
 class _PackAttention(torch.autograd.Function):
@@ -274,19 +308,32 @@ class _PackAttention(torch.autograd.Function):
 
     The documents are whole and in packing order, so the kernel runs on q, k, v as they are,
     with the documents' offsets; output and gradients stay in the model's dtype (no ring
-    buffers, no log-sum-exp merge).
+    buffers, no log-sum-exp merge; a finalize step, if any, works on the kernel's output).
     """
 
     @staticmethod
-    def forward(ctx, q_THD, k_TGD, v_TGD, blocks: VarlenBlocks, kernel: VarlenKernel, scale):
+    def forward(
+        ctx,
+        q_THD,
+        k_TGD,
+        v_TGD,
+        blocks: VarlenBlocks,
+        kernel: VarlenKernel,
+        scale,
+        finalize=None,
+        *params,
+    ):
         out_THD, lse_HT = kernel.forward(q_THD, k_TGD, v_TGD, blocks, scale=scale)
-        ctx.save_for_backward(q_THD, k_TGD, v_TGD, out_THD, lse_HT)
-        ctx.blocks, ctx.kernel, ctx.scale = blocks, kernel, scale
+        if finalize is not None:
+            out_THD, lse_HT = finalize.forward(out_THD, lse_HT, *params)
+            out_THD = out_THD.to(q_THD.dtype)
+        ctx.save_for_backward(q_THD, k_TGD, v_TGD, out_THD, lse_HT, *params)
+        ctx.blocks, ctx.kernel, ctx.scale, ctx.finalize = blocks, kernel, scale, finalize
         return out_THD
 
     @staticmethod
     def backward(ctx, dout_THD):
-        q_THD, k_TGD, v_TGD, out_THD, lse_HT = ctx.saved_tensors
+        q_THD, k_TGD, v_TGD, out_THD, lse_HT, *params = ctx.saved_tensors
         dq, dk, dv = ctx.kernel.backward(
             dout_THD.contiguous().to(q_THD.dtype),
             q_THD,
@@ -297,7 +344,8 @@ class _PackAttention(torch.autograd.Function):
             ctx.blocks,
             scale=ctx.scale,
         )
-        return dq, dk, dv, None, None, None
+        dparams = _finalize_grads(ctx, 7, dout_THD, out_THD, lse_HT, params)
+        return dq, dk, dv, None, None, None, None, *dparams
 
 
 def hdp_attention(
@@ -308,6 +356,8 @@ def hdp_attention(
     *,
     softmax_scale: float | None = None,
     dropout: AttentionDropout | None = None,
+    finalize: RowFinalize | None = None,
+    finalize_params: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Causal attention of this rank's tokens of a micro-batch; returns `[T, H, D]`.
 
@@ -323,6 +373,9 @@ def hdp_attention(
         softmax_scale: Defaults to `1 / sqrt(D)`.
         dropout: Keyed dropout of the probabilities (`attention.dropout`): the spec then
             computes with its kernel, on blocks that carry their rows' keys.
+        finalize: A step after the merge of every query row (`RowFinalize`, e.g. the
+            attention sink of `sinks.SoftmaxSink`); None: none.
+        finalize_params: The tensors `finalize` differentiates (its autograd inputs).
     """
     num_tokens = spec.shards[spec.position].num_tokens
     if q_THD.shape[0] != num_tokens or k_TGD.shape != v_TGD.shape or k_TGD.shape[0] != num_tokens:
@@ -339,5 +392,7 @@ def hdp_attention(
         spec = dropout.bind(spec, q_THD.device)
     if len(spec.active) == 1:
         blocks = spec.step_blocks(q_THD.device)[spec.position].blocks
-        return _PackAttention.apply(q_THD, k_TGD, v_TGD, blocks, spec.backend, scale)
-    return _HDPAttention.apply(q_THD, k_TGD, v_TGD, spec, scale)
+        return _PackAttention.apply(
+            q_THD, k_TGD, v_TGD, blocks, spec.backend, scale, finalize, *finalize_params
+        )
+    return _HDPAttention.apply(q_THD, k_TGD, v_TGD, spec, scale, finalize, *finalize_params)

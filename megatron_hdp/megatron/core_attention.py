@@ -8,6 +8,10 @@ Attention dropout (`attention_dropout`, Megatron's meaning: dropout of the proba
 training) is keyed (`attention.dropout`): the masks depend on the tokens, not on where they
 run. It computes dense `[heads, q, k]` blocks per document (the math path), on every device:
 the flash kernels draw their own Philox masks and cannot take a keyed one.
+
+`softmax_type` (Megatron's meaning, `attention.sinks`): "off-by-one" adds a fixed sink logit 0
+per head to every query row's softmax, "learnable" the parameter `softmax_offset` (one logit
+per head of this TP rank, Megatron's name, shape, initialisation and checkpoint sharding).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron_hdp.attention.dropout import MicroBatchKeys, check_probability
 from megatron_hdp.attention.ring import RingAttentionSpec, hdp_attention
 from megatron_hdp.attention.rope import RotaryTable
+from megatron_hdp.attention.sinks import SINK, check_softmax_type
 from megatron_hdp.megatron import dropout as keyed
 
 logger = logging.getLogger(__name__)
@@ -74,6 +79,18 @@ class HDPCoreAttention(MegatronModule):
             raise ValueError(f"HDP attention is causal; got attn_mask_type {attn_mask_type}")
         self.layer_number = layer_number
         self.softmax_scale = softmax_scale
+        self.softmax_type = check_softmax_type(getattr(config, "softmax_type", "vanilla"))
+        if self.softmax_type == "learnable":
+            self.register_parameter("softmax_offset", learnable_softmax_offset(config))
+        elif self.softmax_type == "off-by-one":
+            self.softmax_offset = torch.zeros(_local_heads(config), dtype=config.params_dtype)
+        else:
+            self.softmax_offset = None
+        if self.softmax_offset is not None and layer_number == 1:
+            logger.info(
+                "softmax_type %s: one sink logit per head in every query row's softmax",
+                self.softmax_type,
+            )
 
     def forward(
         self,
@@ -119,10 +136,66 @@ class HDPCoreAttention(MegatronModule):
             dropout = params.dropout.attention(
                 self.dropout, self.layer_number, keyed.tensor_parallel_rank(self.config) * heads
             )
+        sink = () if self.softmax_offset is None else (self.softmax_offset.to(query.device),)
         out = hdp_attention(
-            query, key, value, spec, softmax_scale=self.softmax_scale, dropout=dropout
+            query,
+            key,
+            value,
+            spec,
+            softmax_scale=self.softmax_scale,
+            dropout=dropout,
+            finalize=SINK if sink else None,
+            finalize_params=sink,
         )
         out = out.reshape(out.shape[0], -1)
         if padded != real:
             out = torch.nn.functional.pad(out, (0, 0, 0, padded - real))
         return out
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """Megatron's: the learnable `softmax_offset` split by head over the TP ranks (axis 0).
+
+        Nothing else of this module is saved (off-by-one's zeros are no state).
+        """
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        state = {}
+        if self.softmax_type == "learnable":
+            state = self.state_dict(prefix="", keep_vars=True)
+        return make_sharded_tensors_for_checkpoint(
+            state,
+            prefix,
+            {"softmax_offset": 0},
+            sharded_offsets,
+            dp_cp_group=(metadata or {}).get("dp_cp_group"),
+        )
+
+
+def _local_heads(config) -> int:
+    """Query heads of this TP rank."""
+    return config.num_attention_heads // config.tensor_model_parallel_size
+
+
+def learnable_softmax_offset(config) -> torch.nn.Parameter:
+    """`softmax_offset` of `softmax_type="learnable"`: one sink logit per head of this TP rank.
+
+    Megatron's name, shape (`[heads / TP]`), dtype (`params_dtype`) and initialisation
+    (`config.init_method`, normal with `init_method_std`), except that the logits of all
+    heads are drawn and this rank keeps its slice, so the model is the same whatever the TP
+    size (as the linear layers under `use_cpu_initialization`); with TP 1 the draw is
+    Megatron's. Marked tensor-parallel (partition dim 0): each TP rank holds other heads, so
+    the gradient norm counts every rank's (Megatron's own leaves it unmarked: its norm
+    counts TP rank 0's alone).
+    """
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+    heads, local = config.num_attention_heads, _local_heads(config)
+    device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+    every = torch.zeros(heads, dtype=config.params_dtype, device=device)
+    if config.perform_initialization:
+        with torch.no_grad():
+            config.init_method(every)
+    first = keyed.tensor_parallel_rank(config) * local
+    param = torch.nn.Parameter(every[first : first + local].clone())
+    set_tensor_model_parallel_attributes(param, True, 0, 1)
+    return param
