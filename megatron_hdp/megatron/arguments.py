@@ -145,6 +145,14 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         help="normalise each head's queries and keys (the --normalization norm) before RoPE",
     )
     g.add_argument(
+        "--softmax-type",
+        choices=("vanilla", "off-by-one", "learnable"),
+        default="vanilla",
+        help="attention softmax (Megatron's meaning): off-by-one adds a sink logit 0 per head "
+        "to every query row's denominator, learnable a learned sink logit per head "
+        "(softmax_offset); see docs/attention-variants.md",
+    )
+    g.add_argument(
         "--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm", help="norm"
     )
     g.add_argument("--swiglu", action="store_true", help="gated SiLU MLP")

@@ -246,6 +246,7 @@ def checkpoint_args(
         num_attention_heads=heads,
         kv_channels=cfg.head_dim,
         qk_layernorm=cfg.qk_layernorm,
+        softmax_type=cfg.softmax_type,
         rotary_percent=cfg.rotary_percent,
         rotary_interleaved=cfg.rotary_interleaved,
         group_query_attention=cfg.num_query_groups is not None,

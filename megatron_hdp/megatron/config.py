@@ -55,6 +55,7 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
         rotary_interleaved=args.rotary_interleaved,
         kv_channels=args.kv_channels,
         qk_layernorm=args.qk_layernorm,
+        softmax_type=args.softmax_type,
         normalization=args.normalization,
         swiglu=args.swiglu,
         add_bias_linear=not args.disable_bias_linear,

@@ -22,6 +22,7 @@ from megatron.core.transformer.transformer_layer import (
 from torch.nn import functional
 
 from megatron_hdp.attention.dropout import check_probability
+from megatron_hdp.attention.sinks import check_softmax_type
 from megatron_hdp.distributed.layout import ParallelDims, moe_problems, pipeline_problems
 from megatron_hdp.megatron import compat
 from megatron_hdp.megatron.core_attention import HDPCoreAttention
@@ -71,6 +72,10 @@ class GPTConfig:
     qk_layernorm: bool = False
     """Normalise each head's queries and keys (the --normalization class) before RoPE
     (--qk-layernorm)."""
+    softmax_type: str = "vanilla"
+    """The attention softmax, Megatron's meaning (--softmax-type): "vanilla", "off-by-one"
+    (a sink logit 0 per head) or "learnable" (a learned sink logit per head, the core
+    attention's `softmax_offset`); `attention.sinks`."""
     normalization: str = "RMSNorm"
     """"RMSNorm" or "LayerNorm" (--normalization)."""
     swiglu: bool = True
@@ -136,6 +141,7 @@ class GPTConfig:
                 f"{self.num_attention_heads}"
             )
         self._check_head_shape()
+        check_softmax_type(self.softmax_type)
         groups = self.num_query_groups or self.num_attention_heads
         if self.num_attention_heads % groups:
             raise ValueError(
@@ -269,6 +275,7 @@ def transformer_config(cfg: GPTConfig) -> TransformerConfig:
         num_query_groups=cfg.num_query_groups,
         kv_channels=cfg.kv_channels,
         qk_layernorm=cfg.qk_layernorm,
+        softmax_type=cfg.softmax_type,
         rotary_interleaved=cfg.rotary_interleaved,
         ffn_hidden_size=cfg.ffn_hidden_size,
         normalization=cfg.normalization,

@@ -953,6 +953,7 @@ MODEL_FIELDS_BEFORE_THEY_EXISTED = {
     "rotary_interleaved": False,
     "kv_channels": None,
     "qk_layernorm": False,
+    "softmax_type": "vanilla",
 }
 #: Model settings that change no parameter, so a resume may change them.
 MAY_CHANGE_ON_RESUME = ("sequence_parallel", "moe_aux_loss_coeff", "moe_token_dispatcher_type")
@@ -1030,6 +1031,7 @@ def megatron_lm_model(load: str) -> dict | None:
         "add_bias_linear": bool(ckpt.add_bias_linear),
         "tie_embeddings": not ckpt.untie_embeddings_and_output_weights,
         "num_experts": getattr(ckpt, "num_experts", None),
+        "softmax_type": getattr(ckpt, "softmax_type", "vanilla"),
     }
 
 

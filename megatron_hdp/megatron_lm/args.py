@@ -75,12 +75,6 @@ REFUSED_HDP_FLAGS = {
 #: Megatron-LM arguments (dest, value test, message) that HDP cannot run with.
 _REFUSED_MEGATRON = (
     (
-        "softmax_type",
-        lambda v: v not in (None, "vanilla"),
-        "--softmax-type: HDP's attention has only the vanilla softmax (learnable or "
-        "off-by-one sinks would be dropped)",
-    ),
-    (
         "virtual_pipeline_model_parallel_size",
         lambda v: v is not None,
         "--virtual-pipeline-model-parallel-size / --num-layers-per-virtual-pipeline-stage: HDP "

@@ -44,6 +44,7 @@ def gpt_config(args: argparse.Namespace, vocab_size: int | None = None) -> GPTCo
         rotary_interleaved=bool(getattr(args, "rotary_interleaved", False)),
         kv_channels=args.kv_channels,
         qk_layernorm=bool(args.qk_layernorm),
+        softmax_type=getattr(args, "softmax_type", "vanilla"),
         normalization=args.normalization,
         swiglu=args.swiglu,
         add_bias_linear=args.add_bias_linear,

@@ -3,7 +3,8 @@
 It shares nothing with HDP's attention path: Megatron applies RoPE itself (sbhd format,
 positions 0..s-1, its own `rotary_percent` / `rotary_interleaved`), its local spec brings
 its own query/key norms (`qk_layernorm`), and the core attention is a few lines of causal
-SDPA written here.
+SDPA written here; with a sink (`softmax_type` off-by-one or learnable) it is Megatron-Core's
+own `DotProductAttention` (its `SoftmaxOne`: the sink as an extra score column).
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def build_reference(cfg: GPTConfig, state_dict: dict) -> GPTModel:
         normalization=cfg.normalization,
         qk_layernorm=cfg.qk_layernorm,
     )
-    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    if cfg.softmax_type == "vanilla":  # else: the local spec's stock DotProductAttention
+        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     model = GPTModel(
         config=transformer_config(cfg),
         transformer_layer_spec=spec,

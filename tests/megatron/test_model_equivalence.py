@@ -458,3 +458,13 @@ def test_each_rank_reads_only_its_share(policy):
             for pos in range(start, start + length):
                 covered[seq][pos] += 1
     assert all(count == 1 for counts in covered.values() for count in counts)
+
+
+@pytest.mark.parametrize("softmax_type", ["learnable", "off-by-one"])
+def test_attention_sinks_match_stock_megatron(softmax_type):
+    """--softmax-type learnable / off-by-one: HDP's sink (a finalize step after the ring's
+    merge, `attention.sinks`) with rings of up to 3 ranks, against stock Megatron-Core's
+    DotProductAttention (its `SoftmaxOne`: the sink as an extra score column) on one process:
+    losses, gradient norms, the first step's gradients (`softmax_offset`'s included) and the
+    parameters after three Adam steps."""
+    check_case(Case(pool_size=3, cfg=dataclasses.replace(CFG, softmax_type=softmax_type)))

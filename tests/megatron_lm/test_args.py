@@ -54,7 +54,6 @@ REFUSED = {
     "--rotary-seq-len-interpolation-factor": ["--rotary-seq-len-interpolation-factor", "2"],
     "--global-batch-size": ["--global-batch-size", "3"],  # Megatron-LM's counter: DP 2 | B
     "--train-samples": ["--hdp-global-batch-tokens", "2048", "--train-samples", "8"],
-    "--softmax-type": ["--softmax-type", "learnable"],
     "--inprocess-restart": ["--inprocess-restart"],
     "--tokenizer-type": ["--tokenizer-type", "SFTTokenizer"],
     "--dataloader-type": ["--dataloader-type", "single"],
@@ -95,14 +94,15 @@ def test_with_hdp_a_flag_it_cannot_honour_is_refused_by_name(trees, monkeypatch,
 
 def test_every_refusal_of_one_launch_comes_in_one_message(trees, monkeypatch, capsys):
     """A recipe with several flags HDP cannot run is fixed in one round, not one per flag."""
-    flags = [*REFUSED["--softmax-type"], *REFUSED["--mock-data"], *REFUSED["--dataloader-type"]]
+    flags = [*REFUSED["--inprocess-restart"], *REFUSED["--mock-data"]]
+    flags += REFUSED["--dataloader-type"]
     with pytest.raises(SystemExit) as stop:
         _parse_and_validate(monkeypatch, [*BASE, "--hdp", *flags])
     assert stop.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     message = lines[-1]
     assert message.startswith("pretrain_gpt.py: error: 3 problems with this launch: (1) ")
-    for flag in ("--softmax-type", "--mock-data", "--dataloader-type"):
+    for flag in ("--inprocess-restart", "--mock-data", "--dataloader-type"):
         assert flag in message, message
 
 
