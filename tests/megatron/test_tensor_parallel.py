@@ -69,7 +69,7 @@ def _body_tp(rank, world_size, cfg, pool, policy, kind):
             init = {n: p.detach().clone() for n, p in named}
             group = layout.pool_group
             runtime = StepRuntime(group=group, check_plans=True, job_group=dist.group.WORLD)
-            grads, losses = {}, []
+            grads, losses, norms = {}, [], []
             snapshot_grads_before_update(engine, grads)  # of the first step
             cp_size = 2 if policy == "static" else None
             for step in range(NUM_STEPS):
@@ -78,9 +78,12 @@ def _body_tp(rank, world_size, cfg, pool, policy, kind):
                 plan = plan_step(
                     lengths, pool_size=pool, capacity=CAPACITY, policy=policy, cp_size=cp_size
                 )
-                losses.append(train_step(engine, plan, source, runtime).loss)
+                result = train_step(engine, plan, source, runtime)
+                losses.append(result.loss)
+                norms.append(result.grad_norm)
             return {
                 "losses": losses,
+                "norms": norms,
                 "grads": grads,
                 "init": init,
                 "after": {n: p.detach().clone() for n, p in named},
@@ -169,6 +172,35 @@ def test_head_size_rotary_share_and_qk_norm_with_tensor_parallelism(sp):
         members = ranks[replica * TP : (replica + 1) * TP]
         layout = members[0]["layout"]
         for name in reference["init"]:
+            grad = unshard([m["grads"][name] for m in members], layout[name])
+            assert relative(grad, reference["grads"][name]) < 1e-5, name
+            after = unshard([m["after"][name] for m in members], layout[name])
+            assert relative(after, reference["after"][name]) < 1e-5, name
+
+
+def test_learnable_attention_sinks_with_tensor_parallelism():
+    """--softmax-type learnable with TP 2: each TP rank holds the sink logits of its 2 heads
+    (`softmax_offset`, split on dim 0 as Megatron's checkpoint does), drawn as one TP=1
+    vector and sliced, so the model is the one-process model bit for bit; losses, gradients,
+    weights after three steps and the first step's gradient norm (every TP rank's sinks
+    counted once) are the stock one-process model's (Megatron-Core's DotProductAttention)."""
+    cfg = dataclasses.replace(CFG, softmax_type="learnable")
+    tp_cfg = dataclasses.replace(cfg, tensor_model_parallel_size=TP)
+    ranks = run_ranks(_body_tp, TP * 2, tp_cfg, 2, "greedy", "mixed", timeout_s=180)
+    reference = run_ranks(_body_reference, 1, cfg, 2, "mixed")[0]
+    sinks = [name for name in reference["init"] if name.endswith("core_attention.softmax_offset")]
+    assert len(sinks) == cfg.num_layers
+    norm = float(torch.stack([g.double().norm() for g in reference["grads"].values()]).norm())
+    for result in ranks:
+        assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+        assert result["norms"][0] == pytest.approx(norm, rel=1e-5)
+    for replica in range(2):
+        members = ranks[replica * TP : (replica + 1) * TP]
+        layout = members[0]["layout"]
+        assert all(layout[name] == (True, 0, 1) for name in sinks)
+        for name in reference["init"]:
+            full = unshard([m["init"][name] for m in members], layout[name])
+            assert torch.equal(full, reference["init"][name]), name
             grad = unshard([m["grads"][name] for m in members], layout[name])
             assert relative(grad, reference["grads"][name]) < 1e-5, name
             after = unshard([m["after"][name] for m in members], layout[name])
