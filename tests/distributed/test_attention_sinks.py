@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_hdp.attention.dropout import ATTENTION, MicroBatchKeys, attention_keep, key_base
 from megatron_hdp.attention.ring import build_ring_spec, hdp_attention
 from megatron_hdp.attention.sinks import SINK
 from megatron_hdp.sharding import shard
@@ -18,8 +19,9 @@ from tests.dist import run_ranks
 HEADS, GROUPS, DIM = 4, 2, 8
 
 
-def reference_sink_attention(q, k, v, sink_H):
-    """Causal attention of one document with a sink column per head ([T, H, D])."""
+def reference_sink_attention(q, k, v, sink_H, keep=None, p=0.0):
+    """Causal attention of one document with a sink column per head ([T, H, D]); `keep`:
+    the kept `[H, T, T]` probabilities of dropout `p` (after the softmax, as Megatron's)."""
     rep = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(rep, dim=1).transpose(0, 1)
     v = v.repeat_interleave(rep, dim=1).transpose(0, 1)
@@ -29,6 +31,8 @@ def reference_sink_attention(q, k, v, sink_H):
     scores = scores.masked_fill(~causal, float("-inf"))
     column = sink_H.reshape(-1, 1, 1).expand(-1, scores.shape[1], 1)
     probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    if keep is not None:
+        probs = probs * keep / (1 - p)
     return (probs @ v).transpose(0, 1)
 
 
@@ -158,3 +162,52 @@ def test_a_bfloat16_pack_with_a_sink_is_near_the_float64_reference():
     assert out.dtype == sink16.grad.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), torch.cat([w[0] for w in want]), rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(sink16.grad.double(), want_dsink, rtol=5e-2, atol=5e-2)
+
+
+P, SEED, ITERATION, LAYER = 0.1, 1234, 7, 3
+
+
+def _keep(n, doc_id):
+    """The keyed dropout mask of a whole document (`attention.dropout`'s own function)."""
+    pos = torch.arange(n)
+    base = key_base(ATTENTION, SEED, ITERATION, LAYER)
+    return attention_keep(base, torch.arange(HEADS), torch.full((n,), doc_id), pos, pos, P)
+
+
+def _body_dropout(rank, world_size, rings, doc_lengths, doc_ids):
+    ((ring,),) = [[r] for r in rings if rank in r]
+    docs, sink = _docs(doc_lengths, seed=11), _sink("learnable", seed=12)
+    ref_sink = sink.detach().clone().requires_grad_()
+    want = []
+    for (q, k, v, dout), n, doc in zip(docs, doc_lengths, doc_ids, strict=True):
+        qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+        out = reference_sink_attention(qf, kf, vf, ref_sink, _keep(n, doc), P)
+        out.backward(dout)
+        want.append((out.detach(), qf.grad, kf.grad, vf.grad))
+    if shard(doc_lengths, len(ring))[ring.index(rank)].num_tokens == 0:
+        return None, ref_sink.grad
+    group = dist.group.WORLD if len(ring) > 1 else None
+    spec = build_ring_spec(doc_lengths, ring, rank=rank, group=group, backend="math")
+    pieces = spec.shards[spec.position].ranges()
+    q, k, v, dout = (
+        torch.cat([docs[d][i][s : s + n] for d, s, n in pieces]).requires_grad_(i < 3)
+        for i in range(4)
+    )
+    empty = torch.zeros(0, dtype=torch.int64)
+    dropout = MicroBatchKeys(SEED, ITERATION, tuple(doc_ids), empty, empty).attention(P, LAYER)
+    out = hdp_attention(q, k, v, spec, dropout=dropout, finalize=SINK, finalize_params=(sink,))
+    out.backward(dout)
+    for name, got, i in (("out", out, 0), ("dq", q.grad, 1), ("dk", k.grad, 2), ("dv", v.grad, 3)):
+        expected = torch.cat([want[d][i][s : s + n] for d, s, n in pieces])
+        torch.testing.assert_close(got.detach(), expected, rtol=1e-10, atol=1e-10, msg=name)
+    return sink.grad, ref_sink.grad
+
+
+def test_sinks_with_keyed_attention_dropout_in_a_ring_of_3_and_a_pack():
+    """Dropout of the sink softmax's probabilities (Megatron's order: softmax with the sink,
+    then dropout): outputs, gradients and the sink's gradient of the explicit column."""
+    rings = ([3, 0, 2], [1])
+    results = run_ranks(_body_dropout, 4, rings, [11, 1, 24, 30], [5, 0, 17, 2])
+    for ring in rings:
+        shares = [results[r][0] for r in ring if results[r][0] is not None]
+        torch.testing.assert_close(sum(shares), results[ring[0]][1], rtol=1e-10, atol=1e-10)
