@@ -79,6 +79,7 @@ class HDPCoreAttention(MegatronModule):
             raise ValueError(f"HDP attention is causal; got attn_mask_type {attn_mask_type}")
         self.layer_number = layer_number
         self.softmax_scale = softmax_scale
+        self._tp_group = getattr(pg_collection, "tp", None)
         self.softmax_type = check_softmax_type(getattr(config, "softmax_type", "vanilla"))
         if self.softmax_type == "learnable":
             self.register_parameter("softmax_offset", learnable_softmax_offset(config))
@@ -155,19 +156,25 @@ class HDPCoreAttention(MegatronModule):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """Megatron's: the learnable `softmax_offset` split by head over the TP ranks (axis 0).
 
-        Nothing else of this module is saved (off-by-one's zeros are no state).
+        Nothing else of this module is saved (off-by-one's zeros are no state). Both groups
+        are passed: Megatron's helper falls back to its global TP group only when neither is.
         """
+        from megatron.core import parallel_state
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
         state = {}
         if self.softmax_type == "learnable":
             state = self.state_dict(prefix="", keep_vars=True)
+        dp_cp_group = (metadata or {}).get("dp_cp_group")
+        if dp_cp_group is None:
+            dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         return make_sharded_tensors_for_checkpoint(
             state,
             prefix,
             {"softmax_offset": 0},
             sharded_offsets,
-            dp_cp_group=(metadata or {}).get("dp_cp_group"),
+            tp_group=self._tp_group or parallel_state.get_tensor_model_parallel_group(),
+            dp_cp_group=dp_cp_group,
         )
 
 
