@@ -152,6 +152,24 @@ def test_ray_service_gives_the_in_process_batches_and_losses(spec_path, ray_clus
     assert all(r["tokens"] == 0 for r in last if r["role"] == "shadow")
 
 
+def test_ranks_hold_lengths_and_evaluation_batches_come_from_the_loaders(spec_path, ray_cluster):
+    """With the service a rank holds its sources' lengths only (`LengthsOnly`: a token read
+    on a rank fails the run), evaluation included; the JSONL source's lengths index, cached
+    nowhere yet, is built once in the cluster. Batches, losses and validation losses are
+    the in-process loader's."""
+    extra = ["--split", "80,20,0", "--train-iters", "4", "--eval-interval", "2"]
+    cache = spec_path.parent / "c6"
+    reference = run_pretrain(2, _args(spec_path, spec_path.parent / "c6ref", extra=extra))
+    steps = run_pretrain(2, _args(spec_path, cache, extra=[*extra, *_ray(ray_cluster)]))
+    assert ["valid_loss" in s for s in reference] == [False, True, False, True]
+    assert [repr(s.get("valid_loss")) for s in steps] == [
+        repr(s.get("valid_loss")) for s in reference
+    ]
+    assert _units(steps) == _units(reference) and _losses(steps) == _losses(reference)
+    # an on_open JSONL source: only the cluster's indexer writes a lengths index for it
+    assert len(list((cache / "lengths").glob("*.npz"))) == 1
+
+
 KILLER = textwrap.dedent(
     """
     import sys, time, ray
