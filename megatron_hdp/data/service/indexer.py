@@ -48,8 +48,10 @@ class LengthsIndexer:
 
 
 def release_indexers() -> None:
-    """Drop this process's indexer handles (once every rank has its lengths: Ray then ends
-    the indexers this process started)."""
+    """Drop this process's indexer handles, once every rank has its lengths.
+
+    Ray then ends the indexers this process started.
+    """
     _HANDLES.clear()
 
 
