@@ -215,6 +215,10 @@ def test_a_killed_planner_is_restarted_and_resumes_from_the_ranks_sampler_state(
         assert status["restarted"] and status["resumed_from"] == 1, status  # not from batch 0
         assert recovered_s < 120, recovered_s
         ray.kill(planner, no_restart=False)  # no restart left
+        with pytest.raises(ray.exceptions.RayActorError):  # ray.kill takes effect soon after
+            for _ in range(300):
+                ray.get(planner.status.remote())
+                time.sleep(0.1)
         start = time.monotonic()
         with pytest.raises(DataServiceError, match="planner actor, asked for batch 5: the actor"):
             feed.next_batch()
