@@ -97,15 +97,20 @@ def measure(folder: Path, tokenize: str, lengths_only: bool) -> dict:
     }
 
 
-def run_mode(folder: Path, tokenize: str, lengths_only: bool) -> dict:
-    """`measure` in a fresh Python process (this script's `--child`)."""
+def run_modes(folder: Path, modes) -> list[dict]:
+    """`measure` each `(tokenize, lengths_only)` in order, in one fresh Python process.
+
+    Measure a mode that holds little before one that holds much: each measures the growth
+    from where the last left off, and freed memory a process keeps would count again.
+    """
+    wanted = [f"{tokenize}:{int(lean)}" for tokenize, lean in modes]
     done = subprocess.run(
-        [sys.executable, __file__, "--child", str(folder), tokenize, str(int(lengths_only))],
+        [sys.executable, __file__, "--child", str(folder), *wanted],
         capture_output=True,
         text=True,
     )
     if done.returncode != 0:
-        raise RuntimeError(f"measuring {tokenize} (lengths only: {lengths_only}): {done.stderr}")
+        raise RuntimeError(f"measuring {wanted}: {done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -119,7 +124,7 @@ def compare(folder: Path, megabytes: float) -> dict:
         [str(folder / "web.jsonl")], json_key="text", tokenizer=build_tokenizer("ByteLevel"),
         cache_dir=folder,
     )  # fmt: skip
-    rows = {name: run_mode(folder, tokenize, lean) for name, tokenize, lean in MODES}
+    rows = {name: run_modes(folder, [(tokenize, lean)])[0] for name, tokenize, lean in MODES}
     service = rows["data_service"]["data_bytes"]
     return {
         "jsonl_megabytes": megabytes,
@@ -132,8 +137,9 @@ def compare(folder: Path, megabytes: float) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        folder, tokenize, lean = Path(sys.argv[2]), sys.argv[3], bool(int(sys.argv[4]))
-        print(json.dumps(measure(folder, tokenize, lean)), flush=True)
+        folder, modes = Path(sys.argv[2]), [m.split(":") for m in sys.argv[3:]]
+        rows = [measure(folder, tokenize, bool(int(lean))) for tokenize, lean in modes]
+        print(json.dumps(rows), flush=True)
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
