@@ -225,3 +225,25 @@ def test_a_killed_planner_is_restarted_and_resumes_from_the_ranks_sampler_state(
         assert time.monotonic() - start < 30
     finally:
         ray.kill(planner, no_restart=True)
+
+
+def test_the_cluster_builds_a_jsonl_lengths_index_once_and_names_a_bad_line(local_ray, tmp_path):
+    """`service.indexer`: the lengths a rank gets from the cluster are the file's (UTF-8
+    bytes + the end of document), the index is cached for the loaders, and a malformed
+    line is a ValueError naming the source and the line, as the in-process reader's."""
+    from megatron_hdp.data.lengths_only import open_lengths
+    from megatron_hdp.data.service.indexer import cluster_lengths
+
+    texts = ["one", "two words", "é"]
+    (tmp_path / "ok.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": \n')
+    spec = parse_spec(
+        {"sources": [{"name": "ok", "jsonl": "ok.jsonl"}, {"name": "bad", "jsonl": "bad.jsonl"}]},
+        base=tmp_path,
+    )
+    open_args = {"tokenizer_type": "ByteLevel", "tokenizer_model": None, "cache_dir": tmp_path}
+    build = cluster_lengths("unused:1", open_args, timeout_s=120)  # Ray is joined already
+    assert build(spec.sources[0]).tolist() == [len(t.encode()) + 1 for t in texts]
+    assert len(list((tmp_path / "lengths").glob("*.npz"))) == 1
+    with pytest.raises(ValueError, match=r"data spec source 'bad': [^']*bad\.jsonl:2"):
+        open_lengths(spec.sources[1], **open_args, build=build)

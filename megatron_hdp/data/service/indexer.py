@@ -76,8 +76,9 @@ def cluster_lengths(address: str, open_args: dict, *, timeout_s: float):
 def _cluster_lengths(address: str, open_args: dict, timeout_s: float, source: SourceSpec):
     """The lengths of JSONL `source` from the job's `LengthsIndexer` for it.
 
-    Raises ValueError naming the source for bad data (a malformed line), DataServiceError
-    naming it if the indexer fails otherwise or does not answer within `timeout_s`.
+    Raises the indexer's ValueError for bad data (a malformed line, named by file and
+    line), DataServiceError naming the source if the indexer fails otherwise or does not
+    answer within `timeout_s`.
     """
     import ray
 
@@ -98,7 +99,7 @@ def _cluster_lengths(address: str, open_args: dict, timeout_s: float, source: So
         ) from err
     except ray.exceptions.RayError as err:
         if isinstance(getattr(err, "cause", None), ValueError):  # bad data, named
-            raise ValueError(f"data spec source {source.name!r}: {err.cause}") from err
+            raise ValueError(str(err.cause)) from err  # open_lengths names the source
         raise DataServiceError(
             f"data source {source.name!r}: building its lengths index in the Ray cluster "
             f"failed ({_first_line(err)})"
