@@ -177,7 +177,7 @@ class PlannerActor:
         return [self.batches[step]]
 
     def _resume(self, k: int, state: dict) -> None:
-        """Continue after batch `k` from its sampler `state` (dropping nothing kept: none is)."""
+        """Continue after batch `k` from its sampler `state` (the older batches it kept go)."""
         self.sampler.load_state_dict(state)
         if self.sampler.state.steps != k:
             raise ValueError(f"a sampler state of batch {self.sampler.state.steps}, sent as {k}")
