@@ -63,6 +63,31 @@ def _leave_process_group() -> None:
         dist.destroy_process_group()
 
 
+def _service_data_config(args, cfg):
+    """`cfg` for a rank of a job with --hdp-data-service ray: it holds lengths only.
+
+    The source loaders read every token (training and evaluation); a JSONL source with no
+    cached lengths index has it built once, in the cluster (`data.service.indexer`).
+    """
+    import dataclasses
+
+    from megatron_hdp.data.service.address import resolve_ray_address
+    from megatron_hdp.data.service.indexer import cluster_lengths
+    from megatron_hdp.data.training_data import DEFAULT_CACHE
+
+    open_args = {
+        "tokenizer_type": cfg.tokenizer_type,
+        "tokenizer_model": cfg.tokenizer_model,
+        "cache_dir": cfg.cache_dir or DEFAULT_CACHE,
+    }
+    build = cluster_lengths(
+        resolve_ray_address(args.hdp_ray_address),
+        open_args,
+        timeout_s=args.distributed_timeout_minutes * 60,
+    )
+    return dataclasses.replace(cfg, lengths_only=True, build_lengths=build)
+
+
 def _prepare(parser, args, world_size: int):
     """Everything before the process group: validate, open the data, check the resume."""
     try:
@@ -80,6 +105,7 @@ def _prepare(parser, args, world_size: int):
     from megatron_hdp.attention.kernels.device import DeviceFacts
     from megatron_hdp.attention.kernels.registry import resolve_kernel
     from megatron_hdp.data.training_data import build_training_data
+    from megatron_hdp.errors import DataServiceError
     from megatron_hdp.megatron.config import data_config, model_config
 
     try:
@@ -90,7 +116,10 @@ def _prepare(parser, args, world_size: int):
             dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
             head_dim=args.kv_channels or args.hidden_size // args.num_attention_heads,
         )
-        data = build_training_data(data_config(args, world_size))
+        cfg = data_config(args, world_size)
+        if args.hdp_data_service == "ray":  # the rank holds lengths, the loaders tokens
+            cfg = _service_data_config(args, cfg)
+        data = build_training_data(cfg)
         if meta is not None:
             check_resume_matches(
                 meta,
@@ -104,6 +133,8 @@ def _prepare(parser, args, world_size: int):
             )
     except ValueError as err:
         _say(parser, 2, f"error: {err}")
+    except DataServiceError as err:
+        _say(parser, 1, f"error: {err}")
     return data
 
 

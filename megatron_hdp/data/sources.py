@@ -106,6 +106,30 @@ def _build_index(files, json_key: str, tokenizer) -> dict[str, np.ndarray]:
     return {"files": table[:, 0], "begin": table[:, 1], "end": table[:, 2], "lengths": table[:, 3]}
 
 
+def _index_path(files, json_key: str, tokenizer, cache_dir) -> Path | None:
+    """Where the lengths index of these files is cached (None: not cacheable)."""
+    from megatron_hdp.data.fingerprint import dataset_fingerprint
+
+    key = tokenizer_key(tokenizer)
+    if key is None or cache_dir is None:
+        return None
+    fingerprint = dataset_fingerprint("jsonl:" + ",".join(str(f) for f in files))
+    name = hashlib.sha256(json_key.encode()).hexdigest()[:8]
+    return Path(cache_dir) / "lengths" / f"{fingerprint.split(':')[1]}-{name}-{key}.npz"
+
+
+def cached_lengths(files, *, json_key: str, tokenizer, cache_dir) -> np.ndarray | None:
+    """The document lengths of a cached lengths index (None: none is cached).
+
+    Reads the index's `lengths` column alone; no document is opened.
+    """
+    path = _index_path(files, json_key, tokenizer, cache_dir)
+    if path is None or not path.is_file():
+        return None
+    with np.load(path) as cached:
+        return cached["lengths"]
+
+
 def lengths_index(files, *, json_key: str, tokenizer, cache_dir) -> dict[str, np.ndarray]:
     """The lengths index of raw JSONL files, built once and cached.
 
@@ -115,14 +139,9 @@ def lengths_index(files, *, json_key: str, tokenizer, cache_dir) -> dict[str, np
     build it at once never read half of one. A tokenizer without a cache key
     (`tokenizer_key`) builds it in memory every time.
     """
-    from megatron_hdp.data.fingerprint import dataset_fingerprint
-
-    key = tokenizer_key(tokenizer)
-    if key is None or cache_dir is None:
+    path = _index_path(files, json_key, tokenizer, cache_dir)
+    if path is None:
         return _build_index(files, json_key, tokenizer)
-    fingerprint = dataset_fingerprint("jsonl:" + ",".join(str(f) for f in files))
-    name = hashlib.sha256(json_key.encode()).hexdigest()[:8]
-    path = Path(cache_dir) / "lengths" / f"{fingerprint.split(':')[1]}-{name}-{key}.npz"
     if path.is_file():
         with np.load(path) as cached:
             return {k: cached[k] for k in cached.files}

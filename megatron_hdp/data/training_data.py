@@ -23,6 +23,7 @@ import numpy as np
 from megatron_hdp.data.batch_ramp import BatchRamp
 from megatron_hdp.data.fingerprint import dataset_fingerprint
 from megatron_hdp.data.indexed import ensure_stdlib_corpus, open_indexed_dataset
+from megatron_hdp.data.lengths_only import LengthsOnly, open_lengths
 from megatron_hdp.data.sampler import DatasetUnits, TokenBudgetSampler, split_ranges
 from megatron_hdp.data.sources import open_source, source_location
 from megatron_hdp.data.spec import DataSpec
@@ -69,6 +70,14 @@ class DataConfig:
     """Where the embedded corpus is built (--data-cache-path)."""
     spec: DataSpec | None = None
     """A declarative data spec (--hdp-data-spec), instead of `blend`."""
+    lengths_only: bool = False
+    """Hold each source's document lengths only, never its tokens (`data.lengths_only`):
+    with --hdp-data-service ray the source loaders read every token, training and
+    evaluation alike. The datasets are then `LengthsOnly`, whose reads raise."""
+    build_lengths: Any = field(default=None, compare=False, repr=False)
+    """With `lengths_only`: `build(source)`, the lengths of a JSONL source that has no
+    cached lengths index yet (the Ray service's `service.indexer.cluster_lengths`, which
+    builds it once in the cluster); None: it is built in this process."""
     tokenizer: Any = field(default=None, compare=False, repr=False)
     """A tokenizer object already built (`vocab_size`, `eod`, `encode`), used instead of
     building one from `tokenizer_type` / `tokenizer_model`: the drop-in passes the one
@@ -181,16 +190,16 @@ def _spec_data(cfg: DataConfig, vocab_size: int) -> TrainingData:
     spec = cfg.spec
     cache = cfg.cache_dir or DEFAULT_CACHE
     prefixes = [source_location(source, cache) for source in spec.sources]
-    datasets = [
-        open_source(
-            source,
-            tokenizer_type=cfg.tokenizer_type,
-            tokenizer_model=cfg.tokenizer_model,
-            cache_dir=cache,
-            tokenizer=cfg.tokenizer,
-        )
-        for source in spec.sources
-    ]
+    how = {
+        "tokenizer_type": cfg.tokenizer_type,
+        "tokenizer_model": cfg.tokenizer_model,
+        "cache_dir": cache,
+        "tokenizer": cfg.tokenizer,
+    }
+    if cfg.lengths_only:
+        datasets = [open_lengths(s, **how, build=cfg.build_lengths) for s in spec.sources]
+    else:
+        datasets = [open_source(source, **how) for source in spec.sources]
     train_units, valid_units = _split_units(prefixes, datasets, cfg)
     streams, sources = [], []
     for k, units in enumerate(train_units):
@@ -269,6 +278,11 @@ def build_training_data(cfg: DataConfig) -> TrainingData:
         prefixes = [ensure_stdlib_corpus(cfg.cache_dir or DEFAULT_CACHE)]
         logger.debug("no --data-path: using the embedded stdlib corpus %s", prefixes[0])
     datasets = [open_indexed_dataset(prefix) for prefix in prefixes]
+    if cfg.lengths_only:
+        datasets = [
+            LengthsOnly(p, d.sequence_lengths, owner=d)
+            for p, d in zip(prefixes, datasets, strict=True)
+        ]
     return training_data_from(prefixes, datasets, cfg, vocab_size)
 
 

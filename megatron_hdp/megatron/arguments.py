@@ -455,7 +455,8 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
         default="local",
         help="local: every rank plans each batch and reads its own tokens in-process; ray: "
         "one planner actor plans each batch for all ranks and source-loader actors read the "
-        "tokens, on the Ray cluster at --hdp-ray-address (needs 'pip install ray')",
+        "tokens (training and evaluation; ranks hold the documents' lengths only), on the Ray "
+        "cluster at --hdp-ray-address (needs 'pip install ray')",
     )
     g.add_argument(
         "--hdp-ray-address",

@@ -616,12 +616,15 @@ def train_step(
 
 
 def evaluate(
-    engine: Engine, plan: StepPlan, source: TokenSource, runtime: StepRuntime
+    engine: Engine, plan: StepPlan, source: TokenSource, runtime: StepRuntime, prepared=None
 ) -> tuple[float, int]:
-    """Collective over the job: forward only; return the global loss sum and loss tokens."""
+    """Collective over the job: forward only; return the global loss sum and loss tokens.
+
+    `prepared`: `(batches, error)` already read, as `read_and_count` takes it.
+    """
     _check_job_group(engine, runtime)
     check_plan_fits(plan, engine, runtime.group)
-    batches, num_tokens = read_and_count(plan, source, runtime)
+    batches, num_tokens = read_and_count(plan, source, runtime, prepared)
     batch_tokens = plan.total_tokens()
     loss_sum = torch.zeros(1, dtype=torch.float64, device=runtime.device)
     engine.model.eval()

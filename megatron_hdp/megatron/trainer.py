@@ -24,10 +24,11 @@ import torch.distributed as dist
 
 from megatron_hdp.checkpoint_digests import DIGESTS
 from megatron_hdp.checkpoint_files import iteration_dir, latest_iteration, read_meta
-from megatron_hdp.data.batching import IndexedTokens
+from megatron_hdp.data.batching import IndexedTokens, read_local
 from megatron_hdp.data.loader import GlobalBatchLoader
 from megatron_hdp.data.service.address import resolve_ray_address
-from megatron_hdp.data.service.client import RayDataService
+from megatron_hdp.data.service.client import PlannedBatch, RayDataService
+from megatron_hdp.data.service.indexer import release_indexers
 from megatron_hdp.data.sources import blend_sources, lengths_digest
 from megatron_hdp.data.training_data import DEFAULT_CACHE, TrainingData
 from megatron_hdp.distributed.layout import ParallelLayout
@@ -390,6 +391,7 @@ class Trainer:
                 save=self.args.save,
             )
         dist.barrier(group=self.runtime.all_ranks)
+        release_indexers()  # every rank has its lengths (`_prepare`, before the group)
         if service is None:
             service = RayDataService.attach(
                 address, job_key=key[0], timeout_s=timeout_s, save=self.args.save
@@ -446,14 +448,32 @@ class Trainer:
         loss_sum, tokens = 0.0, 0
         for _ in range(self.args.eval_iters):
             units = sampler.next_batch()
-            s, n = evaluate(
-                self.engine,
-                self._plan(units),
-                IndexedTokens(self.data.datasets, units, vocab_size=self.data.vocab_size),
-                self.runtime,
-            )
+            plan = self._plan(units)
+            source = IndexedTokens(self.data.datasets, units, vocab_size=self.data.vocab_size)
+            read = self._fetch_eval(plan, units) if self.args.hdp_data_service == "ray" else None
+            try:
+                s, n = evaluate(self.engine, plan, source, self.runtime, prepared=read)
+            except DataServiceError as err:
+                raise DataServiceError(f"{err}. {self.checkpoint_note()}") from err
             loss_sum, tokens = loss_sum + s, tokens + n
         return loss_sum / max(tokens, 1)
+
+    def _fetch_eval(self, plan: StepPlan, units: list) -> tuple[list, Exception | None]:
+        """This rank's micro-batches of an evaluation batch, read by the source loaders.
+
+        The rank holds lengths only. Collective on its first call (it joins the data
+        service, `_feed`). A failed fetch is handed over, as in training, and raised by
+        the evaluation's first all-reduce on every rank together.
+        """
+        self._feed()
+        try:
+            source = self.service.tokens(
+                PlannedBatch(units, plan), self.pool_rank, read_local,
+                vocab_size=self.data.vocab_size,
+            )  # fmt: skip
+            return read_local(plan, source, self.pool_rank), None
+        except Exception as err:  # noqa: BLE001 - raised in the evaluation, on every rank
+            return [], err
 
     def _stop_requested(self) -> bool:
         """Collective: True (after saving, with --save) if any rank received SIGTERM/SIGINT."""
@@ -626,6 +646,8 @@ class Trainer:
             if self.iteration % args.eval_interval == 0 or self.iteration == args.train_iters:
                 paused = time.perf_counter()
                 valid_loss = self.evaluate()
+                if valid_loss is not None:
+                    steps[-1]["valid_loss"] = valid_loss  # the returned records only
                 if valid_loss is not None and self.rank == 0:
                     logger.info("iter %d | validation loss %.4f", self.iteration, valid_loss)
                     if self._writer is not None:

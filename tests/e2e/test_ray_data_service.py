@@ -10,6 +10,8 @@ indexed one. The in-process loader's run is the reference:
   batches are still the reference's: every document exactly once per epoch (checked
   against the JSONL file's own documents);
 - a run stopped after 3 steps and resumed gives the reference's last 3 steps;
+- a killed planner actor is restarted and training goes on; killed again, every rank
+  stops with one line;
 - the mix changes at the scheduled step (checked from the units each step trained on).
 """
 
@@ -150,6 +152,24 @@ def test_ray_service_gives_the_in_process_batches_and_losses(spec_path, ray_clus
     assert all(r["tokens"] == 0 for r in last if r["role"] == "shadow")
 
 
+def test_ranks_hold_lengths_and_evaluation_batches_come_from_the_loaders(spec_path, ray_cluster):
+    """With the service a rank holds its sources' lengths only (`LengthsOnly`: a token read
+    on a rank fails the run), evaluation included; the JSONL source's lengths index, cached
+    nowhere yet, is built once in the cluster. Batches, losses and validation losses are
+    the in-process loader's."""
+    extra = ["--split", "80,20,0", "--train-iters", "4", "--eval-interval", "2"]
+    cache = spec_path.parent / "c6"
+    reference = run_pretrain(2, _args(spec_path, spec_path.parent / "c6ref", extra=extra))
+    steps = run_pretrain(2, _args(spec_path, cache, extra=[*extra, *_ray(ray_cluster)]))
+    assert ["valid_loss" in s for s in reference] == [False, True, False, True]
+    assert [repr(s.get("valid_loss")) for s in steps] == [
+        repr(s.get("valid_loss")) for s in reference
+    ]
+    assert _units(steps) == _units(reference) and _losses(steps) == _losses(reference)
+    # an on_open JSONL source: only the cluster's indexer writes a lengths index for it
+    assert len(list((cache / "lengths").glob("*.npz"))) == 1
+
+
 KILLER = textwrap.dedent(
     """
     import sys, time, ray
@@ -248,18 +268,34 @@ KILL_PLANNER = textwrap.dedent(
             planner = ray.get_actor(names[0], namespace="megatron_hdp")
         time.sleep(0.1)
     tracker = pathlib.Path(sys.argv[2]) / "latest_checkpointed_iteration.txt"
-    while not (tracker.exists() and int(tracker.read_text() or 0) >= 2):  # mid-run
+    def saved():
+        return int(tracker.read_text() or 0) if tracker.exists() else 0
+    while saved() < 2:  # mid-run
         time.sleep(0.05)
-    ray.kill(planner, no_restart=True)
-    print("killed", flush=True)
+    ray.kill(planner, no_restart=False)  # a crash: Ray restarts it
+    print("killed at", saved(), flush=True)
+    status = {}
+    while time.monotonic() < deadline:
+        try:
+            status = ray.get(planner.status.remote())
+        except ray.exceptions.RayActorError:
+            pass
+        if status.get("restarted") and saved() >= 5:  # training went on after the restart
+            break
+        time.sleep(0.1)
+    print("restarted", status, "saved", saved(), flush=True)
+    ray.kill(planner, no_restart=False)  # its one restart is spent
+    print("killed again", flush=True)
     """
 )
 
 
-def test_a_killed_planner_actor_stops_every_rank_with_one_line(
+def test_a_killed_planner_actor_is_restarted_and_a_second_death_stops_every_rank_with_one_line(
     spec_path, ray_cluster, tmp_path, capfd
 ):
-    """Before: every rank stopped with Ray's raw ActorDiedError or ValueError traceback."""
+    """Before: one planner death stopped every rank. Now Ray restarts it and training goes
+    on (the restarted planner resumes from the ranks' sampler state; bit-identical batches:
+    `test_ray_partitioned_fetch.py`); a second death stops every rank with one line."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     ckpt = tmp_path / "ckpt"
     killer = subprocess.Popen(
@@ -277,7 +313,8 @@ def test_a_killed_planner_actor_stops_every_rank_with_one_line(
         out, _ = killer.communicate(timeout=60)
     finally:
         killer.kill()
-    assert "killed" in out, out
+    assert "killed at" in out and "'restarted': True" in out and "killed again" in out, out
+    first_kill = int(out.split("killed at", 1)[1].split()[0])
     assert "rank 0 failed" in str(failure.value) and "rank 1 failed" in str(failure.value)
     lines = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
     assert len(lines) == 2 and lines[0] == lines[1], lines
@@ -285,7 +322,9 @@ def test_a_killed_planner_actor_stops_every_rank_with_one_line(
     # Its loaders die with it: a rank learns it reading tokens or asking for the next batch.
     assert "the data service's planner actor, asked " in lines[0]
     assert "the actor died (ActorDiedError: The actor died unexpectedly" in lines[0]
-    assert "The latest checkpoint is iteration " in lines[0] and str(ckpt) in lines[0]
+    assert "Ray restarts it at most 1 time(s) and it is not coming back" in lines[0]
+    latest = int(lines[0].split("The latest checkpoint is iteration ")[1].split()[0])
+    assert latest >= max(5, first_kill + 3) and str(ckpt) in lines[0]  # went on after the first
 
 
 def test_a_dead_ray_head_ends_the_ranks_with_one_line_from_the_job(spec_path, tmp_path, capfd):

@@ -164,3 +164,86 @@ def test_partitioned_fetch_is_bit_identical_to_the_in_process_loader(
             assert all(r.get("uss", 1) > 0 and 0 <= r["busy_share"] <= 1 for r in stats)
     finally:
         ray.kill(planner, no_restart=True)
+
+
+def test_a_killed_planner_is_restarted_and_resumes_from_the_ranks_sampler_state(local_ray, setup):
+    """Ray restarts a killed planner (`ray.kill`, as a crash); it starts new loaders and
+    resumes after the oldest batch the rank keeps: the batches and tokens that follow are
+    the in-process loader's. Killed again (its one restart spent), the next request is a
+    DataServiceError naming the planner, in seconds, not a hang. One source, one loader
+    (Ray actors are slow to start on 2 cores)."""
+    import time
+
+    from megatron_hdp.data.service.actors import PLANNER_RESTARTS, PlannerActor
+    from megatron_hdp.data.service.client import RayDataService
+    from megatron_hdp.errors import DataServiceError
+
+    sources, readers, open_args = setup
+    sources, readers = sources[:1], readers[:1]
+    units = DatasetUnits.from_documents(
+        np.arange(30), readers[0].sequence_lengths, max_seq_length=SEQ
+    )
+    sampler = lambda: TokenBudgetSampler([units], [1.0], seed=3, tokens_per_batch=400)  # noqa: E731
+    local, reference = sampler(), []
+    for _ in range(STEPS):
+        drawn = local.next_batch()
+        plan = PLAN([u.length for u in drawn])
+        reference.append(
+            [_flat(read_local(plan, IndexedTokens(readers, drawn), r)) for r in (0, 1)]
+        )
+    planner = (
+        ray.remote(PlannerActor)
+        .options(num_cpus=0, max_restarts=PLANNER_RESTARTS)
+        .remote(sampler(), PLAN, sources, open_args, 2, [readers[0].sequence_lengths])
+    )  # it keeps 2 batches: the rank sends the state of the one before the last
+    try:
+        service = RayDataService(planner, timeout_s=240)
+        feed = service.batches({"steps": 0})
+        for step in range(STEPS):
+            if step == 2:
+                ray.kill(planner, no_restart=False)
+                start = time.monotonic()
+            batch = feed.next_batch()
+            for rank in (0, 1):
+                source = service.tokens(batch, rank, read_local)
+                assert _flat(read_local(batch.plan, source, rank)) == reference[step][rank], (
+                    f"step {step + 1}, rank {rank}"
+                )
+            if step == 2:
+                recovered_s = time.monotonic() - start
+        status = ray.get(planner.status.remote())
+        assert status["restarted"] and status["resumed_from"] == 1, status  # not from batch 0
+        assert recovered_s < 120, recovered_s
+        ray.kill(planner, no_restart=False)  # no restart left
+        with pytest.raises(ray.exceptions.RayActorError):  # ray.kill takes effect soon after
+            for _ in range(300):
+                ray.get(planner.status.remote())
+                time.sleep(0.1)
+        start = time.monotonic()
+        with pytest.raises(DataServiceError, match="planner actor, asked for batch 5: the actor"):
+            feed.next_batch()
+        assert time.monotonic() - start < 30
+    finally:
+        ray.kill(planner, no_restart=True)
+
+
+def test_the_cluster_builds_a_jsonl_lengths_index_once_and_names_a_bad_line(local_ray, tmp_path):
+    """`service.indexer`: the lengths a rank gets from the cluster are the file's (UTF-8
+    bytes + the end of document), the index is cached for the loaders, and a malformed
+    line is a ValueError naming the source and the line, as the in-process reader's."""
+    from megatron_hdp.data.lengths_only import open_lengths
+    from megatron_hdp.data.service.indexer import cluster_lengths
+
+    texts = ["one", "two words", "é"]
+    (tmp_path / "ok.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": \n')
+    spec = parse_spec(
+        {"sources": [{"name": "ok", "jsonl": "ok.jsonl"}, {"name": "bad", "jsonl": "bad.jsonl"}]},
+        base=tmp_path,
+    )
+    open_args = {"tokenizer_type": "ByteLevel", "tokenizer_model": None, "cache_dir": tmp_path}
+    build = cluster_lengths("unused:1", open_args, timeout_s=120)  # Ray is joined already
+    assert build(spec.sources[0]).tolist() == [len(t.encode()) + 1 for t in texts]
+    assert len(list((tmp_path / "lengths").glob("*.npz"))) == 1
+    with pytest.raises(ValueError, match=r"data spec source 'bad': [^']*bad\.jsonl:2"):
+        open_lengths(spec.sources[1], **open_args, build=build)

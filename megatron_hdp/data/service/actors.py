@@ -15,6 +15,14 @@ inside the planner's methods that start or hand out other actors and objects.
   loader that dies, after which a new shadow is started. The service's resumable state
   is the sampler's (a few integers per stream): checkpoints store it, and a resumed job
   starts the planner from it.
+
+Planner failover: the planner runs with `PLANNER_RESTARTS` restarts. Ray restarts a dead
+planner under the same name (its handles stay valid) and runs `__init__` again, with the
+sampler at the job's first batch: it starts new loaders and shadows (the old ones died
+with it). The ranks' requests carry the sampler state of a recent batch
+(`PlannerActor.batch`'s `since`), and a restarted planner that is behind it resumes from
+there, so its loss costs the restart (seconds) and the batches are the ones it would have
+made. A planner that dies once more is gone: the ranks stop with one line.
 """
 
 from __future__ import annotations
@@ -29,6 +37,9 @@ from megatron_hdp.data.sources import lengths_digest, open_source, token_partiti
 from megatron_hdp.data.spec import SourceSpec
 
 logger = logging.getLogger(__name__)
+
+#: How often Ray restarts a dead planner actor (a second death after that stops the job).
+PLANNER_RESTARTS = 1
 
 
 class SourceLoader:
@@ -114,6 +125,13 @@ class PlannerActor:
         self.first = self.produced
         self.batches: dict[int, object] = {}
         self.replacements = 0
+        self.resumed_from: int | None = None
+        self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        if self.restarted:
+            logger.warning(
+                "the data service's planner actor was restarted: new source loaders open "
+                "their parts; it resumes from the sampler position the ranks send"
+            )
         self.bounds = [
             token_partition(n, s.loaders) for n, s in zip(lengths, self.sources, strict=True)
         ]
@@ -133,12 +151,18 @@ class PlannerActor:
         loader = self._ray.remote(SourceLoader).options(num_cpus=0, max_restarts=0)
         return loader.remote(self.sources[source], self.open_args, docs)
 
-    def batch(self, step: int) -> list:
+    def batch(self, step: int, since: tuple[int, dict] | None = None) -> list:
         """`[ref]` to `(units, plan, sampler state after it)` of the 1-based batch `step`.
 
         Batches are drawn in order, so every rank gets the same batch for the same step;
         the reference is wrapped in a list so that Ray hands it over unresolved.
+        `since = (k, state)`: the sampler state after batch `k`, the oldest a rank keeps.
+        A planner behind it (restarted: it began again at the job's first batch) resumes
+        from that state instead of drawing every batch since the job's first again; the
+        batches are the same either way (the sampler is deterministic from its state).
         """
+        if since is not None and since[0] > self.produced:
+            self._resume(int(since[0]), since[1])
         if step <= self.first or step <= self.produced - self.keep:
             raise ValueError(
                 f"batch {step} is no longer kept by the planner (it has planned up to "
@@ -151,6 +175,20 @@ class PlannerActor:
             self.batches[self.produced] = self._ray.put((units, plan, self.sampler.state_dict()))
             self.batches.pop(self.produced - self.keep, None)
         return [self.batches[step]]
+
+    def _resume(self, k: int, state: dict) -> None:
+        """Continue after batch `k` from its sampler `state` (the older batches it kept go)."""
+        self.sampler.load_state_dict(state)
+        if self.sampler.state.steps != k:
+            raise ValueError(f"a sampler state of batch {self.sampler.state.steps}, sent as {k}")
+        logger.warning(
+            "the data service's planner actor resumes after batch %d (it had planned up to %d)",
+            k,
+            self.produced,
+        )
+        self.batches.clear()
+        self.produced = self.first = k
+        self.resumed_from = k
 
     def loader_handles(self) -> list[list]:
         """The serving loaders of every source (a list per source)."""
@@ -211,8 +249,19 @@ class PlannerActor:
         return self.digests
 
     def status(self) -> dict:
-        """Batches planned, the first one, and loader replacements so far."""
-        return {"produced": self.produced, "first": self.first, "replaced": self.replacements}
+        """Batches planned, the first one kept, loader replacements and batches kept.
+
+        Also whether this planner is a restart (`restarted`) and the batch it resumed
+        after (`resumed_from`, None if it did not).
+        """
+        return {
+            "produced": self.produced,
+            "first": self.first,
+            "replaced": self.replacements,
+            "keep": self.keep,
+            "restarted": self.restarted,
+            "resumed_from": self.resumed_from,
+        }
 
 
 class _Lengths:

@@ -14,20 +14,24 @@ starts) the job's planner actor, which starts the source loaders. Then, per step
 
 A loader that dies mid-fetch is replaced by its source's shadow (`PlannerActor.
 replace_loader`) and the fetch is retried there; the batch and its units do not change,
-so every document is still used exactly once per epoch. No collective runs here.
+so every document is still used exactly once per epoch. A planner that dies is restarted
+by Ray (`actors.PLANNER_RESTARTS`): every call to it (`_ask`) waits for the restart and
+asks again, and each request for a batch carries the sampler state of the oldest batch
+the rank keeps, from which the restarted planner resumes. No collective runs here.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from megatron_hdp.data.batching import IndexedTokens
-from megatron_hdp.data.service.actors import PlannerActor
+from megatron_hdp.data.service.actors import PLANNER_RESTARTS, PlannerActor
 from megatron_hdp.data.service.sentinel import Sentinel, speaks_for_this_node
 from megatron_hdp.errors import DataServiceError
 
@@ -37,6 +41,10 @@ logger = logging.getLogger(__name__)
 NAMESPACE = "megatron_hdp"
 #: Fetch attempts per micro-batch read before a loader failure is raised.
 ATTEMPTS = 3
+#: Calls to the planner that find it dead (not restarting) before the rank gives up.
+PLANNER_ATTEMPTS = 3
+#: Seconds between asking a planner that is being restarted again.
+RESTART_POLL_S = 0.2
 #: Seconds `ray.init` may take to join the cluster before the rank gives up.
 CONNECT_TIMEOUT_S = 60.0
 
@@ -121,18 +129,43 @@ def _join(address: str, save: str | None) -> Sentinel | None:
     return Sentinel(address, save=save) if speaks_for_this_node() else None
 
 
-def _get(refs, *, timeout_s: float, what: str):
-    """`ray.get(refs)`; DataServiceError saying `what` failed (actor death, timeout)."""
+def _ask(planner, method: str, *args, timeout_s: float, what: str):
+    """`planner.method(*args)`, through a restart of the planner actor.
+
+    While Ray restarts the planner its calls fail as unavailable: they are sent again
+    until `timeout_s`. A call that finds it dead (or an answer lost with it) is sent again
+    up to `PLANNER_ATTEMPTS` times: a planner Ray no longer restarts fails every one of
+    them at once, and that is a DataServiceError saying `what` failed, not a hang.
+    An answer that is a `[ref]` list (`PlannerActor.batch`) is resolved here too, so that
+    a planner dying between handing out a batch and its fetch is asked again.
+    """
     import ray
 
-    try:
-        return ray.get(refs, timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError as err:
-        raise DataServiceError(f"{what}: no answer within {timeout_s:g} s") from err
-    except ray.exceptions.RayActorError as err:
-        raise DataServiceError(f"{what}: the actor died ({_first_line(err)})") from err
-    except ray.exceptions.RayError as err:
-        raise DataServiceError(f"{what}: {_first_line(err)}") from err
+    deadline, died = time.monotonic() + timeout_s, 0
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise ray.exceptions.GetTimeoutError(what)
+            answer = ray.get(getattr(planner, method).remote(*args), timeout=left)
+            if method == "batch":
+                answer = ray.get(answer[0], timeout=max(deadline - time.monotonic(), 1e-3))
+            return answer
+        except ray.exceptions.GetTimeoutError as err:
+            raise DataServiceError(f"{what}: no answer within {timeout_s:g} s") from err
+        except ray.exceptions.ActorUnavailableError:
+            time.sleep(RESTART_POLL_S)  # being restarted: ask again
+        except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as err:
+            died += 1
+            if died >= PLANNER_ATTEMPTS:
+                raise DataServiceError(
+                    f"{what}: the actor died ({_first_line(err)}); Ray restarts it at most "
+                    f"{PLANNER_RESTARTS} time(s) and it is not coming back"
+                ) from err
+            logger.warning("%s: the actor died (%s); asking again", what, _first_line(err))
+            time.sleep(RESTART_POLL_S)
+        except ray.exceptions.RayError as err:
+            raise DataServiceError(f"{what}: {_first_line(err)}") from err
 
 
 def ray_remote(cls):
@@ -149,17 +182,30 @@ class RemoteBatches:
     sampler's format, so checkpoints and resumes do not depend on the data service.
     """
 
-    def __init__(self, planner, state: dict, *, timeout_s: float) -> None:
+    def __init__(self, planner, state: dict, *, timeout_s: float, window: int = 8) -> None:
         self._planner, self._state, self._timeout_s = planner, state, timeout_s
         self._step = int(state["steps"])
+        # The sampler states of the last `window` batches (a restarted planner resumes
+        # from the oldest: ranks behind this one by fewer batches still get theirs).
+        self._window = max(1, int(window))
+        self._history: dict[int, dict] = {self._step: state}
 
     def next_batch(self) -> PlannedBatch:
         """The next batch and its plan (blocks until the planner has made it)."""
         self._step += 1
         what = f"the data service's planner actor, asked for batch {self._step}"
-        (ref,) = _get(self._planner.batch.remote(self._step), timeout_s=self._timeout_s, what=what)
-        units, plan, state = _get(ref, timeout_s=self._timeout_s, what=what)
+        oldest = min(self._history)
+        units, plan, state = _ask(
+            self._planner,
+            "batch",
+            self._step,
+            (oldest, self._history[oldest]),
+            timeout_s=self._timeout_s,
+            what=what,
+        )
         self._state = state
+        self._history[self._step] = state
+        self._history.pop(self._step - self._window, None)
         return PlannedBatch(units, plan)
 
     def state_dict(self) -> dict:
@@ -172,11 +218,10 @@ class RayDataService:
 
     def __init__(self, planner, *, timeout_s: float, sentinel: Sentinel | None = None) -> None:
         self.planner, self.timeout_s, self.sentinel = planner, timeout_s, sentinel
-        self.loaders, bounds = _get(
-            [planner.loader_handles.remote(), planner.partitions.remote()],
-            timeout_s=timeout_s,
-            what="the data service's planner actor, starting its source loaders",
-        )
+        what = "the data service's planner actor, starting its source loaders"
+        self.loaders = _ask(planner, "loader_handles", timeout_s=timeout_s, what=what)
+        bounds = _ask(planner, "partitions", timeout_s=timeout_s, what=what)
+        self.keep = int(_ask(planner, "status", timeout_s=timeout_s, what=what)["keep"])
         self.bounds = [np.asarray(b, dtype=np.int64) for b in bounds]
 
     def check_sources(self, names: Sequence[str], digests: Sequence[str]) -> None:
@@ -186,8 +231,9 @@ class RayDataService:
         node's Python, JSONL is tokenized there): its document lengths must be the ones
         this rank planned with.
         """
-        theirs = _get(
-            self.planner.source_digests.remote(),
+        theirs = _ask(
+            self.planner,
+            "source_digests",
             timeout_s=self.timeout_s,
             what="the data service's planner actor, asked what its loaders opened",
         )
@@ -225,7 +271,7 @@ class RayDataService:
         """
         sentinel = _join(address, save)
         actor = ray_remote(PlannerActor).options(
-            name=f"planner-{job_key}", num_cpus=0, max_restarts=0
+            name=f"planner-{job_key}", num_cpus=0, max_restarts=PLANNER_RESTARTS
         )
         lengths = [np.asarray(n, dtype=np.int64) for n in lengths]
         planner = actor.remote(sampler, plan, list(sources), open_args, keep, lengths)
@@ -260,15 +306,16 @@ class RayDataService:
 
     def loader_stats(self) -> list[dict]:
         """Every source loader's and shadow's measurements (`PlannerActor.loader_stats`)."""
-        return _get(
-            self.planner.loader_stats.remote(),
+        return _ask(
+            self.planner,
+            "loader_stats",
             timeout_s=self.timeout_s,
             what="the data service's planner actor, asked for its loaders' measurements",
         )
 
     def batches(self, state: dict) -> RemoteBatches:
         """The batches after the sampler state `state` (what a resume restored)."""
-        return RemoteBatches(self.planner, state, timeout_s=self.timeout_s)
+        return RemoteBatches(self.planner, state, timeout_s=self.timeout_s, window=self.keep)
 
     def tokens(self, batch: PlannedBatch, rank: int, collect: Callable, **kwargs) -> IndexedTokens:
         """A token source holding what pool rank `rank` reads of `batch`, fetched remotely.
@@ -329,8 +376,12 @@ class RayDataService:
                             f"failed {ATTEMPTS} times ({_first_line(err)})"
                         ) from err
                     logger.warning("source loader %d of source %d died: %s", slot, source, err)
-                    self.loaders[source][slot] = _get(
-                        self.planner.replace_loader.remote(source, slot, loader._actor_id.hex()),
+                    self.loaders[source][slot] = _ask(
+                        self.planner,
+                        "replace_loader",
+                        source,
+                        slot,
+                        loader._actor_id.hex(),
                         timeout_s=self.timeout_s,
                         what="the data service's planner actor, asked to replace a dead loader",
                     )
