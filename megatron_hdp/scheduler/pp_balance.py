@@ -16,16 +16,17 @@ here (bytescale-paper.md, section 7, items 7 and 8):
    (`pipeline_timeline`).
 2. *The estimate.* A pipeline whose micro-batches run heaviest first, with per-stage times
    `t_1 >= t_2 >= ...`, is priced `E = sum(t) + (d - 1) max(t)`, the 1F1B step of `M` equal
-   micro-batches, `(M + d - 1) t`, generalised. With `v` virtual stages per stage
-   (interleaved 1F1B, `interleaved.py`) the fill term is `(d - 1) / v max(t)`: the
-   interleaved step of `M` equal micro-batches is `M t + (d - 1) t / v`. With one
-   forward share for all its micro-batches, `E` bounds the exact 1F1B step from above
-   (the tests check it against `pipeline_timeline`); with the cost model's shares (1/3.5 to 1/3 per micro-batch) it can
+   micro-batches, `(M + d - 1) t`, generalised. With one forward share for all its
+   micro-batches, `E` bounds the exact 1F1B step from above (the tests check it against
+   `pipeline_timeline`); with the cost model's shares (1/3.5 to 1/3 per micro-batch) it can
    be a few percent short. For other orders it is no bound at all: a heavy micro-batch
    among light ones stalls the pipeline for about `(d - 1)` times the difference, once per
    such micro-batch. So every list runs heaviest first, and the `(d - 1) max(t)` term is
    the point of Insight 1: a pipeline pays its heaviest micro-batch's fill and drain once,
-   whatever else it runs, so heavy items belong together.
+   whatever else it runs, so heavy items belong together. With `v` model chunks per stage
+   (interleaved 1F1B, `interleaved.py`, `virtual_stages=v`) the fill term is
+   `(d - 1) / v max(t)`: the interleaved step of `M` equal micro-batches (a multiple of
+   `d`) is `M t + (d - 1) t / v`.
 3. *Lock-step groups* ("length levels to groups of pipelines"). A group is consecutive
    pipelines that run the same rows; a row is one micro-batch per member. Rings are taken
    heaviest first (cost at the minimal width). A ring joins the current group if the
