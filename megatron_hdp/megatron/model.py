@@ -103,6 +103,10 @@ class GPTConfig:
     pipeline_model_parallel_size: int = 1
     """Pipeline stages per HDP replica (--pipeline-model-parallel-size): the layers are split
     evenly over them and each replica runs Megatron's 1F1B schedule."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per pipeline stage (interleaved 1F1B; Megatron-LM's value from
+    --num-layers-per-virtual-pipeline-stage); None = one. Chunk `c` of stage `s` holds the
+    layers of virtual stage `c * PP + s`, as Megatron splits them."""
     num_experts: int | None = None
     """Experts per MoE layer; None = dense MLP (--num-experts)."""
     moe_router_topk: int = 2
@@ -168,6 +172,7 @@ class GPTConfig:
             num_layers=self.num_layers, pp=self.pipeline_model_parallel_size
         ):
             raise ValueError(problem)
+        self._check_chunks()
         for problem in moe_problems(
             num_experts=self.num_experts,
             topk=self.moe_router_topk,
@@ -182,6 +187,23 @@ class GPTConfig:
             raise ValueError(problem)
         if self.moe_aux_loss_coeff < 0:
             raise ValueError(f"moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff}")
+
+    def _check_chunks(self) -> None:
+        """Raise ValueError for virtual pipeline stages HDP cannot split evenly."""
+        vp = self.virtual_pipeline_model_parallel_size
+        if vp is None:
+            return
+        pp = self.pipeline_model_parallel_size
+        if vp < 1 or pp == 1:
+            raise ValueError(
+                f"virtual_pipeline_model_parallel_size {vp} needs pipeline parallelism and a "
+                f"value >= 1 (pipeline_model_parallel_size {pp})"
+            )
+        if self.num_layers % (pp * vp):
+            raise ValueError(
+                f"num_layers {self.num_layers} is not divisible by {pp} stages x {vp} model "
+                "chunks (every chunk holds the same number of layers)"
+            )
 
     def _check_head_shape(self) -> None:
         """Raise ValueError for a head size or RoPE share HDP attention cannot run."""
@@ -200,6 +222,20 @@ class GPTConfig:
     def layers_per_stage(self) -> int:
         """Transformer layers on each pipeline stage."""
         return self.num_layers // self.pipeline_model_parallel_size
+
+    @property
+    def num_chunks(self) -> int:
+        """Model chunks per pipeline stage (1 without virtual pipeline stages)."""
+        return self.virtual_pipeline_model_parallel_size or 1
+
+    @property
+    def layers_per_chunk(self) -> int:
+        """Transformer layers in each model chunk (each stage's without virtual stages)."""
+        return self.layers_per_stage // self.num_chunks
+
+    def first_layer(self, stage: int, chunk: int = 0) -> int:
+        """The global index (from 0) of the first layer of `chunk` on `stage`."""
+        return (chunk * self.pipeline_model_parallel_size + stage) * self.layers_per_chunk
 
     @property
     def head_dim(self) -> int:
@@ -292,6 +328,7 @@ def transformer_config(cfg: GPTConfig) -> TransformerConfig:
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         sequence_parallel=cfg.sequence_parallel,
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
         # HDP micro-batches hold different token counts: stages exchange shapes first.
         variable_seq_lengths=cfg.pipeline_model_parallel_size > 1,
         **(_moe_settings(cfg) or _dense_settings(cfg)),
@@ -393,7 +430,7 @@ def hdp_block_spec(cfg: GPTConfig) -> TransformerBlockSubmodules:
     offset is added to each).
     """
     return TransformerBlockSubmodules(
-        layer_specs=[hdp_layer_spec(cfg)] * cfg.layers_per_stage, layer_norm=hdp_norm(cfg)
+        layer_specs=[hdp_layer_spec(cfg)] * cfg.layers_per_chunk, layer_norm=hdp_norm(cfg)
     )
 
 
