@@ -168,7 +168,9 @@ def _raise_if_any_failed(
 
 
 def _parameters_finite(engine: Engine) -> bool:
-    return all(bool(torch.isfinite(p).all()) for p in engine.model.module.parameters())
+    return all(
+        bool(torch.isfinite(p).all()) for chunk in engine.chunks for p in chunk.module.parameters()
+    )
 
 
 def _discard_others(root: Path, kept: Path) -> None:

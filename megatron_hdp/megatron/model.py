@@ -331,6 +331,9 @@ def transformer_config(cfg: GPTConfig) -> TransformerConfig:
         virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
         # HDP micro-batches hold different token counts: stages exchange shapes first.
         variable_seq_lengths=cfg.pipeline_model_parallel_size > 1,
+        # Interleaved stages send and receive between the same two ranks in one step:
+        # Megatron-LM's default there (--overlap-p2p-communication) issues them separately.
+        **({"overlap_p2p_comm": True, "batch_p2p_comm": False} if cfg.num_chunks > 1 else {}),
         **(_moe_settings(cfg) or _dense_settings(cfg)),
     )
 
@@ -483,8 +486,12 @@ def _redraw_output_layer(model: GPTModel, cfg: GPTConfig, seed: int, tp_rank: in
         )
 
 
-def build_gpt(cfg: GPTConfig, *, stage: int = 0, tp_rank: int = 0) -> GPTModel:
+def build_gpt(cfg: GPTConfig, *, stage: int = 0, tp_rank: int = 0, chunk: int = 0) -> GPTModel:
     """One pipeline stage of a `GPTModel` that runs HDP micro-batches (`HDPPackedSeqParams`).
+
+    With virtual pipeline stages (`cfg.num_chunks` > 1) it is model chunk `chunk` of the
+    stage: the embedding on chunk 0 of stage 0, the output layer on the last chunk of the
+    last stage, the layers of virtual stage `chunk x PP + stage` in between.
 
     Megatron's own RoPE is switched off (`position_embedding_type="none"`) because under
     THD it restarts positions at every packed piece; `HDPCoreAttention` applies RoPE at the
@@ -497,6 +504,7 @@ def build_gpt(cfg: GPTConfig, *, stage: int = 0, tp_rank: int = 0) -> GPTModel:
     """
     position_type = "none" if cfg.position_embedding_type == "rope" else cfg.position_embedding_type
     last = cfg.pipeline_model_parallel_size - 1
+    chunked = {"vp_stage": chunk} if cfg.num_chunks > 1 else {}
     return build_seeded(
         cfg,
         lambda: GPTModel(
@@ -504,10 +512,11 @@ def build_gpt(cfg: GPTConfig, *, stage: int = 0, tp_rank: int = 0) -> GPTModel:
             transformer_layer_spec=hdp_block_spec(cfg),
             vocab_size=cfg.vocab_size,
             max_sequence_length=cfg.max_position_embeddings,
-            pre_process=stage == 0,
-            post_process=stage == last,
+            pre_process=stage == 0 and chunk == 0,
+            post_process=stage == last and chunk == cfg.num_chunks - 1,
             share_embeddings_and_output_weights=cfg.tie_embeddings,
             position_embedding_type=position_type,
+            **chunked,
         ),
         tp_rank=tp_rank,
     )

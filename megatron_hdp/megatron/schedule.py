@@ -47,6 +47,7 @@ from megatron_hdp.megatron.ep_lockstep import lockstep_slots, padding_batch, pad
 from megatron_hdp.megatron.grad_sync import OrderedGradSync, sync_in_backward
 from megatron_hdp.megatron.model import GPTConfig
 from megatron_hdp.megatron.moe import moe_micro_batch
+from megatron_hdp.megatron.pipeline import interleaved_padding
 from megatron_hdp.megatron.step import (
     StepRuntime,
     local_batches,
@@ -55,7 +56,6 @@ from megatron_hdp.megatron.step import (
     read_and_count,
     sequence_parallel_pad,
 )
-from megatron_hdp.scheduler.interleaved import padded_count
 from megatron_hdp.scheduler.plan import lockstep_problems
 
 __all__ = ["HDPDataIterator", "HDPGlobalBatch", "hdp_forward_backward", "megatron_batch"]
@@ -177,19 +177,6 @@ def _interleaved_grad_sync(chunks: list):
             yield
     finally:
         config.no_sync_func, config.grad_sync_func = held
-
-
-def interleaved_padding(batches: list[LocalBatch], pp: int, group: int, rank: int, device):
-    """`batches` padded at the end to a count Megatron's interleaved schedule accepts.
-
-    `group` is `microbatch_group_size_per_vp_stage`. Padding batches are one token with
-    loss mask 0 (`ep_lockstep.padding_batch`, a local micro-batch of pool rank `rank`);
-    their ids are returned too. Ring members run equally many micro-batches (lock step), so
-    they pad equally. No communication.
-    """
-    missing = padded_count(len(batches), pp, group) - len(batches)
-    pads = [padding_batch(rank, device) for _ in range(missing)]
-    return batches + pads, {id(b) for b in pads}
 
 
 @contextlib.contextmanager

@@ -540,8 +540,8 @@ def train_step(
     if global_tokens == 0:
         raise ValueError("the global batch has no loss tokens (every loss mask is zero)")
 
-    model = engine.model
-    model.zero_grad_buffer()
+    for chunk in engine.chunks:
+        chunk.zero_grad_buffer()
     engine.optimizer.zero_grad()
     times: list[tuple[float, float]] = []
     start = time.perf_counter()
@@ -558,7 +558,7 @@ def train_step(
     # Megatron's own finish: the pool's gradient sync (started already in the backward of a
     # local last micro-batch with overlap_grad_reduce) plus the TP all-reduce of the grads of
     # parameters replicated over a sequence-parallel region (the norms).
-    finalize_model_grads([model])
+    finalize_model_grads(list(engine.chunks))
     checked_norm = None
     if runtime.check_nonfinite:
         # Megatron's step computes the norm, clips and updates in one call; the norm is
@@ -624,7 +624,8 @@ def evaluate(
     batches, num_tokens = read_and_count(plan, source, runtime)
     batch_tokens = plan.total_tokens()
     loss_sum = torch.zeros(1, dtype=torch.float64, device=runtime.device)
-    engine.model.eval()
+    for chunk in engine.chunks:
+        chunk.eval()
     try:
         with torch.no_grad():
             if engine.pp_size > 1:
@@ -641,7 +642,8 @@ def evaluate(
                     losses = _token_losses(engine, batch, runtime, batch_tokens)[0].float()
                     loss_sum += (losses * batch.loss_mask).sum().double()
     finally:
-        engine.model.train()
+        for chunk in engine.chunks:
+            chunk.train()
     loss_sum.fill_(_own_loss(engine, loss_sum.item()))
     dist.all_reduce(loss_sum, group=runtime.all_ranks)
     return loss_sum.item(), num_tokens
