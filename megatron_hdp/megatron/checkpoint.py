@@ -268,6 +268,7 @@ def checkpoint_args(
         fp16=cfg.params_dtype == "float16",
         tensor_model_parallel_size=engine.tp_size,
         pipeline_model_parallel_size=engine.pp_size,
+        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
         expert_model_parallel_size=cfg.expert_model_parallel_size,
         num_experts=cfg.num_experts,
         moe_router_topk=cfg.moe_router_topk,

@@ -956,6 +956,7 @@ MODEL_FIELDS_BEFORE_THEY_EXISTED = {
     "rotary_interleaved": False,
     "kv_channels": None,
     "qk_layernorm": False,
+    "virtual_pipeline_model_parallel_size": None,
 }
 #: Model settings that change no parameter, so a resume may change them.
 MAY_CHANGE_ON_RESUME = ("sequence_parallel", "moe_aux_loss_coeff", "moe_token_dispatcher_type")
@@ -963,6 +964,7 @@ MAY_CHANGE_ON_RESUME = ("sequence_parallel", "moe_aux_loss_coeff", "moe_token_di
 RESHARDED_ON_LOAD = (
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
     "expert_model_parallel_size",
 )
 
