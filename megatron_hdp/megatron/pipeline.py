@@ -57,9 +57,11 @@ def run_pipeline(
 ) -> torch.Tensor | float:
     """Collective over the pipeline (and the rings): run `batches` through 1F1B.
 
-    `stage_inputs(batch)` returns the model's positional and keyword arguments for one
-    micro-batch, the number of real tokens (the rest is sequence-parallel padding) and a
-    context to run its forward pass in (the MoE routers' micro-batch).
+    `stage_inputs(batch, padding)` returns the model's positional and keyword arguments for
+    one micro-batch, the number of real tokens (the rest is sequence-parallel padding) and a
+    context to run its forward pass in (the MoE routers' micro-batch); `padding` is True for
+    the padding micro-batches of interleaved stages (their router info must count nothing,
+    `ep_lockstep.padding_moe_info`).
     Gradients of `sum(token loss * loss mask) * loss_scale` accumulate in the model
     (unless `forward_only`). Returns the unscaled masked loss sum of this rank's
     micro-batches on the last stage, a float64 device scalar that the caller reads (once
@@ -78,7 +80,7 @@ def run_pipeline(
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        args, kwargs, num_tokens, context = stage_inputs(batch)
+        args, kwargs, num_tokens, context = stage_inputs(batch, id(batch) in pads)
         if not is_last:
             kwargs = dict(kwargs, labels=None)
         with context:
@@ -98,9 +100,10 @@ def run_pipeline(
 
     chunks = engine.chunks
     interleaved = len(chunks) > 1
+    pads: set[int] = set()
     if interleaved:
         sync_in_last_backward = False
-        batches, _ = interleaved_padding(
+        batches, pads = interleaved_padding(
             batches,
             engine.pp_size,
             engine.model.config.microbatch_group_size_per_vp_stage,

@@ -28,6 +28,7 @@ from megatron_hdp.distributed.ring_comm import CommStats, RingComm
 from megatron_hdp.host_copy import pack_int64, to_device, unpack
 from megatron_hdp.megatron.core_attention import HDPPackedSeqParams
 from megatron_hdp.megatron.engine import Engine
+from megatron_hdp.megatron.ep_lockstep import padding_moe_info
 from megatron_hdp.megatron.grad_sync import sync_in_backward
 from megatron_hdp.megatron.model import GPTConfig
 from megatron_hdp.megatron.moe import MoEMicroBatch, moe_micro_batch
@@ -339,10 +340,17 @@ def _pipelined(
         raise ValueError("activation offloading with pipeline parallelism is not supported")
     routed: list[MoEMicroBatch] = []
 
-    def stage_inputs(batch: LocalBatch):
+    def stage_inputs(batch: LocalBatch, padding: bool):
         args, kwargs, n, moe = _model_inputs(engine, batch, runtime, global_batch_tokens)
         if moe is None:
             return args, kwargs, n, contextlib.nullcontext()
+        if padding:  # interleaved stages' padding: no loss, no aux term, no count
+            return (
+                args,
+                kwargs,
+                n,
+                moe_micro_batch(padding_moe_info(batch, global_batch_tokens, None)),
+            )
         routed.append(moe)
         return args, kwargs, n, moe_micro_batch(moe)
 
