@@ -5,7 +5,8 @@ replicas (4 ranks) trains with the losses and gradient norms of `pretrain_hdp.py
 rank (the same model without a pipeline). HDP's replicas run uneven micro-batch counts; a
 count Megatron's interleaved schedule refuses is padded with one-token micro-batches
 (`schedule.interleaved_padding`), which each rank records here: the run must have padded
-(10 samples of this data give each replica 11 micro-batches, padded to 12).
+(10 samples of this data give each replica 11 micro-batches, padded to 12). The run
+overlaps its gradient reduce and parameter gathers (distributed optimizer).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def test_pp2_vp2_losses_equal_one_rank(trees, data, tmp_path, monkeypatch):
     # The ranks are forked from this process: they run the recording function.
     monkeypatch.setattr(schedule, "interleaved_padding", _recording_padding(record))
     layout = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+    # The chunks' reduces start in Megatron's finish; their parameter gathers in the forwards.
+    layout += ["--overlap-grad-reduce", "--use-distributed-optimizer", "--overlap-param-gather"]
     ran = run_megatron_lm(
         patched / "pretrain_gpt.py",
         4,
