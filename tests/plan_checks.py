@@ -97,3 +97,86 @@ def brute_force_pipelines(plan, stages, costs=None, share=1 / 3):
         max((free[(r, s)] for s in range(stages)), default=0.0) for r in range(plan.pool_size)
     ]
     return True, finish
+
+
+def megatron_interleaved_order(m, stage, stages, chunks, group):
+    """`forward_backward_pipelining_with_interleaving`'s op order, written out.
+
+    `(micro-batch, chunk, "F"/"B")`: forward op k is the k-th entry of Megatron's schedule
+    table (groups of `group` micro-batches through chunk 0, then chunk 1, ...; the last
+    group takes the rest), backward op k the same micro-batch on the mirrored chunk; the
+    warm-up is `2 (stages - stage - 1) + (chunks - 1) group` forwards.
+    """
+    table = []
+    start = 0
+    while start < m:
+        end = m if start + group >= m else start + group
+        table += [(u, c) for c in range(chunks) for u in range(start, end)]
+        start = end
+    total = len(table)
+    warmup = min(total, 2 * (stages - stage - 1) + (chunks - 1) * group)
+    ops = [(*table[k], "F") for k in range(warmup)]
+    for k in range(total - warmup):
+        ops.append((*table[warmup + k], "F"))
+        u, c = table[k]
+        ops.append((u, chunks - 1 - c, "B"))
+    for k in range(total - warmup, total):
+        u, c = table[k]
+        ops.append((u, chunks - 1 - c, "B"))
+    return ops
+
+
+def brute_force_interleaved(lists, costs, stages, chunks, group, share=1 / 3):
+    """Run micro-batch lists on interleaved pipelines one op at a time from the queue heads.
+
+    `lists[p]`: pipeline p's micro-batch ids (a ring: listed by each member); `costs[u]`:
+    u's forward + backward time on one stage's devices, split evenly over the
+    `stages x chunks` virtual stages. A ring op runs when it heads that stage's queue on
+    every member and its inputs are done. Returns (completed, per-pipeline finish).
+    """
+    vd = stages * chunks
+    members = {}
+    for p, lst in enumerate(lists):
+        for u in lst:
+            members.setdefault(u, []).append(p)
+    queues = {}
+    for p, lst in enumerate(lists):
+        for s in range(stages):
+            queues[(p, s)] = [
+                (lst[i], c * stages + s, k)
+                for i, c, k in megatron_interleaved_order(len(lst), s, stages, chunks, group)
+            ]
+    head = dict.fromkeys(queues, 0)
+    free = dict.fromkeys(queues, 0.0)
+    done = {}
+    pending = sum(len(q) for q in queues.values())
+    while pending:
+        progressed = False
+        for (p, s), q in queues.items():
+            if head[(p, s)] >= len(q):
+                continue
+            u, w, k = q[head[(p, s)]]
+            if any(
+                head[(m, s)] >= len(queues[(m, s)]) or queues[(m, s)][head[(m, s)]] != (u, w, k)
+                for m in members[u]
+            ):
+                continue
+            if k == "F":
+                deps = [(u, w - 1, "F")] if w > 0 else []
+            else:
+                deps = [(u, w + 1, "B")] if w < vd - 1 else [(u, w, "F")]
+            if any(dep not in done for dep in deps):
+                continue
+            start = max([free[(m, s)] for m in members[u]] + [done[dep] for dep in deps])
+            part = share if k == "F" else 1 - share
+            end = start + costs[u] * part / vd
+            done[(u, w, k)] = end
+            for m in members[u]:
+                free[(m, s)] = end
+                head[(m, s)] += 1
+                pending -= 1
+            progressed = True
+        if not progressed:
+            return False, None
+    finish = [max((free[(p, s)] for s in range(stages)), default=0.0) for p in range(len(lists))]
+    return True, finish

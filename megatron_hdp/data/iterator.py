@@ -53,6 +53,7 @@ class HDPDataIterator:
         pool_rank: This rank's pool rank (`ParallelLayout.pool_rank`): its tokens are read
             ahead with the plan. None: planned ahead, read in the step.
         prefetch_depth: Steps prepared ahead in a background thread (0: none).
+        virtual_stages: Model chunks per stage (interleaved 1F1B): PP-Balance prices its fill.
     """
 
     def __init__(
@@ -69,6 +70,7 @@ class HDPDataIterator:
         pipeline_stages: int = 1,
         pool_rank: int | None = None,
         prefetch_depth: int = 2,
+        virtual_stages: int = 1,
     ) -> None:
         self.sampler = sampler
         self.datasets = list(datasets)
@@ -81,6 +83,7 @@ class HDPDataIterator:
             cp_size=cp_size,
             cost_model=cost_model,
             pipeline_stages=pipeline_stages,
+            **({"virtual_stages": virtual_stages} if virtual_stages != 1 else {}),
         )
         self._loader: GlobalBatchLoader | None = None
 

@@ -21,10 +21,8 @@ from megatron_hdp.scheduler.placement import POLICIES
 
 #: Megatron-LM flags that exist there but not here; refused with this message.
 UNSUPPORTED_MEGATRON_FLAGS = {
-    "--virtual-pipeline-model-parallel-size": "virtual pipeline stages (the interleaved 1F1B "
-    "schedule) are not supported: HDP pipelines run the non-interleaved 1F1B schedule, whose "
-    "lock step across the pipelines of a ring is what the planner guarantees",
-    "--num-layers-per-virtual-pipeline-stage": "virtual pipeline stages are not supported",
+    "--virtual-pipeline-model-parallel-size": "Megatron-LM's flag for virtual pipeline stages "
+    "is --num-layers-per-virtual-pipeline-stage",
     "--decoder-first-pipeline-num-layers": "HDP splits the layers evenly over the stages",
     "--decoder-last-pipeline-num-layers": "HDP splits the layers evenly over the stages",
     "--pipeline-model-parallel-layout": "HDP splits the layers evenly over the stages",
@@ -333,6 +331,13 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         help="pipeline stages per HDP replica (Megatron's 1F1B schedule): the pool is world / "
         "(TP x PP) pipelines, each running its own number of micro-batches; a ring runs on "
         "the same stage of its member pipelines in lock step (--num-layers must divide evenly)",
+    )
+    g.add_argument(
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help="layers per model chunk: each stage holds (layers per stage / this) chunks and "
+        "runs Megatron's interleaved 1F1B (micro-batch lists padded to counts it accepts)",
     )
     g.add_argument(
         "--sequence-parallel",

@@ -168,7 +168,9 @@ def _raise_if_any_failed(
 
 
 def _parameters_finite(engine: Engine) -> bool:
-    return all(bool(torch.isfinite(p).all()) for p in engine.model.module.parameters())
+    return all(
+        bool(torch.isfinite(p).all()) for chunk in engine.chunks for p in chunk.module.parameters()
+    )
 
 
 def _discard_others(root: Path, kept: Path) -> None:
@@ -267,6 +269,7 @@ def checkpoint_args(
         fp16=cfg.params_dtype == "float16",
         tensor_model_parallel_size=engine.tp_size,
         pipeline_model_parallel_size=engine.pp_size,
+        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
         expert_model_parallel_size=cfg.expert_model_parallel_size,
         num_experts=cfg.num_experts,
         moe_router_topk=cfg.moe_router_topk,

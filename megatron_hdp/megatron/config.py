@@ -66,6 +66,7 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
         params_dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else "float32",
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=model_chunks(args),
         sequence_parallel=args.sequence_parallel,
         num_experts=args.num_experts,
         moe_router_topk=args.moe_router_topk,
@@ -74,6 +75,27 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
         expert_model_parallel_size=args.expert_model_parallel_size,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
     )
+
+
+def model_chunks(args: argparse.Namespace) -> int | None:
+    """Model chunks per stage from `--num-layers-per-virtual-pipeline-stage` (None: one).
+
+    As Megatron-LM: layers per stage / layers per chunk, None when that is 1. Raises
+    ValueError naming the values when they do not divide or there is no pipeline.
+    """
+    per_chunk = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    if per_chunk is None:
+        return None
+    pp = args.pipeline_model_parallel_size
+    per_stage = args.num_layers // pp if pp > 0 else 0
+    if per_chunk < 1 or pp < 2 or per_stage % per_chunk:
+        raise ValueError(
+            f"--num-layers-per-virtual-pipeline-stage {per_chunk}: needs "
+            f"--pipeline-model-parallel-size > 1 (got {pp}) and must divide the "
+            f"{per_stage} layers of each stage (--num-layers {args.num_layers})"
+        )
+    chunks = per_stage // per_chunk
+    return chunks if chunks > 1 else None
 
 
 def optim_config(args: argparse.Namespace, *, override_scheduler: bool = False) -> OptimConfig:

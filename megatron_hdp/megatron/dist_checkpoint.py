@@ -197,6 +197,17 @@ def schedule_in_iterations(state: dict, ckpt_args) -> dict:
     }
 
 
+def model_keys(engine: Engine) -> list[str]:
+    """The state-dict keys of the engine's model chunks, as Megatron-LM names them.
+
+    "model" for one chunk; "model0", "model1", ... with virtual pipeline stages. The sharded
+    tensors inside are keyed by global layer number, so either form loads into the other.
+    """
+    if len(engine.chunks) == 1:
+        return ["model"]
+    return [f"model{i}" for i in range(len(engine.chunks))]
+
+
 def state_dict(
     engine: Engine,
     metadata: dict,
@@ -214,11 +225,16 @@ def state_dict(
     optimizer and the schedule (a load of the weights alone).
     """
     out: dict = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
-    out["model"] = engine.model.module.sharded_state_dict(metadata=metadata)
+    models = {
+        key: chunk.module.sharded_state_dict(metadata=metadata)
+        for key, chunk in zip(model_keys(engine), engine.chunks, strict=True)
+    }
+    out.update(models)
     if optimizer:
         map_float32_params(engine.optimizer)  # --bf16 / --fp16: the norms stay float32
+        model_sd = models["model"] if len(models) == 1 else models
         out["optimizer"] = engine.optimizer.sharded_state_dict(
-            out["model"], is_loading=is_loading, metadata=metadata
+            model_sd, is_loading=is_loading, metadata=metadata
         )
         out["opt_param_scheduler"] = schedule_in_samples(engine.scheduler.state_dict(), args)
     if rng:
@@ -369,7 +385,8 @@ def read(
         is_loading=True,
     )
     loaded = dist_checkpointing.load(sd, str(folder))
-    engine.model.load_state_dict(loaded["model"], strict=True)
+    for key, chunk in zip(model_keys(engine), engine.chunks, strict=True):
+        chunk.load_state_dict(loaded[key], strict=True)
     if load_optimizer:
         # no_grad: fp32 main parameters are views of the model's leaves
         if not engine.optimizer_is_distributed:

@@ -8,7 +8,7 @@ sync over the data-parallel group is the one sync over the pool.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,7 @@ from megatron_hdp.megatron.model import (
     model_parallel_dims,
     transformer_config,
 )
+from megatron_hdp.megatron.parallel_state import set_model_chunks
 from megatron_hdp.offload.host_budget import HostBudget, host_budget
 
 
@@ -111,7 +112,11 @@ class OptimConfig:
 
 @dataclass
 class Engine:
-    """The trainable state of one rank: DDP-wrapped model, optimizer, LR/WD schedule."""
+    """The trainable state of one rank: DDP-wrapped model, optimizer, LR/WD schedule.
+
+    With virtual pipeline stages the rank holds several model chunks (`chunks`, in
+    Megatron's order); `model` is the first.
+    """
 
     cfg: GPTConfig
     model: DistributedDataParallel
@@ -128,6 +133,12 @@ class Engine:
     """The overlapped reduce's ordering (`grad_sync.py`); None without overlap."""
     schedule_in_samples: bool = False
     """The scheduler counts Megatron-LM's samples (`OptimConfig.schedule_in_samples`)."""
+    chunks: list = field(default_factory=list)
+    """Every model chunk of this rank (DDP-wrapped); `[model]` without virtual stages."""
+
+    def __post_init__(self) -> None:
+        if not self.chunks:
+            self.chunks = [self.model]
 
     @property
     def tp_size(self) -> int:
@@ -165,22 +176,33 @@ def build_engine(cfg: GPTConfig, optim: OptimConfig, *, seed: int = 1234) -> Eng
     dims.check_initialized()
     rank = dist.get_rank()
     tp_rank, stage = dims.tp_rank_of(rank), dims.stage_of(rank)
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        # Sequence-parallel regions fork Megatron's model-parallel CUDA RNG state.
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    # Initialised on the CPU: equal weights on every replica, and in every layout.
-    model = build_gpt(cfg, stage=stage, tp_rank=tp_rank)
-    if torch.cuda.is_available():
-        model = model.cuda(torch.cuda.current_device())
+    set_model_chunks(cfg.num_chunks)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=optim.grad_reduce_in_fp32,
         overlap_grad_reduce=optim.overlap_grad_reduce,
         bucket_size=optim.ddp_bucket_size,
         use_distributed_optimizer=optim.use_distributed_optimizer,
     )
-    ddp_model = DistributedDataParallel(transformer_config(cfg), ddp_config, model)
+    chunks = []
+    for chunk in range(cfg.num_chunks):
+        # Every chunk from the same seed: its layers draw from seeds of their global numbers.
+        torch.manual_seed(seed)
+        if torch.cuda.is_available():
+            # Sequence-parallel regions fork Megatron's model-parallel CUDA RNG state.
+            tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        # Initialised on the CPU: equal weights on every replica, and in every layout.
+        model = build_gpt(cfg, stage=stage, tp_rank=tp_rank, chunk=chunk)
+        if torch.cuda.is_available():
+            model = model.cuda(torch.cuda.current_device())
+        chunks.append(
+            DistributedDataParallel(
+                transformer_config(cfg), ddp_config, model, disable_bucketing=chunk > 0
+            )
+        )
+    ddp_model = chunks[0]
     grad_sync = OrderedGradSync.install(ddp_model)
+    for other in chunks[1:]:
+        OrderedGradSync.install(other)
     optimizer_config = OptimizerConfig(
         optimizer="adam",
         lr=optim.lr,
@@ -200,7 +222,7 @@ def build_engine(cfg: GPTConfig, optim: OptimConfig, *, seed: int = 1234) -> Eng
         params_dtype=cfg.dtype,
         use_distributed_optimizer=optim.use_distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(optimizer_config, [ddp_model])
+    optimizer = get_megatron_optimizer(optimizer_config, chunks)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if optim.lr_warmup_iters else optim.lr,
@@ -227,6 +249,7 @@ def build_engine(cfg: GPTConfig, optim: OptimConfig, *, seed: int = 1234) -> Eng
         replica=dims.replica_of(rank),
         grad_sync=grad_sync,
         schedule_in_samples=optim.schedule_in_samples,
+        chunks=chunks,
     )
 
 

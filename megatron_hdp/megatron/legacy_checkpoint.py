@@ -84,6 +84,12 @@ def load_legacy(folder: Path, engine: Engine, *, group: dist.ProcessGroup) -> di
     folder written at another TP or PP size, or by another number of ranks with the
     distributed optimizer (this format does not reshard).
     """
+    if len(engine.chunks) > 1:
+        raise ValueError(
+            f"{folder} is in the per-rank torch format, which holds one model chunk per rank; "
+            f"this job has {len(engine.chunks)} (virtual pipeline stages): load it without "
+            "--num-layers-per-virtual-pipeline-stage and save it again (torch_dist)"
+        )
     meta = json.loads((folder / META).read_text())
     if engine.optimizer_is_distributed and meta["world_size"] != dist.get_world_size(group):
         raise ValueError(

@@ -108,6 +108,10 @@ class GPTConfig:
     pipeline_model_parallel_size: int = 1
     """Pipeline stages per HDP replica (--pipeline-model-parallel-size): the layers are split
     evenly over them and each replica runs Megatron's 1F1B schedule."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per pipeline stage (interleaved 1F1B; Megatron-LM's value from
+    --num-layers-per-virtual-pipeline-stage); None = one. Chunk `c` of stage `s` holds the
+    layers of virtual stage `c * PP + s`, as Megatron splits them."""
     num_experts: int | None = None
     """Experts per MoE layer; None = dense MLP (--num-experts)."""
     moe_router_topk: int = 2
@@ -174,6 +178,7 @@ class GPTConfig:
             num_layers=self.num_layers, pp=self.pipeline_model_parallel_size
         ):
             raise ValueError(problem)
+        self._check_chunks()
         for problem in moe_problems(
             num_experts=self.num_experts,
             topk=self.moe_router_topk,
@@ -188,6 +193,23 @@ class GPTConfig:
             raise ValueError(problem)
         if self.moe_aux_loss_coeff < 0:
             raise ValueError(f"moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff}")
+
+    def _check_chunks(self) -> None:
+        """Raise ValueError for virtual pipeline stages HDP cannot split evenly."""
+        vp = self.virtual_pipeline_model_parallel_size
+        if vp is None:
+            return
+        pp = self.pipeline_model_parallel_size
+        if vp < 1 or pp == 1:
+            raise ValueError(
+                f"virtual_pipeline_model_parallel_size {vp} needs pipeline parallelism and a "
+                f"value >= 1 (pipeline_model_parallel_size {pp})"
+            )
+        if self.num_layers % (pp * vp):
+            raise ValueError(
+                f"num_layers {self.num_layers} is not divisible by {pp} stages x {vp} model "
+                "chunks (every chunk holds the same number of layers)"
+            )
 
     def _check_head_shape(self) -> None:
         """Raise ValueError for a head size or RoPE share HDP attention cannot run."""
@@ -206,6 +228,20 @@ class GPTConfig:
     def layers_per_stage(self) -> int:
         """Transformer layers on each pipeline stage."""
         return self.num_layers // self.pipeline_model_parallel_size
+
+    @property
+    def num_chunks(self) -> int:
+        """Model chunks per pipeline stage (1 without virtual pipeline stages)."""
+        return self.virtual_pipeline_model_parallel_size or 1
+
+    @property
+    def layers_per_chunk(self) -> int:
+        """Transformer layers in each model chunk (each stage's without virtual stages)."""
+        return self.layers_per_stage // self.num_chunks
+
+    def first_layer(self, stage: int, chunk: int = 0) -> int:
+        """The global index (from 0) of the first layer of `chunk` on `stage`."""
+        return (chunk * self.pipeline_model_parallel_size + stage) * self.layers_per_chunk
 
     @property
     def head_dim(self) -> int:
@@ -299,8 +335,12 @@ def transformer_config(cfg: GPTConfig) -> TransformerConfig:
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         sequence_parallel=cfg.sequence_parallel,
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
         # HDP micro-batches hold different token counts: stages exchange shapes first.
         variable_seq_lengths=cfg.pipeline_model_parallel_size > 1,
+        # Interleaved stages send and receive between the same two ranks in one step:
+        # Megatron-LM's default there (--overlap-p2p-communication) issues them separately.
+        **({"overlap_p2p_comm": True, "batch_p2p_comm": False} if cfg.num_chunks > 1 else {}),
         **(_moe_settings(cfg) or _dense_settings(cfg)),
     )
 
@@ -400,7 +440,7 @@ def hdp_block_spec(cfg: GPTConfig) -> TransformerBlockSubmodules:
     offset is added to each).
     """
     return TransformerBlockSubmodules(
-        layer_specs=[hdp_layer_spec(cfg)] * cfg.layers_per_stage, layer_norm=hdp_norm(cfg)
+        layer_specs=[hdp_layer_spec(cfg)] * cfg.layers_per_chunk, layer_norm=hdp_norm(cfg)
     )
 
 
@@ -453,8 +493,12 @@ def _redraw_output_layer(model: GPTModel, cfg: GPTConfig, seed: int, tp_rank: in
         )
 
 
-def build_gpt(cfg: GPTConfig, *, stage: int = 0, tp_rank: int = 0) -> GPTModel:
+def build_gpt(cfg: GPTConfig, *, stage: int = 0, tp_rank: int = 0, chunk: int = 0) -> GPTModel:
     """One pipeline stage of a `GPTModel` that runs HDP micro-batches (`HDPPackedSeqParams`).
+
+    With virtual pipeline stages (`cfg.num_chunks` > 1) it is model chunk `chunk` of the
+    stage: the embedding on chunk 0 of stage 0, the output layer on the last chunk of the
+    last stage, the layers of virtual stage `chunk x PP + stage` in between.
 
     Megatron's own RoPE is switched off (`position_embedding_type="none"`) because under
     THD it restarts positions at every packed piece; `HDPCoreAttention` applies RoPE at the
@@ -467,6 +511,7 @@ def build_gpt(cfg: GPTConfig, *, stage: int = 0, tp_rank: int = 0) -> GPTModel:
     """
     position_type = "none" if cfg.position_embedding_type == "rope" else cfg.position_embedding_type
     last = cfg.pipeline_model_parallel_size - 1
+    chunked = {"vp_stage": chunk} if cfg.num_chunks > 1 else {}
     return build_seeded(
         cfg,
         lambda: GPTModel(
@@ -474,10 +519,11 @@ def build_gpt(cfg: GPTConfig, *, stage: int = 0, tp_rank: int = 0) -> GPTModel:
             transformer_layer_spec=hdp_block_spec(cfg),
             vocab_size=cfg.vocab_size,
             max_sequence_length=cfg.max_position_embeddings,
-            pre_process=stage == 0,
-            post_process=stage == last,
+            pre_process=stage == 0 and chunk == 0,
+            post_process=stage == last and chunk == cfg.num_chunks - 1,
             share_embeddings_and_output_weights=cfg.tie_embeddings,
             position_embedding_type=position_type,
+            **chunked,
         ),
         tp_rank=tp_rank,
     )

@@ -30,6 +30,17 @@ def initialize(*, tp: int, pp: int, ep: int, timeout_minutes: float) -> dict:
     }
 
 
+def set_model_chunks(chunks: int) -> None:
+    """Tell Megatron's schedules how many model chunks each stage holds (None for one).
+
+    Megatron-LM sets it from `--num-layers-per-virtual-pipeline-stage` at start-up; its
+    interleaved schedule reads it (which chunk is the pipeline's first or last).
+    """
+    from megatron.core import parallel_state
+
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(chunks if chunks > 1 else None)
+
+
 def sizes() -> dict | None:
     """The TP, PP and EP sizes Megatron was initialised with; None if it was not."""
     from megatron.core import parallel_state as ps

@@ -23,6 +23,10 @@ cannot be run here; these pieces follow its contracts and are tested against a
   must pass `packed_seq_params` to the model on every stage (HDP attention needs the
   token layout and the ring on each), unlike Megatron-LM's stock `get_batch`, which
   returns nothing on the middle stages.
+  With virtual pipeline stages (a list of model chunks, `--num-layers-per-virtual-pipeline-
+  stage`) it runs Megatron-Core's interleaved 1F1B; every chunk reads the same batch
+  dicts, and the list is padded with one-token micro-batches of loss mask 0 to a count
+  the interleaved schedule accepts (`scheduler.interleaved.padded_count`).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from megatron_hdp.megatron.ep_lockstep import lockstep_slots, padding_batch, pad
 from megatron_hdp.megatron.grad_sync import OrderedGradSync, sync_in_backward
 from megatron_hdp.megatron.model import GPTConfig
 from megatron_hdp.megatron.moe import moe_micro_batch
+from megatron_hdp.megatron.pipeline import interleaved_padding
 from megatron_hdp.megatron.step import (
     StepRuntime,
     local_batches,
@@ -148,6 +153,30 @@ def gather_params_if_idle(model_chunk) -> None:
     hook = model_chunk._make_forward_pre_hook()  # noqa: SLF001 - the forward's own logic
     for module in model_chunk.module.modules():
         hook(module)
+
+
+@contextlib.contextmanager
+def _interleaved_grad_sync(chunks: list):
+    """The overlapped reduce in Megatron's interleaved 1F1B: after the last backward.
+
+    Megatron's interleaved schedule starts each chunk's reduce in that chunk's last backward,
+    which may be a ring micro-batch's (`grad_sync.py` says why that is unsafe); here every
+    chunk stays in `no_sync()` through the schedule and `finalize_model_grads` starts the
+    reduces, chunk by chunk, in the same order on every rank.
+    """
+    if not any([_overlapped(chunk) for chunk in chunks]):
+        yield
+        return
+    config = get_model_config(chunks[0])
+    held = config.no_sync_func, config.grad_sync_func
+    config.no_sync_func = config.grad_sync_func = None
+    try:
+        with contextlib.ExitStack() as stack:
+            for chunk in chunks:
+                stack.enter_context(chunk.no_sync())
+            yield
+    finally:
+        config.no_sync_func, config.grad_sync_func = held
 
 
 @contextlib.contextmanager
@@ -294,7 +323,7 @@ def hdp_forward_backward(
 
         return batches, info
 
-    def _pipelined(step, model_chunk, forward_step_func, forward_only, force_all_reduce):
+    def _pipelined(step, chunks, forward_step_func, forward_only, force_all_reduce):
         if runtime.pipeline_group is None:
             raise ValueError(
                 "with pipeline parallelism the StepRuntime needs pipeline_group (the layout's "
@@ -303,31 +332,54 @@ def hdp_forward_backward(
         problems = lockstep_problems(step.plan)
         if problems:
             raise ValueError(f"the plan cannot run on pipelines in lock step: {problems[0]}")
-        batches, moe_info = _moe_inputs(step, forward_only, get_model_config(model_chunk))
+        config = get_model_config(chunks[0])
+        batches, moe_info = _moe_inputs(step, forward_only, config)
         if not batches:
-            gather_params_if_idle(model_chunk)
+            for chunk in chunks:
+                gather_params_if_idle(chunk)
+        pads: set[int] = set()
+        interleaved = len(chunks) > 1
+        if interleaved and batches:
+            batches, pads = interleaved_padding(
+                batches,
+                cfg.pipeline_model_parallel_size,
+                config.microbatch_group_size_per_vp_stage,
+                torch.distributed.get_rank(runtime.group),
+                runtime.device,
+            )
         dicts = [megatron_batch(b, cfg, runtime) for b in batches]
         if moe_info is not None:
-            # Megatron's 1F1B calls forward_step_func once per micro-batch, in order, on
-            # every stage: each call runs its forward inside its micro-batch's router info.
-            infos = iter([moe_info(b, d) for b, d in zip(batches, dicts, strict=True)])
+            # Megatron's schedules call forward_step_func once per micro-batch and chunk, in
+            # micro-batch order on each chunk: each call runs its forward inside its
+            # micro-batch's router info.
+            total = step.plan.total_tokens()
+            infos = [
+                padding_moe_info(b, total, None) if id(b) in pads else moe_info(b, d)
+                for b, d in zip(batches, dicts, strict=True)
+            ]
+            per_chunk = {id(chunk): iter(infos) for chunk in chunks}
             user_forward_step = forward_step_func
 
             @functools.wraps(user_forward_step)
-            def forward_step_func(*args, **kwargs):
-                with moe_micro_batch(next(infos)):
-                    return user_forward_step(*args, **kwargs)
+            def forward_step_func(data_iterator, model, *args, **kwargs):
+                with moe_micro_batch(next(per_chunk[id(model)])):
+                    return user_forward_step(data_iterator, model, *args, **kwargs)
 
-        schedule = get_forward_backward_func(pp_size=cfg.pipeline_model_parallel_size)
+        schedule = get_forward_backward_func(
+            pp_size=cfg.pipeline_model_parallel_size,
+            vp_size=len(chunks) if interleaved else None,
+        )
         with contextlib.ExitStack() as stack:
             if forward_only:
                 stack.enter_context(torch.no_grad())
+            elif interleaved:
+                stack.enter_context(_interleaved_grad_sync(chunks))
             else:
-                stack.enter_context(_pipeline_grad_sync(model_chunk, batches))
+                stack.enter_context(_pipeline_grad_sync(chunks[0], batches))
             reports = schedule(
                 forward_step_func=forward_step_func,
-                data_iterator=iter(dicts),
-                model=[model_chunk],
+                data_iterator=[iter(dicts) for _ in chunks] if interleaved else iter(dicts),
+                model=list(chunks),
                 num_microbatches=len(batches),
                 seq_length=1,  # shapes travel with every tensor (variable_seq_lengths)
                 micro_batch_size=1,
@@ -358,9 +410,10 @@ def hdp_forward_backward(
         force_all_reduce=False,
     ) -> list:
         chunks = model if isinstance(model, list) else [model]
-        if len(chunks) != 1:
+        if len(chunks) != 1 and cfg.pipeline_model_parallel_size == 1:
             raise ValueError(
-                f"HDP runs one model chunk per rank (no virtual pipeline stages); got {len(chunks)}"
+                f"{len(chunks)} model chunks without pipeline parallelism: virtual pipeline "
+                "stages need --pipeline-model-parallel-size > 1"
             )
         model_chunk = chunks[0]
         config = get_model_config(model_chunk)
@@ -368,17 +421,17 @@ def hdp_forward_backward(
             raise ValueError("HDP needs calculate_per_token_loss=True (token-level loss)")
         step = next(data_iterator)
         step.plan.check_pool(torch.distributed.get_world_size(runtime.group))
-        reports = _run(step, model_chunk, config, forward_step_func, forward_only, force_all_reduce)
+        reports = _run(step, chunks, config, forward_step_func, forward_only, force_all_reduce)
         if not forward_only:
             # The next training call is the next iteration (it keys the dropout masks); a loop
             # that resumes sets `runtime.iteration` itself, as the Megatron-LM drop-in does.
             runtime.iteration += 1
         return reports
 
-    def _run(step, model_chunk, config, forward_step_func, forward_only, force_all_reduce):
-        chunks = [model_chunk]
+    def _run(step, chunks, config, forward_step_func, forward_only, force_all_reduce):
+        model_chunk = chunks[0]
         if cfg.pipeline_model_parallel_size > 1:
-            return _pipelined(step, model_chunk, forward_step_func, forward_only, force_all_reduce)
+            return _pipelined(step, chunks, forward_step_func, forward_only, force_all_reduce)
         reports = []
         # Summed on the device as Megatron's own schedules do: no host read per micro-batch.
         num_tokens = torch.zeros((), dtype=torch.int64, device=runtime.device)

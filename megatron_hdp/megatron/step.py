@@ -28,6 +28,7 @@ from megatron_hdp.distributed.ring_comm import CommStats, RingComm
 from megatron_hdp.host_copy import pack_int64, to_device, unpack
 from megatron_hdp.megatron.core_attention import HDPPackedSeqParams
 from megatron_hdp.megatron.engine import Engine
+from megatron_hdp.megatron.ep_lockstep import padding_moe_info
 from megatron_hdp.megatron.grad_sync import sync_in_backward
 from megatron_hdp.megatron.model import GPTConfig
 from megatron_hdp.megatron.moe import MoEMicroBatch, moe_micro_batch
@@ -339,10 +340,17 @@ def _pipelined(
         raise ValueError("activation offloading with pipeline parallelism is not supported")
     routed: list[MoEMicroBatch] = []
 
-    def stage_inputs(batch: LocalBatch):
+    def stage_inputs(batch: LocalBatch, padding: bool):
         args, kwargs, n, moe = _model_inputs(engine, batch, runtime, global_batch_tokens)
         if moe is None:
             return args, kwargs, n, contextlib.nullcontext()
+        if padding:  # interleaved stages' padding: no loss, no aux term, no count
+            return (
+                args,
+                kwargs,
+                n,
+                moe_micro_batch(padding_moe_info(batch, global_batch_tokens, None)),
+            )
         routed.append(moe)
         return args, kwargs, n, moe_micro_batch(moe)
 
@@ -540,8 +548,8 @@ def train_step(
     if global_tokens == 0:
         raise ValueError("the global batch has no loss tokens (every loss mask is zero)")
 
-    model = engine.model
-    model.zero_grad_buffer()
+    for chunk in engine.chunks:
+        chunk.zero_grad_buffer()
     engine.optimizer.zero_grad()
     times: list[tuple[float, float]] = []
     start = time.perf_counter()
@@ -558,7 +566,7 @@ def train_step(
     # Megatron's own finish: the pool's gradient sync (started already in the backward of a
     # local last micro-batch with overlap_grad_reduce) plus the TP all-reduce of the grads of
     # parameters replicated over a sequence-parallel region (the norms).
-    finalize_model_grads([model])
+    finalize_model_grads(list(engine.chunks))
     checked_norm = None
     if runtime.check_nonfinite:
         # Megatron's step computes the norm, clips and updates in one call; the norm is
@@ -627,7 +635,8 @@ def evaluate(
     batches, num_tokens = read_and_count(plan, source, runtime, prepared)
     batch_tokens = plan.total_tokens()
     loss_sum = torch.zeros(1, dtype=torch.float64, device=runtime.device)
-    engine.model.eval()
+    for chunk in engine.chunks:
+        chunk.eval()
     try:
         with torch.no_grad():
             if engine.pp_size > 1:
@@ -644,7 +653,8 @@ def evaluate(
                     losses = _token_losses(engine, batch, runtime, batch_tokens)[0].float()
                     loss_sum += (losses * batch.loss_mask).sum().double()
     finally:
-        engine.model.train()
+        for chunk in engine.chunks:
+            chunk.train()
     loss_sum.fill_(_own_loss(engine, loss_sum.item()))
     dist.all_reduce(loss_sum, group=runtime.all_ranks)
     return loss_sum.item(), num_tokens

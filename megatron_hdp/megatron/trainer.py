@@ -200,6 +200,7 @@ class Trainer:
             cost_model=self.cost_model,
             offload=self.args.hdp_offload,
             pipeline_stages=self.args.pipeline_model_parallel_size,
+            virtual_stages=self.engine.cfg.num_chunks,
         )
 
     def _plan(self, units):

@@ -339,6 +339,9 @@ def _check_experts(args: argparse.Namespace, world_size: int) -> None:
 
 def _check_pipeline(args: argparse.Namespace) -> None:
     """What pipeline parallelism does not combine with (yet), by flag."""
+    from megatron_hdp.megatron.config import model_chunks
+
+    model_chunks(args)  # --num-layers-per-virtual-pipeline-stage: ValueError by value
     pp = args.pipeline_model_parallel_size
     if pp == 1:
         return
@@ -954,6 +957,7 @@ MODEL_FIELDS_BEFORE_THEY_EXISTED = {
     "kv_channels": None,
     "qk_layernorm": False,
     "softmax_type": "vanilla",
+    "virtual_pipeline_model_parallel_size": None,
 }
 #: Model settings that change no parameter, so a resume may change them.
 MAY_CHANGE_ON_RESUME = ("sequence_parallel", "moe_aux_loss_coeff", "moe_token_dispatcher_type")
@@ -961,6 +965,7 @@ MAY_CHANGE_ON_RESUME = ("sequence_parallel", "moe_aux_loss_coeff", "moe_token_di
 RESHARDED_ON_LOAD = (
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
     "expert_model_parallel_size",
 )
 

@@ -75,17 +75,6 @@ REFUSED_HDP_FLAGS = {
 #: Megatron-LM arguments (dest, value test, message) that HDP cannot run with.
 _REFUSED_MEGATRON = (
     (
-        "virtual_pipeline_model_parallel_size",
-        lambda v: v is not None,
-        "--virtual-pipeline-model-parallel-size / --num-layers-per-virtual-pipeline-stage: HDP "
-        "runs the non-interleaved 1F1B schedule",
-    ),
-    (
-        "num_layers_per_virtual_pipeline_stage",
-        lambda v: v is not None,
-        "--num-layers-per-virtual-pipeline-stage: HDP runs the non-interleaved 1F1B schedule",
-    ),
-    (
         "decoder_first_pipeline_num_layers",
         lambda v: v is not None,
         "--decoder-first-pipeline-num-layers: HDP splits the layers evenly over the stages",

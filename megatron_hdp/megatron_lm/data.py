@@ -96,11 +96,29 @@ def state_path(args: argparse.Namespace, folder: str, iteration: int) -> str:
     )
 
 
+#: The loaders of model chunk 0, which the other chunks share (virtual pipeline stages).
+_FIRST_CHUNK: dict = {}
+
+
 def datasets_provider(train_valid_test_num_samples, vp_stage=None):
     """Megatron-LM's dataset provider under `--hdp`: (train, valid, None) loaders.
 
-    Runs on every rank (`is_distributed`); collective over nothing.
+    Runs on every rank (`is_distributed`); collective over nothing. With virtual pipeline
+    stages Megatron-LM calls it once per model chunk (`vp_stage` 0, 1, ...); every chunk
+    reads the same micro-batches, so chunks after the first get chunk 0's loaders (one
+    sampler, one read-ahead; HDP's schedule draws from the first chunk's iterator only).
     """
+    if vp_stage:
+        if "loaders" not in _FIRST_CHUNK:
+            raise RuntimeError(f"--hdp: model chunk {vp_stage}'s loaders before chunk 0's")
+        return _FIRST_CHUNK["loaders"]
+    loaders = _datasets(train_valid_test_num_samples)
+    _FIRST_CHUNK["loaders"] = loaders
+    return loaders
+
+
+def _datasets(train_valid_test_num_samples):
+    """`datasets_provider`'s loaders for model chunk 0 (or the only one)."""
     from megatron.core import parallel_state
     from megatron.training import get_args
 
@@ -142,6 +160,7 @@ def datasets_provider(train_valid_test_num_samples, vp_stage=None):
             cost_model=CostModel(model_shape(cfg), profile),
             vocab_size=data.vocab_size,
             pipeline_stages=args.pipeline_model_parallel_size,
+            virtual_stages=getattr(args, "virtual_pipeline_model_parallel_size", None) or 1,
             pool_rank=pool_rank,
             prefetch_depth=depth,
             **extra,

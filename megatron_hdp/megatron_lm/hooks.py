@@ -175,6 +175,10 @@ class _Schedule:
 
         # Keys this step's dropout masks (Megatron-LM sets it before each train_step).
         self.runtime.iteration = int(getattr(get_args(), "curr_iteration", 0) or 0)
+        if isinstance(data_iterator, list):
+            # Virtual pipeline stages: one iterator per model chunk, all over the same
+            # loader (`data.datasets_provider`); the step is drawn once.
+            data_iterator = data_iterator[0]
         step = next(data_iterator)
         if self.runtime.check_plans:
             from megatron_hdp.distributed.plan_check import check_plan_agreement
@@ -242,6 +246,8 @@ def save_data_position(train_iterator, iteration, dataloader_save_path) -> None:
     """
     if dataloader_save_path is None or torch.distributed.get_rank() != 0:
         return
+    if isinstance(train_iterator, list):  # virtual pipeline stages: the chunks share it
+        train_iterator = train_iterator[0]
     import os
 
     from megatron.training import get_args

@@ -55,6 +55,9 @@ def gpt_config(args: argparse.Namespace, vocab_size: int | None = None) -> GPTCo
         params_dtype=params_dtype(args),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=getattr(
+            args, "virtual_pipeline_model_parallel_size", None
+        ),
         sequence_parallel=args.sequence_parallel,
         fp8=getattr(args, "fp8", None) is not None,
         **moe_fields(args),
@@ -68,15 +71,18 @@ def params_dtype(args: argparse.Namespace) -> str:
     return "float16" if args.fp16 else "float32"
 
 
-def _layer_specs(args: argparse.Namespace, cfg: GPTConfig):
-    """The decoder spec of one stage: HDP core attention in Megatron's local or TE spec."""
+def _layer_specs(args: argparse.Namespace, cfg: GPTConfig, vp_stage: int | None = None):
+    """One model chunk's decoder spec: HDP core attention in Megatron's local or TE spec.
+
+    The chunk is the stage's, or its `vp_stage`-th with virtual pipeline stages.
+    """
     from megatron_hdp.megatron.model import hdp_block_spec
 
     if args.transformer_impl == "local":
         block = hdp_block_spec(cfg)
         if cfg.num_experts is not None:
             dense = hdp_block_spec(_dense(cfg)).layer_specs[0]
-            block.layer_specs = _moe_or_dense(args, cfg, block.layer_specs[0], dense)
+            block.layer_specs = _moe_or_dense(args, cfg, block.layer_specs[0], dense, vp_stage)
         return block
     if args.transformer_impl != "transformer_engine":
         raise ValueError(f"--transformer-impl {args.transformer_impl} is not supported with --hdp")
@@ -97,13 +103,13 @@ def _layer_specs(args: argparse.Namespace, cfg: GPTConfig):
             _hdp_experts(spec)
         return spec
 
-    layers = [te_spec(None)] * cfg.layers_per_stage
+    layers = [te_spec(None)] * cfg.layers_per_chunk
     if cfg.num_experts is not None:
         logger.warning(
             "--hdp: experts in Transformer Engine's layer spec are unverified (no TE here to "
             "test them); --transformer-impl local is the tested path"
         )
-        layers = _moe_or_dense(args, cfg, te_spec(cfg.num_experts), layers[0])
+        layers = _moe_or_dense(args, cfg, te_spec(cfg.num_experts), layers[0], vp_stage)
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=TENorm)
 
 
@@ -122,12 +128,12 @@ def _dense(cfg: GPTConfig) -> GPTConfig:
     return dataclasses.replace(cfg, num_experts=None, expert_model_parallel_size=1)
 
 
-def _moe_or_dense(args, cfg: GPTConfig, moe_spec, dense_spec) -> list:
-    """This stage's layer specs: `moe_spec` where `--moe-layer-freq` puts experts."""
+def _moe_or_dense(args, cfg: GPTConfig, moe_spec, dense_spec, vp_stage=None) -> list:
+    """This chunk's layer specs: `moe_spec` where `--moe-layer-freq` puts experts."""
     from megatron.core import parallel_state
 
-    first = parallel_state.get_pipeline_model_parallel_rank() * cfg.layers_per_stage
-    pattern = moe_layer_pattern(args)[first : first + cfg.layers_per_stage]
+    first = cfg.first_layer(parallel_state.get_pipeline_model_parallel_rank(), vp_stage or 0)
+    pattern = moe_layer_pattern(args)[first : first + cfg.layers_per_chunk]
     return [moe_spec if experts else dense_spec for experts in pattern]
 
 
@@ -153,7 +159,7 @@ def hdp_gpt_builder(
         config.variable_seq_lengths = True
         config.moe_token_dispatcher_type = "alltoall"
     position_type = "none" if cfg.position_embedding_type == "rope" else cfg.position_embedding_type
-    spec = _layer_specs(args, cfg)
+    spec = _layer_specs(args, cfg, vp_stage)
     # torch.manual_seed reseeds CUDA too: fork it as well, Megatron-LM's streams stay as set.
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):

@@ -281,6 +281,7 @@ def plan_step(
     cost_model=None,
     offload: bool = False,
     pipeline_stages: int = 1,
+    virtual_stages: int = 1,
 ) -> StepPlan:
     """Plan one step with the named policy (`"balanced"`, `"greedy"` or the `"static"` mesh).
 
@@ -303,7 +304,9 @@ def plan_step(
     1F1B); the plan is lock-step (`plan.lockstep_problems`). `"balanced"` is PP-Balance
     (`pp_balance.plan_pp_balanced`), `"static"` the static mesh with every CP member given
     a token; both set `predicted_start` to the forward start on the first stage in the 1F1B
-    timeline. `"greedy"` and `offload` are refused with the reason.
+    timeline. `"greedy"` and `offload` are refused with the reason. `virtual_stages` > 1:
+    each stage holds that many model chunks (interleaved 1F1B); PP-Balance prices the
+    interleaved schedule's fill (`pp_balance`, decision 2).
     """
     if isinstance(pipeline_stages, bool) or not isinstance(pipeline_stages, (int, np.integer)):
         raise ValueError(f"pipeline_stages must be an integer >= 1, got {pipeline_stages!r}")
@@ -326,6 +329,7 @@ def plan_step(
             cost_model=cost_model,
             offload=offload,
             stages=int(pipeline_stages),
+            virtual_stages=virtual_stages,
         )
     if policy == "greedy":
         plan = plan_greedy(seqlens, pool_size=pool_size, capacity=capacity, cost=cost)
@@ -341,7 +345,7 @@ def plan_step(
 
 
 def _plan_pipelines(
-    seqlens, *, pool_size, capacity, policy, cp_size, cost_model, offload, stages
+    seqlens, *, pool_size, capacity, policy, cp_size, cost_model, offload, stages, virtual_stages=1
 ) -> StepPlan:
     """`plan_step` for pool ranks that are pipelines of `stages` stages (lock-step plans)."""
     if offload:
@@ -363,6 +367,7 @@ def _plan_pipelines(
             capacity=capacity,
             pipeline_stages=stages,
             cost_model=cost_model,
+            virtual_stages=virtual_stages,
         )
     cost = cost_model.planner_cost if cost_model is not None else simple_cost
     plan = plan_static(

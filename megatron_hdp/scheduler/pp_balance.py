@@ -23,7 +23,10 @@ here (bytescale-paper.md, section 7, items 7 and 8):
    among light ones stalls the pipeline for about `(d - 1)` times the difference, once per
    such micro-batch. So every list runs heaviest first, and the `(d - 1) max(t)` term is
    the point of Insight 1: a pipeline pays its heaviest micro-batch's fill and drain once,
-   whatever else it runs, so heavy items belong together.
+   whatever else it runs, so heavy items belong together. With `v` model chunks per stage
+   (interleaved 1F1B, `interleaved.py`, `virtual_stages=v`) the fill term is
+   `(d - 1) / v max(t)`: the interleaved step of `M` equal micro-batches (a multiple of
+   `d`) is `M t + (d - 1) t / v`.
 3. *Lock-step groups* ("length levels to groups of pipelines"). A group is consecutive
    pipelines that run the same rows; a row is one micro-batch per member. Rings are taken
    heaviest first (cost at the minimal width). A ring joins the current group if the
@@ -159,13 +162,25 @@ class _Planner:
     """The state shared by the layouts of one batch (items, costs, ladders)."""
 
     def __init__(
-        self, seqlens, pool_size, capacity, stages, costs, ring_sizes, split_packs, offload=None
+        self,
+        seqlens,
+        pool_size,
+        capacity,
+        stages,
+        costs,
+        ring_sizes,
+        split_packs,
+        offload=None,
+        chunks=1,
     ):
         self.seqlens = [int(s) for s in seqlens]
         self.offload = None if offload is None else np.asarray(offload, dtype=np.float64)
         self.n = pool_size
         self.capacity = capacity
         self.d = stages
+        # The fill and drain a pipeline pays once per step, in units of its heaviest
+        # micro-batch's per-stage time: d - 1 for 1F1B, (d - 1) / v interleaved (decision 2).
+        self.fill = (stages - 1) / chunks
         self.costs = costs
         s = np.asarray(self.seqlens, dtype=np.float64)
         if ring_sizes is None:
@@ -293,7 +308,7 @@ class _Planner:
         t = float(cost[j]) / d
         if g.shelves and g.shelf_used[-1] + w <= big:
             new_tau = max(g.shelf_tau[-1], t)
-            est = g.estimate - g.shelf_tau[-1] + new_tau + (d - 1) * max(0.0, new_tau - top)
+            est = g.estimate - g.shelf_tau[-1] + new_tau + self.fill * max(0.0, new_tau - top)
             if est <= target:
                 g.shelves[-1].append((r, w))
                 g.shelf_used[-1] += w
@@ -305,7 +320,7 @@ class _Planner:
 
     def _new_shelf(self, g: _Group, r: int, width: int, t: float, target: float) -> bool:
         """Open a row for ring `r` (`width` members, per-stage time `t`) if `target` allows."""
-        est = g.estimate + t + (self.d - 1) * max(0.0, t - g.top)
+        est = g.estimate + t + self.fill * max(0.0, t - g.top)
         if est > target:
             return False
         g.shelves.append([(r, width)])
@@ -360,11 +375,10 @@ class _Planner:
             g.shelf_used[si] = int(used[x])
             g.shelf_tau[si] = float(row_tau[x])
         for g in groups:
-            g.estimate = sum(g.shelf_tau) + (d - 1) * max(g.shelf_tau)
+            g.estimate = sum(g.shelf_tau) + self.fill * max(g.shelf_tau)
 
     def _fill(self, target, groups, widths, used) -> _Layout | None:
         """Packs into free slots, group rows and single pipelines (decision 5)."""
-        d = self.d
         tau = self.pack_tau
         total = len(tau)
         p = 0
@@ -381,14 +395,14 @@ class _Planner:
                 if free:
                     g.shelf_tau[si] = max(g.shelf_tau[si], float(tau[p]))
                 p += free
-            g.estimate = sum(g.shelf_tau) + (d - 1) * max(g.shelf_tau)
+            g.estimate = sum(g.shelf_tau) + self.fill * max(g.shelf_tau)
         for g in groups:
             rows = (total - p) // g.width
             if rows == 0:
                 continue
             row_tau = tau[p : p + rows * g.width : g.width]
             top = max(g.shelf_tau)
-            extra = (d - 1) * max(0.0, float(row_tau[0]) - top)
+            extra = self.fill * max(0.0, float(row_tau[0]) - top)
             n_rows = int(np.searchsorted(np.cumsum(row_tau), target - g.estimate - extra, "right"))
             n_rows = min(n_rows, rows)
             for j in range(n_rows):
@@ -421,7 +435,7 @@ class _Planner:
         if not ids:
             return 0.0
         t = self.pack_tau
-        return float(self.pack_cum[ids[-1] + 1] - self.pack_cum[ids[0]]) + (self.d - 1) * float(
+        return float(self.pack_cum[ids[-1] + 1] - self.pack_cum[ids[0]]) + self.fill * float(
             t[ids[0]]
         )
 
@@ -434,7 +448,7 @@ class _Planner:
             if p >= total:
                 out.append([])
                 continue
-            limit = cum[p] + target - (self.d - 1) * tau[p]
+            limit = cum[p] + target - self.fill * tau[p]
             q = int(np.searchsorted(cum, limit, "right")) - 1
             q = max(q, p + 1) if tau[p] * self.d <= target * (1 + 1e-12) else p
             if q <= p:
@@ -472,7 +486,7 @@ class _Planner:
             base = sum(g.shelf_tau)
             top = max(g.shelf_tau)
             taus = [row[0][1] / self.d for row in rows]
-            est = base + sum(taus) + (self.d - 1) * max(top, max(taus))
+            est = base + sum(taus) + self.fill * max(top, max(taus))
             if est > target:
                 continue
             g.pack_rows = []
@@ -536,7 +550,7 @@ class _Planner:
                     extra = [self.seqlens[i] for i in g.merged.get(r, ())]
                     cost = self.costs.micro_batch([int(self.ring_s[r]), *extra], w) / self.d
                     g.shelf_tau[si] = max(g.shelf_tau[si], cost)
-            g.estimate = sum(g.shelf_tau) + (self.d - 1) * max(g.shelf_tau)
+            g.estimate = sum(g.shelf_tau) + self.fill * max(g.shelf_tau)
         return all(g.estimate <= target for g in groups)
 
     def _halves(self, seqs: list[int]) -> list[list[int]]:
@@ -577,7 +591,7 @@ class _Planner:
         for b in bins:
             t = self.costs.micro_batch([self.seqlens[i] for i in b], g.width) / self.d
             g.ring_packs.append((sorted(b), t))
-            g.estimate += t + (self.d - 1) * max(0.0, t - top)
+            g.estimate += t + self.fill * max(0.0, t - top)
             top = max(top, t)
         return g.estimate <= target
 
@@ -613,7 +627,7 @@ def _bound_parts(planner: _Planner) -> dict:
     short = ~ring
     if short.any():
         chain = max(chain, float(np.max(compute_floor[short])))
-    fill = (d - 1) * float(np.min(compute_floor)) / d if len(s) else 0.0
+    fill = planner.fill * float(np.min(compute_floor)) / d if len(s) else 0.0
     work_bound = float(work.sum()) / (n * d) + fill
     return {"bound": max(chain, work_bound), "chain": chain, "work": work_bound}
 
@@ -626,6 +640,7 @@ def pipeline_lower_bound(
     pipeline_stages: int,
     cost_model=None,
     ring_sizes: Sequence[int] | None = None,
+    virtual_stages: int = 1,
 ) -> dict:
     """A lower bound of the step on pipelines (1F1B, uniform stages) of the batch's plans.
 
@@ -656,6 +671,7 @@ def pipeline_lower_bound(
         _Costs(cost_model, capacity),
         ring_sizes,
         split_packs=False,
+        chunks=_chunks(virtual_stages),
     )
     return _bound_parts(planner)
 
@@ -722,6 +738,7 @@ def plan_pp_balanced(
     offload_ratios: Sequence[float] | None = None,
     num_layers: int = 0,
     policy: str = "balanced",
+    virtual_stages: int = 1,
 ) -> StepPlan:
     """PP-Balance: a lock-step plan for `pool_size` pipelines of `pipeline_stages` stages.
 
@@ -736,6 +753,8 @@ def plan_pp_balanced(
         offload_ratios: Offload ratio per sequence (rings keep their sequence's ratio).
         num_layers: Layers per rank for the plan's offload memory check.
         policy: Name recorded in the plan.
+        virtual_stages: Model chunks per stage `v` (interleaved 1F1B,
+            `--num-layers-per-virtual-pipeline-stage`): the fill term is `(d - 1) / v`.
 
     Returns:
         A lock-step `StepPlan` (see the module docstring for every decision).
@@ -750,10 +769,19 @@ def plan_pp_balanced(
     if d < 1:
         raise ValueError(f"pipeline_stages must be an integer >= 1, got {pipeline_stages!r}")
     costs = _Costs(cost_model, capacity)
+    chunks = _chunks(virtual_stages)
     layout = None
     for split in (False, True):
         planner = _Planner(
-            seqlens, pool_size, capacity, d, costs, ring_sizes, split, offload=offload_ratios
+            seqlens,
+            pool_size,
+            capacity,
+            d,
+            costs,
+            ring_sizes,
+            split,
+            offload=offload_ratios,
+            chunks=chunks,
         )
         layout = _best_layout(planner)
         if layout is not None:
@@ -762,6 +790,15 @@ def plan_pp_balanced(
         return _static_fallback(seqlens, pool_size, capacity, d, cost_model, policy)
     _refill_singles(planner, layout)
     return _assemble(planner, layout, policy, offload_ratios, num_layers)
+
+
+def _chunks(virtual_stages) -> int:
+    """`virtual_stages` as an int >= 1 (ValueError naming the bad value)."""
+    if isinstance(virtual_stages, bool) or int(virtual_stages) != virtual_stages:
+        raise ValueError(f"virtual_stages must be an integer >= 1, got {virtual_stages!r}")
+    if int(virtual_stages) < 1:
+        raise ValueError(f"virtual_stages must be an integer >= 1, got {virtual_stages!r}")
+    return int(virtual_stages)
 
 
 def _static_fallback(seqlens, pool_size, capacity, d, cost_model, policy) -> StepPlan:

@@ -186,8 +186,15 @@ def test_every_document_once_per_epoch_across_stop_and_resume(datasets, tmp_path
             lambda d, t: data_args(
                 [d[0]], iters=1, extra=["--virtual-pipeline-model-parallel-size", "2"]
             ),
-            "--virtual-pipeline-model-parallel-size is not supported here: virtual pipeline "
-            "stages (the interleaved 1F1B schedule) are not supported",
+            "--virtual-pipeline-model-parallel-size is not supported here: Megatron-LM's flag "
+            "for virtual pipeline stages is --num-layers-per-virtual-pipeline-stage",
+        ),
+        (
+            lambda d, t: data_args(
+                [d[0]], iters=1, extra=["--num-layers-per-virtual-pipeline-stage", "1"]
+            ),
+            "--num-layers-per-virtual-pipeline-stage 1: needs --pipeline-model-parallel-size > 1 "
+            "(got 1)",
         ),
         (
             lambda d, t: data_args([d[0]], iters=1, extra=["--hdp-global-batch-tokens", "100"]),

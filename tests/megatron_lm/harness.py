@@ -140,8 +140,15 @@ def _body_megatron_lm(rank, world_size, script, argv, launcher, env=None):
 
     from tests.megatron_lm.cpu_run import megatron_lm_cpu_shims
 
-    records = {"train": [], "valid": [], "loss_scale": [], "steps": []}
+    records = {"train": [], "valid": [], "loss_scale": [], "steps": [], "model_chunks": None}
     stock_log, stock_evaluate = training.training_log, training.evaluate
+    stock_train_step = training.train_step
+
+    def train_step(*args, **kwargs):
+        # Model chunks per stage (virtual pipeline stages), as the loop hands them over.
+        model = inspect.signature(stock_train_step).bind(*args, **kwargs).arguments["model"]
+        records["model_chunks"] = len(model) if isinstance(model, list) else 1
+        return stock_train_step(*args, **kwargs)
 
     def training_log(*args, **kwargs):
         from megatron.training import get_args
@@ -178,6 +185,7 @@ def _body_megatron_lm(rank, world_size, script, argv, launcher, env=None):
         return result
 
     training.training_log, training.evaluate = training_log, evaluate
+    training.train_step = train_step
     try:
         with megatron_lm_cpu_shims():
             if launcher:
@@ -192,6 +200,7 @@ def _body_megatron_lm(rank, world_size, script, argv, launcher, env=None):
             raise
     finally:
         training.training_log, training.evaluate = stock_log, stock_evaluate
+        training.train_step = stock_train_step
     return records
 
 

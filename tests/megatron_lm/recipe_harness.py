@@ -164,6 +164,9 @@ def _resize(name, grouped, one_rank):
         _set(grouped, "--make-vocab-size-divisible-by", [str(divisor * tp)], add=True)
     for key, flag in rules.LAYOUT_FLAGS.items():
         _set(grouped, flag, [str(layout.get(key, 1))])
+    if one_rank:
+        for flag in rules.ONE_RANK_DROP:
+            _drop(grouped, flag)
     for flag, make in rules.LAYOUT_SIZES.items():
         if _get(grouped, flag) is not None:
             values = make(layout.get("cp", 1))

@@ -61,7 +61,7 @@ EXPECTED: dict[str, tuple[str, tuple, str | None]] = {
     "CKA": ("trains", BOTH, None),
     "RC": ("trains", BOTH, None),
     "CP4": ("trains", BOTH, None),
-    "VP": ("issue 47: --num-layers-per-virtual-pipeline-stage", BOTH, None),
+    "VP": ("trains", BOTH, None),
     "CP2": ("trains", BOTH, None),
     "TPO": ("refused: --tp-comm-overlap", BOTH, None),
     "CPF8": ("trains", BOTH, None),
@@ -163,6 +163,7 @@ def test_recipe(name, trees, files, offline_hub, tmp_path, monkeypatch):
     one = [*shrink(name, load(name), files, tmp_path / "one", one_rank=True, tag=TAG), "--hdp"]
     single = run_megatron_lm(script, 1, one, timeout_s=300, env=env)
     print(f"{name}: {world} ranks + 1 rank in {time.monotonic() - started:.0f} s")
+    assert multi["model_chunks"] == rules.LAYOUTS[name].get("chunks", 1)
     iterations = [i for i, _, _ in single["train"]]
     assert len(iterations) >= 3 and [i for i, _, _ in multi["train"]] == iterations
     rel_norm = REL_GRAD_NORM["bf16" if "--bf16" in flags else "fp32"]

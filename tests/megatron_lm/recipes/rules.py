@@ -7,7 +7,8 @@ Every change to a recipe's flag list is one row of a table here; nothing else is
    to both runs of a test (and named in the flag list's `# stock-fix:` header);
 2. SIZES: model, batch, schedule sizes, replaced only where the recipe passes the flag;
 3. LAYOUTS: world size and TP / PP / CP / EP of the multi-rank run (<= 4 ranks), replaced
-   only where the recipe passes the flag (the 1-rank reference sets them all to 1);
+   only where the recipe passes the flag (the 1-rank reference sets them all to 1 and
+   drops ONE_RANK_DROP);
 4. CPU_SET / CPU_DROP / the CPU flag set: what stock Megatron-LM cannot run on a CPU either
    (Transformer Engine -> local, FP8 off, CUDA profiling and memory logging, NCCL -> gloo)
    and W&B (a network service);
@@ -57,8 +58,10 @@ SIZES: dict[str, object] = {
 }
 
 #: Per setup: the multi-rank run's world size and the parallel sizes that replace the
-#: recipe's (only where it passes the flag). Each dimension above 1 in the recipe stays
-#: above 1 where 4 ranks allow; CP2 (TP2 PP2 CP2 = 8) keeps PP2 x CP2.
+#: recipe's (only where it passes the flag); "chunks": the model chunks per stage the run
+#: must build (virtual pipeline stages, from the recipe's own flag; default 1). Each
+#: dimension above 1 in the recipe stays above 1 where 4 ranks allow; CP2 (TP2 PP2 CP2 =
+#: 8) keeps PP2 x CP2.
 LAYOUTS: dict[str, dict] = {
     "G175": {"world": 4, "tp": 2, "pp": 2},
     "G175'": {"world": 4, "tp": 2, "pp": 2},
@@ -73,7 +76,7 @@ LAYOUTS: dict[str, dict] = {
     "CKA": {"world": 2},
     "RC": {"world": 2},
     "CP4": {"world": 4, "pp": 2, "cp": 2},
-    "VP": {"world": 4, "pp": 2},
+    "VP": {"world": 4, "pp": 2, "chunks": 2},
     "CP2": {"world": 4, "pp": 2, "cp": 2},
     "TPO": {"world": 4, "tp": 2, "pp": 2},
     "CPF8": {"world": 4, "tp": 2, "cp": 2},
@@ -84,6 +87,9 @@ LAYOUT_FLAGS = {
     "cp": "--context-parallel-size",
     "ep": "--expert-model-parallel-size",
 }
+#: Flags the 1-rank reference drops, as what only a pipeline can run: interleaved stages
+#: (Megatron-LM asserts PP > 1 for them); the reference is the same model without them.
+ONE_RANK_DROP = ("--num-layers-per-virtual-pipeline-stage",)
 #: Sizes that follow the layout: CP's hierarchical split (its product must be CP), per run
 #: (Megatron-LM wants it with --cp-comm-type a2a+p2p even for CP 1).
 LAYOUT_SIZES = {
