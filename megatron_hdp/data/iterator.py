@@ -53,6 +53,8 @@ class HDPDataIterator:
         pool_rank: This rank's pool rank (`ParallelLayout.pool_rank`): its tokens are read
             ahead with the plan. None: planned ahead, read in the step.
         prefetch_depth: Steps prepared ahead in a background thread (0: none).
+        mtp_depth: Multi-token prediction depths (`--mtp-num-layers`; 0: none): the
+            micro-batches read ahead carry their shifted targets (`LocalBatch.shifted`).
     """
 
     def __init__(
@@ -69,8 +71,10 @@ class HDPDataIterator:
         pipeline_stages: int = 1,
         pool_rank: int | None = None,
         prefetch_depth: int = 2,
+        mtp_depth: int = 0,
     ) -> None:
         self.sampler = sampler
+        self.mtp_depth = mtp_depth
         self.datasets = list(datasets)
         self.vocab_size, self.pool_rank, self.prefetch_depth = vocab_size, pool_rank, prefetch_depth
         self.plan = functools.partial(
@@ -96,6 +100,7 @@ class HDPDataIterator:
                 rank=self.pool_rank,
                 vocab_size=self.vocab_size,
                 depth=self.prefetch_depth,
+                mtp_depth=self.mtp_depth,
             )
         return self._loader
 
