@@ -197,6 +197,7 @@ class LocalBatch:
                 labels=s_labels.view(d, n),
                 loss_mask=s_mask.view(torch.float64).to(self.shifted.loss_mask.dtype).view(d, n),
                 position_ids=s_positions.view(d, n),
+                counts=self.shifted.counts,
             )
         steps = rest
         return dataclasses.replace(

@@ -34,6 +34,8 @@ class ShiftedTargets:
     labels: torch.Tensor
     loss_mask: torch.Tensor
     position_ids: torch.Tensor
+    counts: tuple[float, ...] = ()
+    """The loss mask's sum at every depth, counted on the host when the batch was read."""
 
     @property
     def depth(self) -> int:
@@ -41,8 +43,8 @@ class ShiftedTargets:
         return self.tokens.shape[0]
 
     def loss_tokens(self) -> list[float]:
-        """The loss mask's sum at every depth (host floats)."""
-        return [float(x) for x in self.loss_mask.sum(dim=1)]
+        """The loss mask's sum at every depth (host floats; no device read)."""
+        return list(self.counts)
 
     def padded(self, pad: int) -> ShiftedTargets:
         """The same with `pad` zero columns appended (sequence-parallel / FP8 padding)."""
@@ -53,7 +55,7 @@ class ShiftedTargets:
             return torch.nn.functional.pad(x, (0, pad))
 
         return ShiftedTargets(
-            p(self.tokens), p(self.labels), p(self.loss_mask), p(self.position_ids)
+            p(self.tokens), p(self.labels), p(self.loss_mask), p(self.position_ids), self.counts
         )
 
 
@@ -99,9 +101,11 @@ def read_shifted(
             [torch.cat(r).to(dtype) if r else torch.zeros(0, dtype=dtype) for r in rows[f]]
         )
 
+    loss_mask = stack(2, torch.float32)
     return ShiftedTargets(
         tokens=stack(0, torch.int64),
         labels=stack(1, torch.int64),
-        loss_mask=stack(2, torch.float32),
+        loss_mask=loss_mask,
         position_ids=stack(3, torch.int64),
+        counts=tuple(float(x) for x in loss_mask.sum(dim=1)),
     )

@@ -157,16 +157,21 @@ def set_backward_scale(scale: float | torch.Tensor) -> None:
     MTPLossAutoScaler.set_loss_scale(torch.as_tensor(scale, dtype=torch.float32))
 
 
-def mtp_block_spec(layer_spec: ModuleSpec, norm: type, depth: int):
+def mtp_block_spec(layer_spec: ModuleSpec, norm: type, depth: int, linear: type | None = None):
     """The MTP block of `depth` layers around `layer_spec` (HDP attention), as Megatron-Core's
-    local `get_gpt_mtp_block_spec` builds it, with `norm` for its three norms."""
+    `get_gpt_mtp_block_spec` builds it, with `norm` for its three norms and `linear` (default
+    the local `ColumnParallelLinear`) for its projection."""
     fields = {f.name for f in dataclasses.fields(MultiTokenPredictionLayerSubmodules)}
     # The layer's field is `transformer_layer` in 0.16 and `mtp_model_layer` in 0.19.
     inner = "mtp_model_layer" if "mtp_model_layer" in fields else "transformer_layer"
     layer = ModuleSpec(
         module=MultiTokenPredictionLayer,
         submodules=MultiTokenPredictionLayerSubmodules(
-            enorm=norm, hnorm=norm, eh_proj=ColumnParallelLinear, layer_norm=norm, **{inner: layer_spec}
+            enorm=norm,
+            hnorm=norm,
+            eh_proj=linear or ColumnParallelLinear,
+            layer_norm=norm,
+            **{inner: layer_spec},
         ),
     )
     return MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * depth)

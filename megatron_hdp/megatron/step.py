@@ -188,20 +188,22 @@ def mtp_shift(batch: LocalBatch, cfg: GPTConfig, runtime: StepRuntime) -> MTPShi
     )
 
 
-def mtp_mask_scale(batches: list[LocalBatch], global_tokens: float, runtime: StepRuntime):
+def mtp_mask_scale(batches: list[LocalBatch], runtime: StepRuntime) -> tuple[float, ...]:
     """Collective over the pool where Megatron-Core rescales MTP losses by rolled token counts
     (0.19; else no communication, `()`): per depth `k`, the global loss tokens over the global
-    depth-`k` loss tokens (0.0 where a depth has none).
+    depth-`k` loss tokens (0.0 where a depth has none). Counted on the host.
     """
     if not runtime.mtp_depth or not rescales_by_rolled_count():
         return ()
-    local = [0.0] * runtime.mtp_depth
+    local = [0.0] * (runtime.mtp_depth + 1)
     for batch in batches:
         if batch.shifted is not None:
-            local = [a + b for a, b in zip(local, batch.shifted.loss_tokens(), strict=True)]
+            counts = [batch.loss_tokens(), *batch.shifted.loss_tokens()]
+            local = [a + b for a, b in zip(local, counts, strict=True)]
     counts = torch.tensor(local, dtype=torch.float64, device=runtime.device)
     dist.all_reduce(counts, group=runtime.group)
-    return tuple(float(global_tokens) / n if n > 0 else 0.0 for n in counts.tolist())
+    total, *per_depth = counts.tolist()
+    return tuple(total / n if n > 0 else 0.0 for n in per_depth)
 
 
 def dropout_keys(batch: LocalBatch, cfg: GPTConfig, runtime: StepRuntime) -> MicroBatchKeys | None:
@@ -587,7 +589,7 @@ def train_step(
     batches, global_tokens = read_and_count(plan, source, runtime, prepared)
     if global_tokens == 0:
         raise ValueError("the global batch has no loss tokens (every loss mask is zero)")
-    runtime.mtp_mask_scale = mtp_mask_scale(batches, global_tokens, runtime)
+    runtime.mtp_mask_scale = mtp_mask_scale(batches, runtime)
 
     model = engine.model
     model.zero_grad_buffer()

@@ -144,6 +144,7 @@ def datasets_provider(train_valid_test_num_samples, vp_stage=None):
             pipeline_stages=args.pipeline_model_parallel_size,
             pool_rank=pool_rank,
             prefetch_depth=depth,
+            mtp_depth=cfg.mtp_num_layers or 0,
             **extra,
         )
 
