@@ -32,3 +32,36 @@ def test_mtp_losses_and_grad_norms_equal_pretrain_hdp(trees, data):
     # (same main-model weights; its main loss is the same number).
     assert reference[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-6)
     assert abs(reference[0]["grad_norm"] - plain[0]["grad_norm"]) > 1e-4 * plain[0]["grad_norm"]
+
+
+def test_mtp_flags_pass_the_checks_and_reach_the_model_config(trees, monkeypatch):
+    from megatron_hdp.megatron_lm.model import gpt_config
+    from tests.megatron_lm.test_args import BASE, _parse_and_validate
+
+    args = _parse_and_validate(monkeypatch, [*BASE, "--hdp", *MTP])
+    cfg = gpt_config(args, vocab_size=256)
+    assert (cfg.mtp_num_layers, cfg.mtp_loss_scaling_factor) == (2, 0.3)
+
+
+def test_mtp_with_pipeline_stages_is_refused_by_name(trees, monkeypatch, capsys):
+    from tests.megatron_lm.test_args import BASE, _parse_and_validate
+
+    argv = [*BASE, "--hdp", *MTP, "--pipeline-model-parallel-size", "2"]
+    with pytest.raises(SystemExit):
+        _parse_and_validate(monkeypatch, argv, world_size=4)
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--mtp-num-layers 2 with --pipeline-model-parallel-size 2" in message, message
+
+
+def test_a_shared_mtp_layer_is_refused_where_megatron_lm_has_it(trees, monkeypatch, capsys):
+    """`--mtp-use-repeated-layer` (core_v0.19.0): one layer for every depth, untested here."""
+    from megatron_hdp.megatron_lm.args import _REFUSED_MEGATRON
+    from tests.megatron_lm.test_args import BASE, _parse_and_validate, _parsed
+
+    if "mtp_use_repeated_layer" not in _parsed(monkeypatch, [*BASE, "--hdp"]):
+        assert "mtp_use_repeated_layer" in {dest for dest, _, _ in _REFUSED_MEGATRON}
+        return  # core_v0.16.1 has no such flag: nothing to refuse
+    with pytest.raises(SystemExit):
+        _parse_and_validate(monkeypatch, [*BASE, "--hdp", *MTP, "--mtp-use-repeated-layer"])
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--mtp-use-repeated-layer" in message, message
