@@ -1,4 +1,4 @@
-"""Multi-token prediction: HDP on packs and rings equals stock Megatron-Core on one process.
+"""Multi-token prediction: HDP on packs, rings and TP replicas equals stock Megatron-Core on one process.
 
 The reference is Megatron-Core's own `GPTModel` with its own MTP block (`get_gpt_mtp_block_spec`),
 its own RoPE and its own packed-sequence roll (`roll_tensor` over `cu_seqlens`), fed the whole
@@ -32,6 +32,7 @@ from megatron_hdp.megatron.step import StepRuntime, train_step
 from megatron_hdp.scheduler import plan_step
 from tests.dist import run_ranks
 from tests.megatron.reference import reference_optimizer
+from tests.megatron.test_tensor_parallel import _tp_layout, unshard
 from tests.megatron.test_model_equivalence import (
     OPTIM,
     assert_close_rel,
@@ -55,7 +56,7 @@ CFG = GPTConfig(
 )
 # Two documents over a ring of three, one of two, short ones packed; a 1-token document and
 # one of 2 (shorter than the depth: no MTP label at all).
-LENGTHS = ([33, 1, 5, 2, 12, 17], [40, 3, 9, 1, 16])
+LENGTHS = ((33, 1, 5, 2, 12, 17), (40, 3, 9, 1, 16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,18 +168,23 @@ def reference_run(cfg: GPTConfig, lengths=LENGTHS):
 
 
 def _body_train(rank, world_size, case: Case, lengths):
+    tp = case.cfg.tensor_model_parallel_size
     with cpu_shims():
-        layout = ParallelDims.of_world().initialize()
+        layout = ParallelDims.of_world(tensor_model_parallel_size=tp).initialize()
         try:
             engine = build_engine(case.cfg, OPTIM, seed=SEED)
             runtime = StepRuntime(
-                group=dist.group.WORLD, check_plans=True, mtp_depth=case.cfg.mtp_num_layers
+                group=layout.pool_group,
+                job_group=dist.group.WORLD,
+                check_plans=True,
+                mtp_depth=case.cfg.mtp_num_layers,
             )
+            pool = dist.get_world_size(layout.pool_group)
             results, rings = [], []
             for step in range(NUM_STEPS):
                 source = source_of(batch_of_lengths(lengths[step], seed=step))
                 plan = plan_step(
-                    source.seqlens, pool_size=world_size, capacity=case.capacity, policy=case.policy
+                    source.seqlens, pool_size=pool, capacity=case.capacity, policy=case.policy
                 )
                 rings += [mb.cp_size for mb in plan.micro_batches]
                 grads = {}
@@ -186,25 +192,36 @@ def _body_train(rank, world_size, case: Case, lengths):
                     snapshot_grads_before_update(engine, grads)
                 result = train_step(engine, plan, source, runtime)
                 results.append((result.loss, grads or None))
-            params = {n: p.detach().clone() for n, p in engine.model.module.named_parameters()}
-            return results, params, max(rings)
+            named = list(engine.model.module.named_parameters())
+            params = {n: p.detach().clone() for n, p in named}
+            layouts = {n: _tp_layout(p) for n, p in named}
+            return results, params, max(rings), layouts
         finally:
             layout.destroy()
 
 
-def check_case(case: Case, min_ring: int):
-    per_rank = run_ranks(_body_train, case.pool_size, case, LENGTHS, timeout_s=240)
-    ref_losses, ref_grads, ref_params = reference_run(case.cfg)
-    for rank, (results, params, widest) in enumerate(per_rank):
+def check_case(case: Case, min_ring: int, lengths=LENGTHS):
+    tp = case.cfg.tensor_model_parallel_size
+    per_rank = run_ranks(_body_train, case.pool_size * tp, case, lengths, timeout_s=240)
+    reference_cfg = dataclasses.replace(
+        case.cfg, tensor_model_parallel_size=1, sequence_parallel=False
+    )
+    ref_losses, ref_grads, ref_params = reference_run(reference_cfg, lengths)
+    for rank, (results, _, widest, _) in enumerate(per_rank):
         assert widest >= min_ring, f"the widest ring had {widest} ranks"
-        for step, (loss, grads) in enumerate(results):
+        for step, (loss, _) in enumerate(results):
             assert loss == pytest.approx(ref_losses[step], rel=1e-5), (rank, step)
-            if grads is not None:
-                assert set(grads) == set(ref_grads)
-                for name, want in ref_grads.items():
-                    assert_close_rel(grads[name], want, f"rank {rank} grad {name}")
+    for replica in range(case.pool_size):
+        members = per_rank[replica * tp : (replica + 1) * tp]
+        layouts = members[0][3]
+        grads = [m[0][0][1] for m in members]
+        assert set(grads[0]) == set(ref_grads)
+        for name, want in ref_grads.items():
+            got = unshard([g[name] for g in grads], layouts[name])
+            assert_close_rel(got, want, f"replica {replica} grad {name}")
         for name, want in ref_params.items():
-            assert_close_rel(params[name], want, f"rank {rank} param {name}")
+            got = unshard([m[1][name] for m in members], layouts[name])
+            assert_close_rel(got, want, f"replica {replica} param {name}")
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -225,3 +242,14 @@ def test_static_mesh_chunks_shorter_than_the_depth_match_stock_megatron_mtp():
     """The static mesh shards every pack over all four ranks: documents of 1 to 5 tokens are
     cut into chunks of 0 or 1 token, shorter than the depth (2)."""
     check_case(Case(pool_size=4, policy="static"), 4)
+
+
+def test_tensor_parallel_replicas_with_sequence_parallelism_match_stock_megatron_mtp():
+    """TP 2 with sequence parallelism on a pool of 2 (rings of 2 replicas): the MTP
+    projection is column-parallel, the MTP losses vocab-parallel, the shifted targets padded
+    with the tokens; gathered, the gradients and weights are the one-process model's."""
+    cfg = dataclasses.replace(
+        CFG, vocab_size=98, tensor_model_parallel_size=2, sequence_parallel=True
+    )
+    lengths = ((30, 1, 5, 2, 12, 17), (25, 3, 9, 1, 16))
+    check_case(Case(pool_size=2, cfg=cfg), 2, lengths)
