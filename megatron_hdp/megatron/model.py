@@ -504,8 +504,10 @@ def build_gpt(cfg: GPTConfig, *, stage: int = 0, tp_rank: int = 0) -> GPTModel:
 
 
 def hdp_mtp_block_spec(cfg: GPTConfig, layer_spec: ModuleSpec | None = None):
-    """The MTP block of `cfg.mtp_num_layers` layers around `layer_spec` (default
-    `hdp_layer_spec`); None without MTP."""
+    """The MTP block of `cfg.mtp_num_layers` layers; None without MTP.
+
+    Each layer wraps `layer_spec` (default `hdp_layer_spec`).
+    """
     if cfg.mtp_num_layers is None:
         return None
     from megatron_hdp.megatron.mtp import mtp_block_spec

@@ -76,9 +76,9 @@ class MTPShift:
     _roots: list = field(default_factory=list, repr=False)
 
     def roll(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`tensor` rolled one more place within its documents, and the sum Megatron-Core
-        reads from the roll (the depth's token count, for the loss mask).
+        """`tensor` rolled one more place within its documents, and the roll's sum.
 
+        The sum is what Megatron-Core reads from the roll (for the loss mask, a token count).
         A tensor this object returned is rolled one depth further; any other is the start
         of the next stream in `_STREAMS` order. Raises RuntimeError on a fifth stream or a
         roll past depth `D` (a Megatron-Core release that rolls otherwise than 0.16/0.19).
@@ -117,8 +117,10 @@ class MTPShift:
 
 
 def hdp_roll_tensor(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None):
-    """Megatron-Core's `roll_tensor`, taking an HDP micro-batch's shifted values when its
-    `packed_seq_params` carries them (`mtp`), else Megatron-Core's own roll."""
+    """Megatron-Core's `roll_tensor`, with HDP's shifted values where the micro-batch has them.
+
+    They come from its `packed_seq_params.mtp`; without them it is Megatron-Core's own roll.
+    """
     shift = getattr(packed_seq_params, "mtp", None)
     if shift is None or tensor is None:
         return _ORIGINAL_ROLL(
@@ -134,8 +136,11 @@ _ORIGINAL_ROLL = _mtp.roll_tensor
 
 @functools.cache
 def rescales_by_rolled_count() -> bool:
-    """Whether the installed Megatron-Core scales each micro-batch's MTP loss by its original
-    over its rolled token count under `calculate_per_token_loss` (0.19 does, 0.16 does not)."""
+    """Whether the installed Megatron-Core rescales MTP losses by rolled token counts.
+
+    Under `calculate_per_token_loss` 0.19 multiplies each micro-batch's depth-`k` loss by its
+    original over its rolled token count; 0.16 does not.
+    """
     process = getattr(_mtp, "process_mtp_loss", None)
     return process is not None and "original_num_tokens" in inspect.getsource(process)
 
@@ -152,15 +157,19 @@ def install_shift() -> None:
 
 
 def set_backward_scale(scale: float | torch.Tensor) -> None:
-    """The scale the MTP losses are back-propagated with: the main loss's (as Megatron's
-    schedules set it with `calculate_per_token_loss`)."""
+    """Set the scale the MTP losses are back-propagated with.
+
+    The main loss's, as Megatron's schedules set it with `calculate_per_token_loss`.
+    """
     MTPLossAutoScaler.set_loss_scale(torch.as_tensor(scale, dtype=torch.float32))
 
 
 def mtp_block_spec(layer_spec: ModuleSpec, norm: type, depth: int, linear: type | None = None):
-    """The MTP block of `depth` layers around `layer_spec` (HDP attention), as Megatron-Core's
-    `get_gpt_mtp_block_spec` builds it, with `norm` for its three norms and `linear` (default
-    the local `ColumnParallelLinear`) for its projection."""
+    """The MTP block of `depth` layers around `layer_spec` (HDP attention).
+
+    As Megatron-Core's `get_gpt_mtp_block_spec` builds it, with `norm` for its three norms and
+    `linear` (default the local `ColumnParallelLinear`) for its projection.
+    """
     fields = {f.name for f in dataclasses.fields(MultiTokenPredictionLayerSubmodules)}
     # The layer's field is `transformer_layer` in 0.16 and `mtp_model_layer` in 0.19.
     inner = "mtp_model_layer" if "mtp_model_layer" in fields else "transformer_layer"

@@ -200,8 +200,11 @@ def _loss_scale(config, device: torch.device) -> float:
 
 
 def _mtp_loss_scale(config, device: torch.device) -> float:
-    """The MTP losses' backward scale: `config.mtp_grad_scale_func()` where Megatron-Core has
-    it (0.19), else the optimizer's loss scale (`_loss_scale`), as Megatron's schedules."""
+    """The MTP losses' backward scale, as Megatron's schedules take it.
+
+    `config.mtp_grad_scale_func()` where Megatron-Core has it (0.19), else the optimizer's loss
+    scale (`_loss_scale`).
+    """
     func = getattr(config, "mtp_grad_scale_func", None)
     if func is not None:
         return float(torch.as_tensor(func()).reshape(-1)[0])

@@ -170,8 +170,10 @@ def packed_seq_params(
 
 
 def mtp_shift(batch: LocalBatch, cfg: GPTConfig, runtime: StepRuntime) -> MTPShift | None:
-    """The shifted targets Megatron-Core's MTP rolls take for `batch` (`mtp.py`); None
-    without MTP. Raises ValueError if the batch was read without them (or for another depth).
+    """The shifted targets Megatron-Core's MTP rolls take for `batch` (`mtp.py`).
+
+    None without MTP. Raises ValueError if the batch was read without them (or for another
+    depth).
     """
     if cfg.mtp_num_layers is None:
         return None
@@ -189,9 +191,11 @@ def mtp_shift(batch: LocalBatch, cfg: GPTConfig, runtime: StepRuntime) -> MTPShi
 
 
 def mtp_mask_scale(batches: list[LocalBatch], runtime: StepRuntime) -> tuple[float, ...]:
-    """Collective over the pool where Megatron-Core rescales MTP losses by rolled token counts
-    (0.19; else no communication, `()`): per depth `k`, the global loss tokens over the global
-    depth-`k` loss tokens (0.0 where a depth has none). Counted on the host.
+    """Per MTP depth `k`, the global loss tokens over the global depth-`k` loss tokens.
+
+    Collective over the pool where Megatron-Core rescales MTP losses by rolled token counts
+    (0.19); else no communication and `()`. 0.0 where a depth has no token. Counted on the
+    host.
     """
     if not runtime.mtp_depth or not rescales_by_rolled_count():
         return ()

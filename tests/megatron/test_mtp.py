@@ -1,4 +1,4 @@
-"""Multi-token prediction: HDP on packs, rings and TP replicas equals stock Megatron-Core on one process.
+"""Multi-token prediction: HDP on packs, rings and TP replicas equals stock Megatron-Core.
 
 The reference is Megatron-Core's own `GPTModel` with its own MTP block (`get_gpt_mtp_block_spec`),
 its own RoPE and its own packed-sequence roll (`roll_tensor` over `cu_seqlens`), fed the whole
@@ -32,7 +32,6 @@ from megatron_hdp.megatron.step import StepRuntime, train_step
 from megatron_hdp.scheduler import plan_step
 from tests.dist import run_ranks
 from tests.megatron.reference import reference_optimizer
-from tests.megatron.test_tensor_parallel import _tp_layout, unshard
 from tests.megatron.test_model_equivalence import (
     OPTIM,
     assert_close_rel,
@@ -40,6 +39,7 @@ from tests.megatron.test_model_equivalence import (
     snapshot_grads_before_update,
     source_of,
 )
+from tests.megatron.test_tensor_parallel import _tp_layout, unshard
 
 CAPACITY = 16
 SEED = 11
@@ -127,9 +127,7 @@ def stock_step(model: GPTModel, seqs) -> float:
     )
     total = float(mask.sum())
     MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0 / total))
-    losses = model(
-        tokens, positions, None, labels=labels, loss_mask=mask, packed_seq_params=params
-    )
+    losses = model(tokens, positions, None, labels=labels, loss_mask=mask, packed_seq_params=params)
     loss = (losses.float() * mask).sum() / total
     loss.backward()
     return float(loss.detach())

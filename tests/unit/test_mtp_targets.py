@@ -43,10 +43,7 @@ def test_every_rank_holds_its_tokens_rolled_within_their_document(pool_size, dep
             docs = [i for i, n in zip(batch.doc_ids, local) for _ in range(n)]
             for j, (doc, pos) in enumerate(zip(docs, positions)):
                 for k in range(1, depth + 1):
-                    want = [
-                        _rolled(t[doc].clone(), k)[pos]
-                        for t in (tokens, labels, masks)
-                    ]
+                    want = [_rolled(t[doc].clone(), k)[pos] for t in (tokens, labels, masks)]
                     want_pos = pos + k if pos + k < lengths[doc] else 0
                     got = (sh.tokens[k - 1, j], sh.labels[k - 1, j], sh.loss_mask[k - 1, j])
                     assert [float(x) for x in got] == [float(x) for x in want], (doc, pos, k)
