@@ -238,8 +238,12 @@ def test_rings_of_three_match_stock_megatron_mtp():
 
 def test_static_mesh_chunks_shorter_than_the_depth_match_stock_megatron_mtp():
     """The static mesh shards every pack over all four ranks: documents of 1 to 5 tokens are
-    cut into chunks of 0 or 1 token, shorter than the depth (2)."""
-    check_case(Case(pool_size=4, policy="static"), 4)
+    cut into chunks of 0 or 1 token, shorter than the depth (2). Learned absolute positions:
+    the MTP layers embed the shifted position ids too (zero past a document's end)."""
+    cfg = dataclasses.replace(
+        CFG, position_embedding_type="learned_absolute", max_position_embeddings=64
+    )
+    check_case(Case(pool_size=4, policy="static", cfg=cfg), 4)
 
 
 def test_tensor_parallel_replicas_with_sequence_parallelism_match_stock_megatron_mtp():
