@@ -68,3 +68,31 @@ def test_a_depth_below_one_is_refused():
 
     with pytest.raises(ValueError, match="MTP depth must be >= 1, got 0"):
         read_shifted([], 0, None)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--mtp-num-layers", "0"], "--mtp-num-layers must be >= 1, got 0"),
+        (
+            ["--mtp-num-layers", "2", "--pipeline-model-parallel-size", "2"],
+            "--mtp-num-layers 2 with --pipeline-model-parallel-size 2",
+        ),
+        (
+            ["--mtp-num-layers", "1", "--hdp-data-service", "ray"],
+            "--mtp-num-layers 1 with --hdp-data-service ray",
+        ),
+    ],
+)
+def test_pretrain_hdp_refuses_what_mtp_does_not_combine_with(extra, message):
+    from megatron_hdp.megatron.arguments import build_parser
+    from megatron_hdp.megatron.validation import check_mtp
+
+    required = "--num-layers 2 --hidden-size 8 --num-attention-heads 1 --seq-length 8 "
+    required += "--train-iters 1 --lr 1"
+    args = build_parser().parse_args([*required.split(), *extra])
+    with pytest.raises(ValueError, match=message):
+        check_mtp(args)
+    args = build_parser().parse_args([*required.split(), "--mtp-num-layers", "3"])
+    check_mtp(args)  # accepted alone
+    assert (args.mtp_num_layers, args.mtp_loss_scaling_factor) == (3, 0.1)
