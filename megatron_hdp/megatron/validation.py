@@ -974,9 +974,16 @@ MODEL_FIELDS_BEFORE_THEY_EXISTED = {
     "rotary_interleaved": False,
     "kv_channels": None,
     "qk_layernorm": False,
+    "mtp_num_layers": None,
+    "mtp_loss_scaling_factor": 0.1,
 }
 #: Model settings that change no parameter, so a resume may change them.
-MAY_CHANGE_ON_RESUME = ("sequence_parallel", "moe_aux_loss_coeff", "moe_token_dispatcher_type")
+MAY_CHANGE_ON_RESUME = (
+    "sequence_parallel",
+    "moe_aux_loss_coeff",
+    "moe_token_dispatcher_type",
+    "mtp_loss_scaling_factor",
+)
 #: The layout, which a checkpoint in Megatron's distributed format reshards on load.
 RESHARDED_ON_LOAD = (
     "tensor_model_parallel_size",

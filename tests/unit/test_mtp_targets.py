@@ -96,3 +96,26 @@ def test_pretrain_hdp_refuses_what_mtp_does_not_combine_with(extra, message):
     args = build_parser().parse_args([*required.split(), "--mtp-num-layers", "3"])
     check_mtp(args)  # accepted alone
     assert (args.mtp_num_layers, args.mtp_loss_scaling_factor) == (3, 0.1)
+
+
+def test_a_checkpoint_from_before_mtp_resumes_and_adding_mtp_to_it_is_named():
+    """A `meta.json` without the MTP fields is a model without MTP: it resumes as it was;
+    a resume that adds MTP layers names the flag; the loss weight may change."""
+    import dataclasses
+
+    from megatron_hdp.megatron.model import GPTConfig
+    from megatron_hdp.megatron.validation import check_resume_matches
+
+    def resume(saved: GPTConfig, now: GPTConfig, drop=()):
+        model = {k: v for k, v in dataclasses.asdict(saved).items() if k not in drop}
+        meta = {"model": model, "data": {"prefixes": ["p"], "setup": {}}}
+        check_resume_matches(
+            meta, load="ck", model=dataclasses.asdict(now), data_setup={}, prefixes=["p"]
+        )
+
+    old = ("mtp_num_layers", "mtp_loss_scaling_factor")
+    resume(GPTConfig(), GPTConfig(), drop=old)
+    mtp = GPTConfig(mtp_num_layers=2)
+    with pytest.raises(ValueError, match=r"--mtp-num-layers: None -> 2"):
+        resume(GPTConfig(), mtp, drop=old)
+    resume(mtp, dataclasses.replace(mtp, mtp_loss_scaling_factor=0.3))
