@@ -139,10 +139,18 @@ def rescales_by_rolled_count() -> bool:
     """Whether the installed Megatron-Core rescales MTP losses by rolled token counts.
 
     Under `calculate_per_token_loss` 0.19 multiplies each micro-batch's depth-`k` loss by its
-    original over its rolled token count; 0.16 does not.
+    original over its rolled token count; 0.16 does not. Read from its source where it is
+    installed with one (the change came with 0.17), else from its version.
     """
     process = getattr(_mtp, "process_mtp_loss", None)
-    return process is not None and "original_num_tokens" in inspect.getsource(process)
+    if process is None:
+        return False
+    try:
+        return "original_num_tokens" in inspect.getsource(process)
+    except (OSError, TypeError):  # no source files installed
+        from megatron.core.package_info import __version__
+
+        return tuple(int(p) for p in __version__.split(".")[:2]) >= (0, 17)
 
 
 def install_shift() -> None:

@@ -22,7 +22,10 @@ cannot be run here; these pieces follow its contracts and are tested against a
   itself. Your `forward_step`
   must pass `packed_seq_params` to the model on every stage (HDP attention needs the
   token layout and the ring on each), unlike Megatron-LM's stock `get_batch`, which
-  returns nothing on the middle stages.
+  returns nothing on the middle stages. With multi-token prediction (`megatron.mtp`) it must
+  not pass the loss mask to the model (the MTP masks travel in `packed_seq_params`;
+  Megatron-Core 0.19 would rescale the MTP losses by the given mask's local sum), as
+  `megatron_lm.hooks.hdp_forward_step` does.
 """
 
 from __future__ import annotations
