@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from megatron_hdp.attention.ring_index import RingIndex, StepBlocks, ring_index
+from megatron_hdp.data.mtp_targets import ShiftedTargets, read_shifted
 from megatron_hdp.host_copy import pack_int64, to_device, unpack
 from megatron_hdp.scheduler.plan import MicroBatch, StepPlan
 from megatron_hdp.sharding import RankShard, shard
@@ -154,6 +155,9 @@ class LocalBatch:
     doc_ids: tuple[int, ...] = ()
     """Index in the global batch of every document (`MicroBatch.seq_indices`): what
     identifies a document within a step, whatever the placement (keyed dropout)."""
+    shifted: ShiftedTargets | None = None
+    """Multi-token prediction: every local token's next `D` tokens, labels, mask values and
+    positions in its document (`mtp_targets`); None without MTP."""
 
     @property
     def num_tokens(self) -> int:
@@ -172,10 +176,30 @@ class LocalBatch:
         n = self.num_tokens
         mask_bits = self.loss_mask.reshape(-1).to(torch.float64).view(torch.int64)
         parts = [self.tokens, self.labels, self.position_ids, mask_bits, self._offsets()]
+        if self.shifted is not None:
+            sh = self.shifted
+            parts += [
+                sh.tokens.reshape(-1),
+                sh.labels.reshape(-1),
+                sh.loss_mask.reshape(-1).to(torch.float64).view(torch.int64),
+                sh.position_ids.reshape(-1),
+            ]
         if self.ring_index is not None:
             parts.append(self.ring_index.buffer)
         host, lengths = pack_int64(parts)
-        tokens, labels, positions, mask, cu, *steps = unpack(copy(host, device), lengths)
+        tokens, labels, positions, mask, cu, *rest = unpack(copy(host, device), lengths)
+        shifted = None
+        if self.shifted is not None:
+            d = self.shifted.depth
+            s_tokens, s_labels, s_mask, s_positions, *rest = rest
+            shifted = ShiftedTargets(
+                tokens=s_tokens.view(d, n),
+                labels=s_labels.view(d, n),
+                loss_mask=s_mask.view(torch.float64).to(self.shifted.loss_mask.dtype).view(d, n),
+                position_ids=s_positions.view(d, n),
+                counts=self.shifted.counts,
+            )
+        steps = rest
         return dataclasses.replace(
             self,
             tokens=tokens.view(1, n),
@@ -184,6 +208,7 @@ class LocalBatch:
             position_ids=positions.view(1, n),
             device_offsets=cu.to(torch.int32),
             device_steps=self.ring_index.on_device(steps[0]) if steps else None,
+            shifted=shifted,
         )
 
     def attention_steps(self) -> dict[int, StepBlocks] | None:
@@ -209,9 +234,13 @@ class LocalBatch:
 
 
 def gather_local_batch(
-    plan: StepPlan, micro_batch: MicroBatch, rank: int, source: TokenSource
+    plan: StepPlan, micro_batch: MicroBatch, rank: int, source: TokenSource, *, mtp_depth: int = 0
 ) -> LocalBatch:
     """Read this rank's share of `micro_batch` from `source` (possibly no token at all).
+
+    `mtp_depth` (`--mtp-num-layers`, 0: none): also read the up to `mtp_depth` tokens after
+    each local piece that ends inside its document, for multi-token prediction's shifted
+    inputs and labels (`LocalBatch.shifted`, `mtp_targets`).
 
     Raises ValueError if the source returns fewer or more tokens than the plan expects
     (the source and the plan disagree on a sequence's length).
@@ -221,7 +250,8 @@ def gather_local_batch(
     position = micro_batch.ring.index(rank)
     my_shard = shards[position]
     parts: list[tuple[torch.Tensor, ...]] = []
-    for d, start, length in my_shard.ranges():
+    ranges = my_shard.ranges()
+    for d, start, length in ranges:
         seq_index = micro_batch.seq_indices[d]
         piece = source.read(seq_index, start, length)
         if any(len(t) != length for t in piece):
@@ -238,6 +268,18 @@ def gather_local_batch(
         return torch.cat([torch.as_tensor(p[i]).to(dtype) for p in parts]).unsqueeze(0)
 
     loss_mask = cat(2, torch.float32)
+    shifted = None
+    if mtp_depth and parts:
+        shifted = read_shifted(
+            [
+                (full_lengths[d], start, length, piece)
+                for (d, start, length), piece in zip(ranges, parts, strict=True)
+            ],
+            mtp_depth,
+            lambda i, start, length: source.read(
+                micro_batch.seq_indices[ranges[i][0]], start, length
+            ),
+        )
     index = None
     if my_shard.num_tokens > 0:
         active = tuple(p for p, s in enumerate(shards) if s.num_tokens > 0)
@@ -255,14 +297,19 @@ def gather_local_batch(
         offload_ratio=micro_batch.offload_ratio,
         ring_index=index,
         doc_ids=tuple(int(i) for i in micro_batch.seq_indices),
+        shifted=shifted,
     )
 
 
-def read_local(plan, source: TokenSource, rank: int) -> list[LocalBatch]:
+def read_local(plan, source: TokenSource, rank: int, *, mtp_depth: int = 0) -> list[LocalBatch]:
     """Pool rank `rank`'s micro-batches of `plan` (a `StepPlan`), read from `source` (host tensors).
 
     Local work only (no collective): the prefetch thread runs it ahead of the step. A ring
     member without tokens (a pack smaller than its ring) skips the micro-batch.
+    `mtp_depth`: see `gather_local_batch`.
     """
-    batches = (gather_local_batch(plan, mb, rank, source) for mb in plan.for_rank(rank))
+    batches = (
+        gather_local_batch(plan, mb, rank, source, mtp_depth=mtp_depth)
+        for mb in plan.for_rank(rank)
+    )
     return [batch for batch in batches if batch.num_tokens > 0]

@@ -54,6 +54,8 @@ class HDPDataIterator:
             ahead with the plan. None: planned ahead, read in the step.
         prefetch_depth: Steps prepared ahead in a background thread (0: none).
         virtual_stages: Model chunks per stage (interleaved 1F1B): PP-Balance prices its fill.
+        mtp_depth: Multi-token prediction depths (`--mtp-num-layers`; 0: none): the
+            micro-batches read ahead carry their shifted targets (`LocalBatch.shifted`).
     """
 
     def __init__(
@@ -71,8 +73,10 @@ class HDPDataIterator:
         pool_rank: int | None = None,
         prefetch_depth: int = 2,
         virtual_stages: int = 1,
+        mtp_depth: int = 0,
     ) -> None:
         self.sampler = sampler
+        self.mtp_depth = mtp_depth
         self.datasets = list(datasets)
         self.vocab_size, self.pool_rank, self.prefetch_depth = vocab_size, pool_rank, prefetch_depth
         self.plan = functools.partial(
@@ -99,6 +103,7 @@ class HDPDataIterator:
                 rank=self.pool_rank,
                 vocab_size=self.vocab_size,
                 depth=self.prefetch_depth,
+                mtp_depth=self.mtp_depth,
             )
         return self._loader
 

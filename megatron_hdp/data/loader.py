@@ -35,6 +35,8 @@ class GlobalBatchLoader:
         service: The Ray data service's client when `batches` comes from it.
         annotate: Optional local work on each plan, done ahead with it (the trainer's
             cost-model predictions for the metrics file); its result is `notes`.
+        mtp_depth: Multi-token prediction depths (`--mtp-num-layers`; 0: none): each local
+            piece is read with the tokens after it (`batching.gather_local_batch`).
 
     `next()` returns a `Prepared` whose `value` is `(plan, token source, (local batches,
     read error), notes)`; a read error (a bad token, or a fetch from the Ray service that failed
@@ -53,9 +55,16 @@ class GlobalBatchLoader:
         depth: int = 2,
         service=None,
         annotate: Callable | None = None,
+        mtp_depth: int = 0,
     ) -> None:
         if service is not None and rank is None:
             raise ValueError("the Ray data service fetches a rank's own tokens: give its rank")
+        if service is not None and mtp_depth:
+            raise ValueError(
+                "multi-token prediction (--mtp-num-layers) reads tokens after each local piece, "
+                "which the Ray data service does not fetch: use --hdp-data-service none"
+            )
+        self.mtp_depth = mtp_depth
         self.plan, self.readers = plan, list(readers)
         self.rank, self.vocab_size, self.service = rank, vocab_size, service
         self.annotate = annotate
@@ -75,7 +84,7 @@ class GlobalBatchLoader:
                 source = self.service.tokens(
                     batch, self.rank, read_local, vocab_size=self.vocab_size
                 )
-            read = (read_local(plan, source, self.rank), None)
+            read = (read_local(plan, source, self.rank, mtp_depth=self.mtp_depth), None)
         except Exception as err:  # raised in the step, on every rank together
             read = ([], err)
         return plan, source, read, notes

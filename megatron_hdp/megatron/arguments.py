@@ -379,6 +379,20 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         help="how tokens reach the experts of the other EP ranks of the replica",
     )
     g.add_argument(
+        "--mtp-num-layers",
+        type=int,
+        default=None,
+        help="multi-token prediction: Megatron-Core's MTP block with this many depths, each "
+        "predicting one token further; every rank reads the few tokens after its chunks, so "
+        "the shifted inputs and labels stay inside their documents on rings too",
+    )
+    g.add_argument(
+        "--mtp-loss-scaling-factor",
+        type=float,
+        default=0.1,
+        help="weight of the MTP losses, divided evenly over the depths (Megatron's default 0.1)",
+    )
+    g.add_argument(
         "--context-parallel-size",
         type=int,
         default=1,

@@ -95,7 +95,9 @@ def time_lengths(
         ids = torch.randint(0, cfg.vocab_size, (n + 1,), generator=gen)
         source = InMemoryTokens([ids[:-1]], [ids[1:]])
         plan = plan_step([n], pool_size=1, capacity=n, policy="greedy")
-        batch = gather_local_batch(plan, plan.micro_batches[0], 0, source).to(device)
+        depth = cfg.mtp_num_layers or 0  # an MTP model times its MTP layers too
+        batch = gather_local_batch(plan, plan.micro_batches[0], 0, source, mtp_depth=depth)
+        batch = batch.to(device)
         samples = []
         for _ in range(repeats + 1):  # the first run warms up
             _synchronize(device)

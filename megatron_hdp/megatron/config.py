@@ -74,6 +74,8 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         expert_model_parallel_size=args.expert_model_parallel_size,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        mtp_num_layers=args.mtp_num_layers,
+        mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
     )
 
 

@@ -42,11 +42,14 @@ class HDPPackedSeqParams(PackedSeqParams):
         rotary: cos/sin at the local tokens' original positions; None without RoPE.
         dropout: What identifies the local tokens, for keyed dropout; None when the model
             has no dropout.
+        mtp: The local tokens' shifted targets for multi-token prediction's rolls
+            (`megatron.mtp.MTPShift`); None without MTP.
     """
 
     attention: RingAttentionSpec | None = None
     rotary: RotaryTable | None = None
     dropout: MicroBatchKeys | None = None
+    mtp: object | None = None
 
 
 class HDPCoreAttention(MegatronModule):

@@ -130,6 +130,11 @@ class GPTConfig:
     moe_token_dispatcher_type: str = "allgather"
     """How tokens reach the experts of other EP ranks: "allgather" or "alltoall"
     (--moe-token-dispatcher-type)."""
+    mtp_num_layers: int | None = None
+    """Multi-token prediction depths, one MTP layer each; None = none (--mtp-num-layers).
+    Megatron-Core's MTP block, with HDP's shifted inputs and labels (`mtp.py`)."""
+    mtp_loss_scaling_factor: float = 0.1
+    """The MTP losses' weight, shared by the depths (--mtp-loss-scaling-factor)."""
 
     def __post_init__(self) -> None:
         if self.position_embedding_type not in POSITION_EMBEDDINGS:
@@ -193,6 +198,25 @@ class GPTConfig:
             raise ValueError(problem)
         if self.moe_aux_loss_coeff < 0:
             raise ValueError(f"moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff}")
+        self._check_mtp()
+
+    def _check_mtp(self) -> None:
+        """Raise ValueError for an MTP setting HDP cannot run."""
+        if self.mtp_num_layers is None:
+            return
+        if self.mtp_num_layers < 1:
+            raise ValueError(f"mtp_num_layers must be >= 1 (or None), got {self.mtp_num_layers}")
+        if self.pipeline_model_parallel_size > 1:
+            raise ValueError(
+                f"mtp_num_layers {self.mtp_num_layers} with pipeline_model_parallel_size "
+                f"{self.pipeline_model_parallel_size}: multi-token prediction runs with one "
+                "pipeline stage only under HDP"
+            )
+        if self.experts_across_replicas:
+            raise ValueError(
+                "mtp_num_layers with experts across replicas: the lock-step padding "
+                "micro-batches carry no MTP targets"
+            )
 
     def _check_chunks(self) -> None:
         """Raise ValueError for virtual pipeline stages HDP cannot split evenly."""
@@ -341,6 +365,8 @@ def transformer_config(cfg: GPTConfig) -> TransformerConfig:
         # Interleaved stages send and receive between the same two ranks in one step:
         # Megatron-LM's default there (--overlap-p2p-communication) issues them separately.
         **({"overlap_p2p_comm": True, "batch_p2p_comm": False} if cfg.num_chunks > 1 else {}),
+        mtp_num_layers=cfg.mtp_num_layers,
+        mtp_loss_scaling_factor=cfg.mtp_loss_scaling_factor,
         **(_moe_settings(cfg) or _dense_settings(cfg)),
     )
 
@@ -524,9 +550,23 @@ def build_gpt(cfg: GPTConfig, *, stage: int = 0, tp_rank: int = 0, chunk: int = 
             share_embeddings_and_output_weights=cfg.tie_embeddings,
             position_embedding_type=position_type,
             **chunked,
+            mtp_block_spec=hdp_mtp_block_spec(cfg),
         ),
         tp_rank=tp_rank,
     )
+
+
+def hdp_mtp_block_spec(cfg: GPTConfig, layer_spec: ModuleSpec | None = None):
+    """The MTP block of `cfg.mtp_num_layers` layers; None without MTP.
+
+    Each layer wraps `layer_spec` (default `hdp_layer_spec`).
+    """
+    if cfg.mtp_num_layers is None:
+        return None
+    from megatron_hdp.megatron.mtp import mtp_block_spec
+
+    layer = hdp_layer_spec(cfg) if layer_spec is None else layer_spec
+    return mtp_block_spec(layer, hdp_norm(cfg), cfg.mtp_num_layers)
 
 
 def build_seeded(cfg: GPTConfig, construct: Callable[[], GPTModel], *, tp_rank: int) -> GPTModel:
@@ -547,4 +587,8 @@ def build_seeded(cfg: GPTConfig, construct: Callable[[], GPTModel], *, tp_rank: 
         _INIT_SEED.reset(token)
     _redraw_output_layer(model, cfg, base + cfg.num_layers + 1, tp_rank)
     install_keyed_dropout(model)
+    if cfg.mtp_num_layers is not None:
+        from megatron_hdp.megatron.mtp import install_shift
+
+        install_shift()
     return model

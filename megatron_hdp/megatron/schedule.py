@@ -27,6 +27,10 @@ cannot be run here; these pieces follow its contracts and are tested against a
   stage`) it runs Megatron-Core's interleaved 1F1B; every chunk reads the same batch
   dicts, and the list is padded with one-token micro-batches of loss mask 0 to a count
   the interleaved schedule accepts (`scheduler.interleaved.padded_count`).
+  With multi-token prediction (`megatron.mtp`) it must
+  not pass the loss mask to the model (the MTP masks travel in `packed_seq_params`;
+  Megatron-Core 0.19 would rescale the MTP losses by the given mask's local sum), as
+  `megatron_lm.hooks.hdp_forward_step` does.
 """
 
 from __future__ import annotations
@@ -48,10 +52,12 @@ from megatron_hdp.megatron.grad_sync import OrderedGradSync, sync_in_backward
 from megatron_hdp.megatron.model import GPTConfig
 from megatron_hdp.megatron.moe import moe_micro_batch
 from megatron_hdp.megatron.pipeline import interleaved_padding
+from megatron_hdp.megatron.mtp import set_backward_scale
 from megatron_hdp.megatron.step import (
     StepRuntime,
     local_batches,
     moe_batch_info,
+    mtp_mask_scale,
     packed_seq_params,
     read_and_count,
     sequence_parallel_pad,
@@ -224,6 +230,18 @@ def _loss_scale(config, device: torch.device) -> float:
     if config.grad_scale_func is None:
         return 1.0
     return float(config.grad_scale_func(torch.ones(1, device=device)))
+
+
+def _mtp_loss_scale(config, device: torch.device) -> float:
+    """The MTP losses' backward scale, as Megatron's schedules take it.
+
+    `config.mtp_grad_scale_func()` where Megatron-Core has it (0.19), else the optimizer's loss
+    scale (`_loss_scale`).
+    """
+    func = getattr(config, "mtp_grad_scale_func", None)
+    if func is not None:
+        return float(torch.as_tensor(func()).reshape(-1)[0])
+    return _loss_scale(config, device)
 
 
 def hdp_forward_backward(
@@ -436,6 +454,11 @@ def hdp_forward_backward(
         # Summed on the device as Megatron's own schedules do: no host read per micro-batch.
         num_tokens = torch.zeros((), dtype=torch.int64, device=runtime.device)
         batches, moe_info = _moe_inputs(step, forward_only, config)
+        if cfg.mtp_num_layers is not None:
+            # As Megatron's schedules with calculate_per_token_loss: the MTP losses go back
+            # with the main loss's scale; finalize_model_grads divides both by the tokens.
+            set_backward_scale(_mtp_loss_scale(config, runtime.device))
+            runtime.mtp_mask_scale = mtp_mask_scale(batches, runtime)
         no_sync = config.no_sync_func or contextlib.nullcontext
         overlap = _overlapped(model_chunk) and not forward_only
         if overlap:

@@ -32,6 +32,7 @@ from megatron_hdp.megatron.ep_lockstep import padding_moe_info
 from megatron_hdp.megatron.grad_sync import sync_in_backward
 from megatron_hdp.megatron.model import GPTConfig
 from megatron_hdp.megatron.moe import MoEMicroBatch, moe_micro_batch
+from megatron_hdp.megatron.mtp import MTPShift, rescales_by_rolled_count, set_backward_scale
 from megatron_hdp.megatron.pipeline import run_pipeline
 from megatron_hdp.offload.hooks import OffloadManager
 from megatron_hdp.scheduler.plan import StepPlan, lockstep_problems
@@ -67,6 +68,10 @@ class StepRuntime:
             before them): keys the dropout masks. `pretrain_hdp.py`'s loop and the
             Megatron-LM drop-in set it before each step; `schedule.hdp_forward_backward`
             advances it after each training call (a loop of your own that resumes sets it).
+        mtp_depth: Multi-token prediction depths of the model (`--mtp-num-layers`; 0: none):
+            micro-batches are read with their shifted targets (`LocalBatch.shifted`).
+        mtp_mask_scale: Per MTP depth, the factor of its loss mask this step (`mtp.py`):
+            set by `mtp_mask_scale` where Megatron-Core rescales by rolled token counts.
     """
 
     group: dist.ProcessGroup
@@ -81,6 +86,8 @@ class StepRuntime:
     pipeline_group: dist.ProcessGroup | None = None
     seed: int = 0
     iteration: int = 0
+    mtp_depth: int = 0
+    mtp_mask_scale: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         """Resolve "auto" for the device, or refuse a kernel that cannot run there."""
@@ -159,7 +166,49 @@ def packed_seq_params(
         ),
         rotary=rotary,
         dropout=dropout_keys(batch, cfg, runtime),
+        mtp=mtp_shift(batch, cfg, runtime),
     )
+
+
+def mtp_shift(batch: LocalBatch, cfg: GPTConfig, runtime: StepRuntime) -> MTPShift | None:
+    """The shifted targets Megatron-Core's MTP rolls take for `batch` (`mtp.py`).
+
+    None without MTP. Raises ValueError if the batch was read without them (or for another
+    depth).
+    """
+    if cfg.mtp_num_layers is None:
+        return None
+    depth = batch.shifted.depth if batch.shifted is not None else 0
+    if depth != cfg.mtp_num_layers:
+        raise ValueError(
+            f"the model has {cfg.mtp_num_layers} MTP layers but the micro-batch was read with "
+            f"shifted targets for {depth} (read it with mtp_depth={cfg.mtp_num_layers}: "
+            "StepRuntime.mtp_depth, HDPDataIterator(mtp_depth=...))"
+        )
+    return MTPShift(
+        targets=batch.shifted.padded(sequence_parallel_pad(batch, cfg)),
+        mask_scale=runtime.mtp_mask_scale,
+    )
+
+
+def mtp_mask_scale(batches: list[LocalBatch], runtime: StepRuntime) -> tuple[float, ...]:
+    """Per MTP depth `k`, the global loss tokens over the global depth-`k` loss tokens.
+
+    Collective over the pool where Megatron-Core rescales MTP losses by rolled token counts
+    (0.19); else no communication and `()`. 0.0 where a depth has no token. Counted on the
+    host.
+    """
+    if not runtime.mtp_depth or not rescales_by_rolled_count():
+        return ()
+    local = [0.0] * (runtime.mtp_depth + 1)
+    for batch in batches:
+        if batch.shifted is not None:
+            counts = [batch.loss_tokens(), *batch.shifted.loss_tokens()]
+            local = [a + b for a, b in zip(local, counts, strict=True)]
+    counts = torch.tensor(local, dtype=torch.float64, device=runtime.device)
+    dist.all_reduce(counts, group=runtime.group)
+    total, *per_depth = counts.tolist()
+    return tuple(total / n if n > 0 else 0.0 for n in per_depth)
 
 
 def dropout_keys(batch: LocalBatch, cfg: GPTConfig, runtime: StepRuntime) -> MicroBatchKeys | None:
@@ -221,7 +270,8 @@ def check_plan_fits(plan: StepPlan, engine: Engine, group: dist.ProcessGroup) ->
 def local_batches(plan: StepPlan, source: TokenSource, runtime: StepRuntime) -> list[LocalBatch]:
     """This rank's micro-batches of `plan`, read from `source`, on the runtime's device."""
     rank = dist.get_rank(runtime.group)
-    return [batch.to(runtime.device) for batch in read_local(plan, source, rank)]
+    batches = read_local(plan, source, rank, mtp_depth=runtime.mtp_depth)
+    return [batch.to(runtime.device) for batch in batches]
 
 
 def read_and_count(
@@ -240,7 +290,9 @@ def read_and_count(
         host = [] if error is not None else read
     else:
         try:
-            host = read_local(plan, source, dist.get_rank(runtime.group))
+            host = read_local(
+                plan, source, dist.get_rank(runtime.group), mtp_depth=runtime.mtp_depth
+            )
         except ValueError as err:
             error = err
     # Counted on the host, before the copies: no device read per micro-batch.
@@ -457,6 +509,8 @@ def forward_backward(
             loss_scale=loss_scale,
             global_batch_tokens=global_batch_tokens,
         )
+    if engine.cfg.mtp_num_layers is not None:
+        set_backward_scale(loss_scale)  # Megatron's schedules: the main loss's scale
     aux_sum = 0.0  # on the device (float64) with experts
     loss_sums = []  # on the device: read once, after the last micro-batch
     model = engine.model
@@ -547,6 +601,7 @@ def train_step(
     batches, global_tokens = read_and_count(plan, source, runtime, prepared)
     if global_tokens == 0:
         raise ValueError("the global batch has no loss tokens (every loss mask is zero)")
+    runtime.mtp_mask_scale = mtp_mask_scale(batches, runtime)
 
     for chunk in engine.chunks:
         chunk.zero_grad_buffer()

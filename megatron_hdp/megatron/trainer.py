@@ -342,6 +342,7 @@ class Trainer:
                 vocab_size=self.data.vocab_size,
                 depth=self.args.hdp_prefetch_depth,
                 service=self.service,
+                mtp_depth=self.engine.cfg.mtp_num_layers or 0,
                 # rank 0's metrics record: predicted ahead, off the step's critical path
                 annotate=self.report.predictions if self.rank == 0 else None,
             )
@@ -706,4 +707,5 @@ def runtime_for(args, layout: ParallelLayout, device) -> StepRuntime:
         check_plans=args.hdp_check_plans,
         check_nonfinite=args.check_for_nan_in_loss_and_grad and not dynamic_scale,
         seed=args.seed,
+        mtp_depth=args.mtp_num_layers or 0,
     )

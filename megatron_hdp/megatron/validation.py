@@ -494,6 +494,26 @@ def _check_data_service(args: argparse.Namespace) -> None:
     )
 
 
+def check_mtp(args: argparse.Namespace) -> None:
+    """--mtp-num-layers: at least 1, and nothing it does not combine with (yet)."""
+    depth = getattr(args, "mtp_num_layers", None)
+    if depth is None:
+        return
+    if depth < 1:
+        raise ValueError(f"--mtp-num-layers must be >= 1, got {depth}")
+    if args.pipeline_model_parallel_size > 1:
+        raise ValueError(
+            f"--mtp-num-layers {depth} with --pipeline-model-parallel-size "
+            f"{args.pipeline_model_parallel_size}: multi-token prediction runs with one "
+            "pipeline stage only"
+        )
+    if getattr(args, "hdp_data_service", "none") == "ray":
+        raise ValueError(
+            f"--mtp-num-layers {depth} with --hdp-data-service ray: each rank reads the tokens "
+            "after its chunks, which the Ray data service does not fetch"
+        )
+
+
 def _check_training(args: argparse.Namespace) -> None:
     parse_split(args.split)
     parse_data_path(args.data_path)
@@ -862,6 +882,7 @@ def validate_args(args: argparse.Namespace, world_size: int, *, here: bool = Tru
         lambda a: _check_batch(a, world_size),
         lambda a: _check_layout(a, world_size, here=here),
         _check_training,
+        check_mtp,
         _check_paths,
     ):
         try:
@@ -958,9 +979,16 @@ MODEL_FIELDS_BEFORE_THEY_EXISTED = {
     "qk_layernorm": False,
     "softmax_type": "vanilla",
     "virtual_pipeline_model_parallel_size": None,
+    "mtp_num_layers": None,
+    "mtp_loss_scaling_factor": 0.1,
 }
 #: Model settings that change no parameter, so a resume may change them.
-MAY_CHANGE_ON_RESUME = ("sequence_parallel", "moe_aux_loss_coeff", "moe_token_dispatcher_type")
+MAY_CHANGE_ON_RESUME = (
+    "sequence_parallel",
+    "moe_aux_loss_coeff",
+    "moe_token_dispatcher_type",
+    "mtp_loss_scaling_factor",
+)
 #: The layout, which a checkpoint in Megatron's distributed format reshards on load.
 RESHARDED_ON_LOAD = (
     "tensor_model_parallel_size",

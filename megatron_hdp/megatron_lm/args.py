@@ -103,7 +103,11 @@ _REFUSED_MEGATRON = (
     ("use_legacy_models", bool, "--use-legacy-models: HDP runs Megatron-Core's GPTModel"),
     ("spec", lambda v: v is not None, "--spec: HDP sets the layer spec (HDP core attention)"),
     ("yaml_cfg", lambda v: v is not None, "--yaml-cfg: give the flags on the command line"),
-    ("mtp_num_layers", lambda v: v is not None, "--mtp-num-layers: not supported with HDP"),
+    (
+        "mtp_use_repeated_layer",
+        bool,
+        "--mtp-use-repeated-layer: HDP builds one MTP layer per depth (not tested shared)",
+    ),
     ("multi_latent_attention", bool, "--multi-latent-attention: HDP attention is MHA/GQA"),
     (
         "experimental_attention_variant",
@@ -350,6 +354,12 @@ def _refusals(args: argparse.Namespace, flags: dict) -> list[str]:
         if dest in args and refused(getattr(args, dest)):
             problems.append(f"{message} (with --hdp)")
     problems += [f"{message} (with --hdp)" for message in moe_refusals(args)]
+    if getattr(args, "mtp_num_layers", None) and args.pipeline_model_parallel_size > 1:
+        problems.append(
+            f"--mtp-num-layers {args.mtp_num_layers} with --pipeline-model-parallel-size "
+            f"{args.pipeline_model_parallel_size}: HDP runs multi-token prediction with one "
+            "pipeline stage only (with --hdp)"
+        )
     if getattr(args, "dataloader_type", None) not in (None, "external"):
         problems.append(
             f"--dataloader-type {args.dataloader_type}: --hdp brings its own data iterator "

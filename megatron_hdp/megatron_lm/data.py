@@ -163,6 +163,7 @@ def _datasets(train_valid_test_num_samples):
             virtual_stages=getattr(args, "virtual_pipeline_model_parallel_size", None) or 1,
             pool_rank=pool_rank,
             prefetch_depth=depth,
+            mtp_depth=cfg.mtp_num_layers or 0,
             **extra,
         )
 

@@ -114,12 +114,15 @@ def hdp_forward_step(loss_func):
         if return_schedule_plan:
             raise ValueError("--hdp does not support --overlap-moe-expert-parallel-comm")
         batch = next(data_iterator)
+        # With multi-token prediction the MTP loss masks travel in `packed_seq_params`
+        # (`megatron.mtp`); given a loss mask, Megatron-Core 0.19 would rescale by its sum.
+        mtp = getattr(batch["packed_seq_params"], "mtp", None) is not None
         output = model(
             batch["tokens"],
             batch["position_ids"],
             batch["attention_mask"],
             labels=batch["labels"],
-            loss_mask=batch["loss_mask"],
+            loss_mask=None if mtp else batch["loss_mask"],
             packed_seq_params=batch["packed_seq_params"],
         )
         return output, partial(loss_func, batch["loss_mask"], model=model)
@@ -159,6 +162,7 @@ class _Schedule:
             device=device,
             check_plans=args.hdp_check_plans,
             seed=args.seed,
+            mtp_depth=cfg.mtp_num_layers or 0,
         )
         from megatron.core.num_microbatches_calculator import get_num_microbatches
 

@@ -60,6 +60,8 @@ def gpt_config(args: argparse.Namespace, vocab_size: int | None = None) -> GPTCo
         ),
         sequence_parallel=args.sequence_parallel,
         fp8=getattr(args, "fp8", None) is not None,
+        mtp_num_layers=getattr(args, "mtp_num_layers", None) or None,
+        mtp_loss_scaling_factor=float(getattr(args, "mtp_loss_scaling_factor", 0.1)),
         **moe_fields(args),
     )
 
@@ -113,6 +115,24 @@ def _layer_specs(args: argparse.Namespace, cfg: GPTConfig, vp_stage: int | None 
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=TENorm)
 
 
+def _mtp_spec(args: argparse.Namespace, cfg: GPTConfig, block):
+    """The MTP block around the decoder's last layer spec, with its norm (None without MTP)."""
+    if cfg.mtp_num_layers is None:
+        return None
+    from megatron_hdp.megatron.mtp import mtp_block_spec
+
+    linear = None
+    if args.transformer_impl == "transformer_engine":
+        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear
+
+        linear = TEColumnParallelLinear
+        logger.warning(
+            "--hdp: multi-token prediction in Transformer Engine's layer spec is unverified "
+            "(no TE here to test it); --transformer-impl local is the tested path"
+        )
+    return mtp_block_spec(block.layer_specs[-1], block.layer_norm, cfg.mtp_num_layers, linear)
+
+
 def _hdp_experts(spec) -> None:
     """HDP's router and globally indexed experts in an MoE layer spec (as `hdp_layer_spec`)."""
     from megatron_hdp.megatron import compat
@@ -160,6 +180,7 @@ def hdp_gpt_builder(
         config.moe_token_dispatcher_type = "alltoall"
     position_type = "none" if cfg.position_embedding_type == "rope" else cfg.position_embedding_type
     spec = _layer_specs(args, cfg, vp_stage)
+    mtp = _mtp_spec(args, cfg, spec) if post_process else None
     # torch.manual_seed reseeds CUDA too: fork it as well, Megatron-LM's streams stay as set.
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
@@ -180,6 +201,7 @@ def hdp_gpt_builder(
                 rotary_base=args.rotary_base,
                 vp_stage=vp_stage,
                 pg_collection=pg_collection,
+                mtp_block_spec=mtp,
             ),
             tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         )
