@@ -34,6 +34,8 @@ import torch.distributed as dist
 from megatron_hdp.attention.kernels.base import VarlenBlocks, VarlenKernel, accumulation_dtype
 from megatron_hdp.attention.kernels.registry import get_kernel
 from megatron_hdp.attention.ring_index import StepBlocks, ring_index
+from megatron_hdp.attention.window import binds
+from megatron_hdp.attention.window_ring import window_attention
 from megatron_hdp.distributed.ring_comm import CommStats, RingComm
 from megatron_hdp.host_copy import to_device
 from megatron_hdp.sharding import RankShard, shard
@@ -308,6 +310,7 @@ def hdp_attention(
     *,
     softmax_scale: float | None = None,
     dropout: AttentionDropout | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's tokens of a micro-batch; returns `[T, H, D]`.
 
@@ -323,6 +326,9 @@ def hdp_attention(
         softmax_scale: Defaults to `1 / sqrt(D)`.
         dropout: Keyed dropout of the probabilities (`attention.dropout`): the spec then
             computes with its kernel, on blocks that carry their rows' keys.
+        window: Sliding window (`attention.window`): each query sees `window` earlier
+            positions and its own; None (or a window no document exceeds) is full causal.
+            Runs `window_ring.window_attention`, which skips what the window hides.
     """
     num_tokens = spec.shards[spec.position].num_tokens
     if q_THD.shape[0] != num_tokens or k_TGD.shape != v_TGD.shape or k_TGD.shape[0] != num_tokens:
@@ -335,6 +341,10 @@ def hdp_attention(
             f"{q_THD.shape[1]} query heads are not a multiple of {k_TGD.shape[1]} key/value heads"
         )
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_THD.shape[-1])
+    if binds(window, spec.doc_lengths):
+        if dropout is not None:
+            raise ValueError("attention dropout with a sliding window is not supported")
+        return window_attention(q_THD, k_TGD, v_TGD, spec, window, scale)
     if dropout is not None:
         spec = dropout.bind(spec, q_THD.device)
     if len(spec.active) == 1:
