@@ -2,7 +2,8 @@
 
 Megatron-Core's window `(w, 0)` (`TransformerConfig.window_size`, Transformer Engine's and
 flash-attn's convention): the query at position i of a document sees the keys at positions
-j with `i - w <= j <= i` (w earlier tokens and itself). `check_window` validates the flag.
+j with `i - w <= j <= i` (w earlier tokens and itself). The flags' checks and the window's
+pricing are pure (`scheduler.windows`).
 
 For one micro-batch and window, `window_plan(shards, position, active, window)` works out on
 the host, for every (member, source) pair of the ring, which of the member's query rows see
@@ -34,34 +35,10 @@ import torch
 
 from megatron_hdp.attention.kernels.base import Band, VarlenBlocks
 from megatron_hdp.attention.ring_index import StepBlocks
+from megatron_hdp.scheduler.windows import check_window, window_problems
 from megatron_hdp.sharding import RankShard
 
-
-def check_window(window_size) -> int | None:
-    """The left window of Megatron's `window_size` `(left, right)`; None for None.
-
-    ValueError naming the value for anything HDP's causal attention cannot honour: a right
-    window other than 0 (future tokens), a negative left window (-1, Megatron's "infinite",
-    is full causal attention: leave the window out), or not two integers.
-    """
-    if window_size is None:
-        return None
-    try:
-        left, right = (int(x) for x in window_size)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"--window-size {window_size!r}: expected two integers 'left,right'"
-        ) from None
-    if right != 0:
-        raise ValueError(
-            f"--window-size {left},{right}: HDP attention is causal, the right window must be 0"
-        )
-    if left < 0:
-        raise ValueError(
-            f"--window-size {left},{right}: a negative left window is full causal attention; "
-            "leave --window-size out for it"
-        )
-    return left
+__all__ = ["check_window", "window_problems", "binds", "window_plan", "on_device"]
 
 
 def binds(window: int | None, doc_lengths: Sequence[int]) -> bool:

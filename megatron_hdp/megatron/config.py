@@ -72,7 +72,14 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         expert_model_parallel_size=args.expert_model_parallel_size,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        window_size=args.window_size,
+        window_attn_skip_freq=_skip_freq(args.window_attn_skip_freq),
     )
+
+
+def _skip_freq(value):
+    """A list pattern as a tuple (GPTConfig is frozen); ints and None as they are."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 def optim_config(args: argparse.Namespace, *, override_scheduler: bool = False) -> OptimConfig:

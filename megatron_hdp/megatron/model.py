@@ -22,6 +22,7 @@ from megatron.core.transformer.transformer_layer import (
 from torch.nn import functional
 
 from megatron_hdp.attention.dropout import check_probability
+from megatron_hdp.attention.window import window_problems
 from megatron_hdp.distributed.layout import ParallelDims, moe_problems, pipeline_problems
 from megatron_hdp.megatron import compat
 from megatron_hdp.megatron.core_attention import HDPCoreAttention
@@ -121,6 +122,12 @@ class GPTConfig:
     moe_token_dispatcher_type: str = "allgather"
     """How tokens reach the experts of other EP ranks: "allgather" or "alltoall"
     (--moe-token-dispatcher-type)."""
+    window_size: tuple[int, int] | None = None
+    """Sliding-window attention `(left, 0)`: each query sees `left` earlier tokens and its
+    own (--window-size, Megatron-Core's meaning); None: full causal attention."""
+    window_attn_skip_freq: int | tuple[int, ...] | None = None
+    """Which layers keep full attention (--window-attn-skip-freq): an int N makes every N-th
+    layer full, a tuple has one 1 (windowed) or 0 (full) per layer; None: all windowed."""
 
     def __post_init__(self) -> None:
         if self.position_embedding_type not in POSITION_EMBEDDINGS:
@@ -182,6 +189,13 @@ class GPTConfig:
             raise ValueError(problem)
         if self.moe_aux_loss_coeff < 0:
             raise ValueError(f"moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff}")
+        for problem in window_problems(
+            self.window_size,
+            self.window_attn_skip_freq,
+            num_layers=self.num_layers,
+            attention_dropout=self.attention_dropout,
+        ):
+            raise ValueError(problem)
 
     def _check_head_shape(self) -> None:
         """Raise ValueError for a head size or RoPE share HDP attention cannot run."""
@@ -294,6 +308,13 @@ def transformer_config(cfg: GPTConfig) -> TransformerConfig:
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
         # HDP micro-batches hold different token counts: stages exchange shapes first.
         variable_seq_lengths=cfg.pipeline_model_parallel_size > 1,
+        window_size=None if cfg.window_size is None else tuple(cfg.window_size),
+        # Megatron-Core tells a pattern by `isinstance(..., list)`.
+        window_attn_skip_freq=(
+            list(cfg.window_attn_skip_freq)
+            if isinstance(cfg.window_attn_skip_freq, tuple)
+            else cfg.window_attn_skip_freq
+        ),
         **(_moe_settings(cfg) or _dense_settings(cfg)),
     )
 

@@ -47,6 +47,7 @@ from megatron_hdp.data.service.address import (
 from megatron_hdp.data.spec import load_spec
 from megatron_hdp.distributed.layout import layout_problems
 from megatron_hdp.errors import one_message
+from megatron_hdp.scheduler.windows import window_problems
 from megatron_hdp.megatron.arguments import (
     build_parser,
     capacity_of,
@@ -209,6 +210,13 @@ def _check_numbers(args: argparse.Namespace) -> None:
             f"collective timeout ({timeout_s:g} s from --distributed-timeout-minutes), or the "
             "report comes after the job has failed"
         )
+    for problem in window_problems(
+        args.window_size,
+        args.window_attn_skip_freq,
+        num_layers=args.num_layers,
+        attention_dropout=args.attention_dropout,
+    ):
+        raise ValueError(problem)
     timeline_interval = getattr(args, "hdp_timeline_interval", None)
     if timeline_interval and args.hdp_metrics_file is None:
         raise ValueError(
