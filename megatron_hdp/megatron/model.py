@@ -22,7 +22,7 @@ from megatron.core.transformer.transformer_layer import (
 from torch.nn import functional
 
 from megatron_hdp.attention.dropout import check_probability
-from megatron_hdp.attention.window import window_problems
+from megatron_hdp.scheduler.windows import check_window, window_problems, windowed_layers
 from megatron_hdp.distributed.layout import ParallelDims, moe_problems, pipeline_problems
 from megatron_hdp.megatron import compat
 from megatron_hdp.megatron.core_attention import HDPCoreAttention
@@ -271,6 +271,10 @@ def model_shape(cfg: GPTConfig) -> ModelShape:
         num_experts=cfg.num_experts,
         moe_router_topk=cfg.moe_router_topk,
         moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
+        window=check_window(cfg.window_size),
+        windowed_layers=sum(
+            windowed_layers(cfg.num_layers, cfg.window_size, cfg.window_attn_skip_freq)
+        ),
     )
 
 
