@@ -154,7 +154,9 @@ class RingComm:
             )
             return PendingExchange(dist.batch_isend_irecv([op]), framed, None)
         inbox = torch.empty(
-            _HEADER_BYTES + recv.numel() * recv.element_size(), dtype=torch.uint8, device=recv.device
+            _HEADER_BYTES + recv.numel() * recv.element_size(),
+            dtype=torch.uint8,
+            device=recv.device,
         )
         op = dist.P2POp(
             dist.irecv, inbox, group=self.group, tag=ORDER_ONLY_TAG, group_peer=self.prev_rank

@@ -22,13 +22,13 @@ from megatron.core.transformer.transformer_layer import (
 from torch.nn import functional
 
 from megatron_hdp.attention.dropout import check_probability
-from megatron_hdp.scheduler.windows import check_window, window_problems, windowed_layers
 from megatron_hdp.distributed.layout import ParallelDims, moe_problems, pipeline_problems
 from megatron_hdp.megatron import compat
 from megatron_hdp.megatron.core_attention import HDPCoreAttention
 from megatron_hdp.megatron.dropout import install_keyed_dropout
 from megatron_hdp.megatron.moe import GlobalIndexSequentialMLP, SequenceAuxLossRouter
 from megatron_hdp.scheduler.cost import ModelShape
+from megatron_hdp.scheduler.windows import check_window, window_problems, windowed_layers
 
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
 _DTYPES = {

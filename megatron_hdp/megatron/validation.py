@@ -47,7 +47,6 @@ from megatron_hdp.data.service.address import (
 from megatron_hdp.data.spec import load_spec
 from megatron_hdp.distributed.layout import layout_problems
 from megatron_hdp.errors import one_message
-from megatron_hdp.scheduler.windows import window_problems
 from megatron_hdp.megatron.arguments import (
     build_parser,
     capacity_of,
@@ -68,6 +67,7 @@ from megatron_hdp.offload.host_budget import (
     local_processes,
 )
 from megatron_hdp.scheduler.cost import PROFILES, DeviceProfile
+from megatron_hdp.scheduler.windows import window_problems
 
 __all__ = [
     "NothingToTrain",

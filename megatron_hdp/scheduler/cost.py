@@ -301,8 +301,8 @@ class CostModel:
 
         def per_layer(rows, layer_attention, layers):
             transfer = d.p2p_latency + 2.0 * rows * m.kv_dim * d.bytes_per_element / d.p2p_bandwidth
-            forward_step = layer_attention / (k_safe * k_safe) / (
-                _ATTENTION_TRAIN_FACTOR * max(layers, 1)
+            forward_step = (
+                layer_attention / (k_safe * k_safe) / (_ATTENTION_TRAIN_FACTOR * max(layers, 1))
             )
             backward_step = forward_step * _BACKWARD_STEP_FACTOR
             return (

@@ -19,7 +19,8 @@ HEADS, GROUPS, DIM = 4, 2, 8
 
 
 def megatron_window_mask(s: int, left: int, right: int = 0) -> torch.Tensor:
-    """True where visible: Megatron-Core's `get_sliding_window_causal_mask(s, s, (l, r))`, negated."""
+    """True where visible: Megatron-Core's `get_sliding_window_causal_mask(s, s, (l, r))`
+    (which marks the hidden pairs), negated."""
     ones = torch.ones(s, s, dtype=torch.bool)
     return torch.tril(torch.triu(ones, diagonal=-left), diagonal=right)
 
@@ -101,7 +102,8 @@ def _body(rank, world_size, rounds, backend):
             of = reference(qf, kf, vf, window)
             of.backward(ddout)
             docs[d] = (of.detach(), qf.grad, kf.grad, vf.grad)
-        for name, got, i in (("out", out, 0), ("dq", q.grad, 1), ("dk", k.grad, 2), ("dv", v.grad, 3)):
+        grads = (("out", out, 0), ("dq", q.grad, 1), ("dk", k.grad, 2), ("dv", v.grad, 3))
+        for name, got, i in grads:
             want = torch.cat([docs[d][i][s : s + n] for d, s, n in pieces])
             torch.testing.assert_close(
                 got.detach(), want, rtol=1e-10, atol=1e-10,

@@ -76,8 +76,7 @@ def test_plans_price_a_windowed_long_sequence_lower():
         for name, model in (("full", full), ("window", windowed))
     }
     finish = {
-        name: float(max(plan.predicted_start + plan.predicted_cost))
-        for name, plan in plans.items()
+        name: float(max(plan.predicted_start + plan.predicted_cost)) for name, plan in plans.items()
     }
     assert finish["window"] < 0.7 * finish["full"], finish
     # Where no document exceeds the window, the window changes nothing.
