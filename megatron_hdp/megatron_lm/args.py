@@ -565,7 +565,11 @@ def finish_args(args: argparse.Namespace) -> None:
     cfg = gpt_config(args, vocab_size=args.tensor_model_parallel_size)  # raises on a bad shape
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.hdp_attention_backend = resolve_kernel(
-        args.hdp_attention_backend, DeviceFacts.of(device), dtype=cfg.dtype, head_dim=cfg.head_dim
+        args.hdp_attention_backend,
+        DeviceFacts.of(device),
+        dtype=cfg.dtype,
+        head_dim=cfg.head_dim,
+        window=cfg.window_size is not None,
     )
     from megatron_hdp.megatron_lm.switch import startup_problems
 

@@ -46,6 +46,7 @@ class Band:
     positions_k: torch.Tensor
     host_q: torch.Tensor
     host_k: torch.Tensor
+    _calls: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,13 @@ class VarlenKernel(Protocol):
 
     def activate(self) -> None:
         """Process-wide set-up once the kernel is chosen (most kernels need none)."""
+        ...
+
+    def window_reason(self) -> str | None:
+        """None if the kernel computes banded steps (`Band`, sliding windows); else why not.
+
+        Optional (`registry.window_reason`): a kernel without it takes no window.
+        """
         ...
 
     def forward(

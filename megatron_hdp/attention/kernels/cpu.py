@@ -49,6 +49,10 @@ class BlockLoopKernel:
     def activate(self) -> None:
         """Nothing to set up."""
 
+    def window_reason(self) -> str | None:
+        """Banded steps run `kernels.band`'s dense banded math: always available."""
+        return None
+
     def _pieces(self, blocks: VarlenBlocks):
         q0 = k0 = 0
         for lq, lk in zip(blocks.lengths_q, blocks.lengths_k, strict=True):
