@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from megatron_hdp.attention.kernels.base import Band, VarlenBlocks
@@ -77,18 +78,25 @@ def _keys(shard: RankShard, span: int) -> tuple[torch.Tensor, torch.Tensor, torc
     return docs * span + positions, docs, positions
 
 
+def _count(sorted_keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """How many of `sorted_keys` lie in `[lo, hi]`, elementwise.
+
+    numpy's searchsorted: torch's is several times slower on the host.
+    """
+    keys = sorted_keys.numpy()
+    first = np.searchsorted(keys, lo.numpy(), side="left")
+    last = np.searchsorted(keys, hi.numpy(), side="right")
+    return torch.from_numpy(last - first)
+
+
 def _sees(q_keys: torch.Tensor, k_keys: torch.Tensor, window: int) -> torch.Tensor:
     """For every query key: whether a key lies in `[q - window, q]`."""
-    lo = torch.searchsorted(k_keys, q_keys - window)
-    hi = torch.searchsorted(k_keys, q_keys, right=True)
-    return hi > lo
+    return _count(k_keys, q_keys - window, q_keys) > 0
 
 
 def _seen(q_keys: torch.Tensor, k_keys: torch.Tensor, window: int) -> torch.Tensor:
     """For every key: whether a query lies in `[k, k + window]`."""
-    lo = torch.searchsorted(q_keys, k_keys)
-    hi = torch.searchsorted(q_keys, k_keys + window, right=True)
-    return hi > lo
+    return _count(q_keys, k_keys, k_keys + window) > 0
 
 
 def window_plan(
@@ -145,7 +153,7 @@ def window_plan(
         else:
             causal = False
             banded = banded or bool((last_k > first_q).any())
-        kv_rows = torch.searchsorted(carried[source, hop], k_need)
+        kv_rows = torch.from_numpy(np.searchsorted(carried[source, hop].numpy(), k_need.numpy()))
         steps[source] = _HostStep(
             q_rows=q_rows if n > 1 else None,
             kv_rows=kv_rows if n > 1 else None,
@@ -222,7 +230,12 @@ def on_device(plan: WindowPlan, device: torch.device) -> DevicePlan:
         if held.numel() == rows.numel():
             forward_select[source, hop] = None
         else:
-            forward_select[source, hop] = torch.searchsorted(held, rows).to(device)
-        grad_slots[source, hop] = torch.searchsorted(plan.grad_rows[source], rows).to(device)
+            forward_select[source, hop] = _positions_in(held, rows).to(device)
+        grad_slots[source, hop] = _positions_in(plan.grad_rows[source], rows).to(device)
     own_slots = {s: rows.to(device) for s, rows in plan.grad_rows.items()}
     return DevicePlan(plan, steps, forward_select, grad_slots, own_slots)
+
+
+def _positions_in(sorted_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Where each of `rows` sits in `sorted_rows` (every one is there)."""
+    return torch.from_numpy(np.searchsorted(sorted_rows.numpy(), rows.numpy()))
