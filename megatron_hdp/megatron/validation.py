@@ -210,13 +210,14 @@ def _check_numbers(args: argparse.Namespace) -> None:
             f"collective timeout ({timeout_s:g} s from --distributed-timeout-minutes), or the "
             "report comes after the job has failed"
         )
-    for problem in window_problems(
+    problems = window_problems(
         args.window_size,
         args.window_attn_skip_freq,
         num_layers=args.num_layers,
         attention_dropout=args.attention_dropout,
-    ):
-        raise ValueError(problem)
+    )
+    if problems:
+        raise ValueError("; ".join(problems))
     timeline_interval = getattr(args, "hdp_timeline_interval", None)
     if timeline_interval and args.hdp_metrics_file is None:
         raise ValueError(

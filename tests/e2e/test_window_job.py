@@ -9,7 +9,7 @@ at the attention level (`tests/distributed/test_window_attention.py`).
 
 import pytest
 
-from tests.e2e.harness import SMALL_MODEL, run_pretrain
+from tests.e2e.harness import SMALL_MODEL, corpus_args, run_pretrain
 
 WINDOW = ["--window-size", "20,0", "--window-attn-skip-freq", "2"]
 
@@ -54,3 +54,23 @@ def test_window_losses_equal_one_rank_with_rings_of_three_and_two_stages(corpus_
         )
     # The window is there: without it the losses move.
     assert max(abs(p["loss"] - s["loss"]) for p, s in zip(plain, single)) > 1e-4
+
+
+def test_pretrain_hdp_refuses_them_in_one_line(tmp_path, monkeypatch, capsys):
+    import torch.distributed as dist
+
+    import pretrain_hdp
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    bad = ["--window-size=-1,0", "--window-attn-skip-freq", "0", "--attention-dropout", "0.1"]
+    with pytest.raises(SystemExit) as stop:
+        pretrain_hdp.main(corpus_args(tmp_path / "cache", iters=1, extra=bad))
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("pretrain_hdp.py: error: "), err
+    for said in (
+        "--window-size -1,0: a negative left window is full causal attention",
+        "--window-attn-skip-freq 0: must be >= 1",
+    ):
+        assert said in err, err
+    assert not dist.is_initialized()

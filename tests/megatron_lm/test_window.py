@@ -32,3 +32,20 @@ def test_window_losses_equal_one_rank(trees, data):
         assert got[1] == pytest.approx(want["loss"], rel=1e-6)
         assert got[2] == pytest.approx(want["grad_norm"], rel=1e-6)
     assert max(abs(p["loss"] - s["loss"]) for p, s in zip(plain, single)) > 1e-4
+
+
+def test_window_flags_megatron_core_cannot_take_are_refused_together(trees, monkeypatch, capsys):
+    from tests.megatron_lm.test_args import BASE, _parse_and_validate
+
+    args = _parse_and_validate(monkeypatch, [*BASE, "--hdp", *WINDOW])
+    assert args.window_size == (24, 0) and args.window_attn_skip_freq == 2
+    bad = ["--window-size", "4,2", "--window-attn-skip-freq", "[1,0,1]"]
+    with pytest.raises(SystemExit) as stop:
+        _parse_and_validate(monkeypatch, [*BASE, "--hdp", *bad, "--attention-dropout", "0.1"])
+    assert stop.value.code == 2
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    for said in (
+        "--window-size 4,2: HDP attention is causal, the right window must be 0",
+        "--window-attn-skip-freq [1, 0, 1]: needs one 1 (window) or 0 (full) per layer, 2 layers",
+    ):
+        assert said in message, message
