@@ -962,6 +962,8 @@ MODEL_FIELDS_BEFORE_THEY_EXISTED = {
     "rotary_interleaved": False,
     "kv_channels": None,
     "qk_layernorm": False,
+    "window_size": None,
+    "window_attn_skip_freq": None,
 }
 #: Model settings that change no parameter, so a resume may change them.
 MAY_CHANGE_ON_RESUME = ("sequence_parallel", "moe_aux_loss_coeff", "moe_token_dispatcher_type")
@@ -1106,6 +1108,7 @@ def check_resume_matches(
         model = {k: v for k, v in model.items() if k in (saved_model or {})}
     if saved_model is not None:
         saved_model = {**MODEL_FIELDS_BEFORE_THEY_EXISTED, **saved_model}
+        model = json.loads(json.dumps(model))  # as meta.json holds it: tuples are lists
         may_change = MAY_CHANGE_ON_RESUME
         if meta.get("format") == "torch_dist":
             may_change += RESHARDED_ON_LOAD

@@ -68,3 +68,24 @@ def test_check_window_follows_megatron_and_refuses_the_rest():
         with pytest.raises(ValueError, match="window"):
             check_window(bad)
     assert binds(3, [5]) and not binds(4, [5]) and not binds(None, [9])
+
+
+def test_a_windowed_checkpoint_resumes_and_a_changed_window_is_named():
+    """meta.json holds the window as a list: the same window resumes, another is refused."""
+    import dataclasses
+    import json
+
+    from megatron_hdp.megatron.model import GPTConfig
+    from megatron_hdp.megatron.validation import check_resume_matches
+
+    cfg = GPTConfig(window_size=(8, 0), window_attn_skip_freq=(1, 0))
+    meta = json.loads(json.dumps({"model": dataclasses.asdict(cfg)}))
+    same = dict(load="ckpt", data_setup={}, prefixes=[], finetune=True)
+    check_resume_matches(meta, model=dataclasses.asdict(cfg), **same)
+    other = dataclasses.replace(cfg, window_size=(16, 0))
+    with pytest.raises(ValueError, match=r"\(8, 0\)|\[8, 0\]"):
+        check_resume_matches(meta, model=dataclasses.asdict(other), **same)
+    old = json.loads(json.dumps({"model": dataclasses.asdict(GPTConfig())}))
+    for key in ("window_size", "window_attn_skip_freq"):
+        del old["model"][key]  # a checkpoint written before the window existed
+    check_resume_matches(old, model=dataclasses.asdict(GPTConfig()), **same)
