@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import numpy as np
 import pytest
 from megatron.core.transformer.utils import is_layer_window_attention
 
@@ -82,3 +83,18 @@ def test_plans_price_a_windowed_long_sequence_lower():
     # Where no document exceeds the window, the window changes nothing.
     short = [2048] * 8
     assert windowed.micro_batch_time(short, 1) == pytest.approx(full.micro_batch_time(short, 1))
+
+
+def test_the_planners_array_costs_equal_the_cost_model_with_windows():
+    """`greedy.micro_batch_costs` prices groups as arrays; with windows, as `micro_batch_time`."""
+    from megatron_hdp.scheduler.greedy import micro_batch_costs
+
+    model = CostModel(dataclasses.replace(SHAPE, window=1023, windowed_layers=2), H100)
+    lengths = np.array([65536, 700, 3000, 120, 40000, 9000])
+    ids = np.array([0, 1, 2, 3, 4, 5])
+    offsets = np.array([0, 1, 4, 5, 6])  # a ring, a pack of three, two rings
+    ks = np.array([4, 1, 2, 1])
+    got = micro_batch_costs(model.planner_cost, lengths, offsets, ids, ks, 16384)
+    groups = [[65536], [700, 3000, 120], [40000], [9000]]
+    want = [model.micro_batch_time(g, int(k)) for g, k in zip(groups, ks, strict=True)]
+    assert got.tolist() == pytest.approx(want, rel=1e-12)
