@@ -19,6 +19,9 @@ document; at step s it holds the K/V of source j = (p - s) mod k):
 - j <  p: both local chunks against the source's *first* chunk, fully visible;
 - j >  p: the local *second* chunk against both source chunks, fully visible.
 Every other chunk pair is masked out entirely. This holds for any chunk sizes.
+
+Sliding-window layers (`window=`) run `window_ring` instead: the same ring on a
+`window.WindowPlan`, which skips the steps and K/V rows the window hides.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ attention instead (`binds`). Pure host work, no collective.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -183,14 +184,7 @@ class _HostStep:
             self.lengths_q, self.lengths_k, causal=self.causal and band is None, device=device
         )
         if band is not None:
-            blocks = VarlenBlocks(
-                lengths_q=blocks.lengths_q,
-                lengths_k=blocks.lengths_k,
-                causal=False,
-                cu_seqlens_q=blocks.cu_seqlens_q,
-                cu_seqlens_k=blocks.cu_seqlens_k,
-                band=band,
-            )
+            blocks = dataclasses.replace(blocks, band=band)
         return StepBlocks(
             q_rows=None if self.q_rows is None else self.q_rows.to(device),
             kv_rows=None if self.kv_rows is None else self.kv_rows.to(device),
