@@ -115,6 +115,7 @@ def _prepare(parser, args, world_size: int):
             DeviceFacts.of(device),
             dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
             head_dim=args.kv_channels or args.hidden_size // args.num_attention_heads,
+            window=args.window_size is not None,
         )
         cfg = data_config(args, world_size)
         if args.hdp_data_service == "ray":  # the rank holds lengths, the loaders tokens

@@ -33,6 +33,7 @@ from megatron_hdp.megatron.arguments import (
     uses_static_mesh,
 )
 from megatron_hdp.scheduler.cost import ModelShape
+from megatron_hdp.scheduler.windows import check_window, windowed_layers
 from megatron_hdp.sim.models import SimModel
 from megatron_hdp.sim.simulate import static_cp
 
@@ -166,6 +167,14 @@ def model_shape(args: argparse.Namespace, vocab_size: int) -> ModelShape:
         num_experts=args.num_experts,
         moe_router_topk=args.moe_router_topk,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        window=check_window(getattr(args, "window_size", None)),
+        windowed_layers=sum(
+            windowed_layers(
+                args.num_layers,
+                getattr(args, "window_size", None),
+                getattr(args, "window_attn_skip_freq", None),
+            )
+        ),
     )
 
 

@@ -22,6 +22,8 @@ Every other chunk pair is masked out entirely. This holds for any chunk sizes.
 
 An attention variant that changes each query row's softmax as a whole (the sink of
 `sinks.py`) is a `RowFinalize` step after the merge, on the pack and the ring path alike.
+Sliding-window layers (`window=`) run `window_ring` instead: the same ring on a
+`window.WindowPlan`, which skips the steps and K/V rows the window hides.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ import torch.distributed as dist
 from megatron_hdp.attention.kernels.base import VarlenBlocks, VarlenKernel, accumulation_dtype
 from megatron_hdp.attention.kernels.registry import get_kernel
 from megatron_hdp.attention.ring_index import StepBlocks, ring_index
+from megatron_hdp.attention.window import binds
+from megatron_hdp.attention.window_ring import window_attention
 from megatron_hdp.distributed.ring_comm import CommStats, RingComm
 from megatron_hdp.host_copy import to_device
 from megatron_hdp.sharding import RankShard, shard
@@ -358,6 +362,7 @@ def hdp_attention(
     dropout: AttentionDropout | None = None,
     finalize: RowFinalize | None = None,
     finalize_params: Sequence[torch.Tensor] = (),
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's tokens of a micro-batch; returns `[T, H, D]`.
 
@@ -376,6 +381,9 @@ def hdp_attention(
         finalize: A step after the merge of every query row (`RowFinalize`, e.g. the
             attention sink of `sinks.SoftmaxSink`); None: none.
         finalize_params: The tensors `finalize` differentiates (its autograd inputs).
+        window: Sliding window (`attention.window`): each query sees `window` earlier
+            positions and its own; None (or a window no document exceeds) is full causal.
+            Runs `window_ring.window_attention`, which skips what the window hides.
     """
     num_tokens = spec.shards[spec.position].num_tokens
     if q_THD.shape[0] != num_tokens or k_TGD.shape != v_TGD.shape or k_TGD.shape[0] != num_tokens:
@@ -388,6 +396,12 @@ def hdp_attention(
             f"{q_THD.shape[1]} query heads are not a multiple of {k_TGD.shape[1]} key/value heads"
         )
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_THD.shape[-1])
+    if binds(window, spec.doc_lengths):
+        if dropout is not None:
+            raise ValueError("attention dropout with a sliding window is not supported")
+        if finalize is not None:
+            raise ValueError(f"{finalize.name} with a sliding window is not supported")
+        return window_attention(q_THD, k_TGD, v_TGD, spec, window, scale)
     if dropout is not None:
         spec = dropout.bind(spec, q_THD.device)
     if len(spec.active) == 1:

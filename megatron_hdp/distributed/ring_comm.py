@@ -118,6 +118,51 @@ class RingComm:
         works = dist.batch_isend_irecv(ops)
         return PendingExchange(works, send, recv)
 
+    def transfer(
+        self, send: torch.Tensor | None, recv: torch.Tensor | None, tag: int
+    ) -> PendingExchange | None:
+        """`exchange` where either side may be absent: nothing to send, or nothing to receive.
+
+        For rings whose messages differ per hop (sliding-window attention): the previous
+        member posts a send exactly where this one posts a receive. None when both are absent.
+        """
+        if send is not None and recv is not None:
+            return self.exchange(send, recv, tag)
+        if send is None and recv is None:
+            return None
+        if self.size == 1:
+            raise RuntimeError("a ring of one rank must not communicate")
+        if send is not None:
+            send = send.contiguous()
+            if self.stats is not None:
+                self.stats.bytes_sent += send.numel() * send.element_size()
+                self.stats.messages_sent += 1
+        if _order_only:
+            return self._one_side_by_order(send, recv, tag)
+        if send is not None:
+            op = dist.P2POp(dist.isend, send, group=self.group, tag=tag, group_peer=self.next_rank)
+        else:
+            op = dist.P2POp(dist.irecv, recv, group=self.group, tag=tag, group_peer=self.prev_rank)
+        return PendingExchange(dist.batch_isend_irecv([op]), send, recv)
+
+    def _one_side_by_order(self, send, recv, tag: int):
+        if send is not None:
+            header = torch.tensor([tag, send.numel()], dtype=torch.int64, device=send.device)
+            framed = torch.cat([header.view(torch.uint8), send.view(-1).view(torch.uint8)])
+            op = dist.P2POp(
+                dist.isend, framed, group=self.group, tag=ORDER_ONLY_TAG, group_peer=self.next_rank
+            )
+            return PendingExchange(dist.batch_isend_irecv([op]), framed, None)
+        inbox = torch.empty(
+            _HEADER_BYTES + recv.numel() * recv.element_size(),
+            dtype=torch.uint8,
+            device=recv.device,
+        )
+        op = dist.P2POp(
+            dist.irecv, inbox, group=self.group, tag=ORDER_ONLY_TAG, group_peer=self.prev_rank
+        )
+        return _CheckedExchange(dist.batch_isend_irecv([op]), None, recv, inbox, tag, self)
+
     def _exchange_by_order(self, send: torch.Tensor, recv: torch.Tensor, tag: int):
         header = torch.tensor([tag, send.numel()], dtype=torch.int64, device=send.device)
         framed = torch.cat([header.view(torch.uint8), send.view(-1).view(torch.uint8)])

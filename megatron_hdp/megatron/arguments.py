@@ -18,6 +18,7 @@ import math
 from collections.abc import Sequence
 
 from megatron_hdp.scheduler.placement import POLICIES
+from megatron_hdp.scheduler.windows import parse_skip_freq, parse_window_size
 
 #: Megatron-LM flags that exist there but not here; refused with this message.
 UNSUPPORTED_MEGATRON_FLAGS = {
@@ -152,6 +153,20 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm", help="norm"
+    )
+    g.add_argument(
+        "--window-size",
+        type=parse_window_size,
+        default=None,
+        help="sliding-window attention 'left,0': each token attends to the left earlier "
+        "tokens and itself (Megatron-Core's window_size; see docs/attention-variants.md)",
+    )
+    g.add_argument(
+        "--window-attn-skip-freq",
+        type=parse_skip_freq,
+        default=None,
+        help="which layers keep full attention with --window-size: N = every N-th layer, or a "
+        "list expression of 1 (window) / 0 (full) per layer, e.g. '([1]*3+[0])*2'",
     )
     g.add_argument("--swiglu", action="store_true", help="gated SiLU MLP")
     g.add_argument("--disable-bias-linear", action="store_true", help="no biases in linear layers")

@@ -76,6 +76,8 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         mtp_num_layers=args.mtp_num_layers,
         mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
+        window_size=args.window_size,
+        window_attn_skip_freq=_skip_freq(args.window_attn_skip_freq),
     )
 
 
@@ -98,6 +100,11 @@ def model_chunks(args: argparse.Namespace) -> int | None:
         )
     chunks = per_stage // per_chunk
     return chunks if chunks > 1 else None
+
+
+def _skip_freq(value):
+    """A list pattern as a tuple (GPTConfig is frozen); ints and None as they are."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 def optim_config(args: argparse.Namespace, *, override_scheduler: bool = False) -> OptimConfig:

@@ -2,7 +2,9 @@
 
 Megatron builds it in place of `DotProductAttention` / `TEDotProductAttention`; it gets
 THD tensors (`[t, heads, dim]`) and the micro-batch's `HDPPackedSeqParams`, applies RoPE at
-the tokens' original positions and runs `hdp_attention` (local or ring).
+the tokens' original positions and runs `hdp_attention` (local or ring). A layer that
+Megatron-Core makes a sliding-window layer (`config.window_size`, `window_attn_skip_freq`,
+its `is_layer_window_attention`) attends within that window (`attention.window`).
 
 Attention dropout (`attention_dropout`, Megatron's meaning: dropout of the probabilities in
 training) is keyed (`attention.dropout`): the masks depend on the tokens, not on where they
@@ -23,11 +25,13 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron_hdp.attention.dropout import MicroBatchKeys, check_probability
 from megatron_hdp.attention.ring import RingAttentionSpec, hdp_attention
 from megatron_hdp.attention.rope import RotaryTable
 from megatron_hdp.attention.sinks import SINK, check_softmax_type
+from megatron_hdp.attention.window import check_window
 from megatron_hdp.megatron import dropout as keyed
 
 logger = logging.getLogger(__name__)
@@ -95,6 +99,13 @@ class HDPCoreAttention(MegatronModule):
                 "softmax_type %s: one sink logit per head in every query row's softmax",
                 self.softmax_type,
             )
+        # Megatron-Core's own rule (layer numbers from 1, pipeline offset included), as its
+        # DotProductAttention and TEDotProductAttention apply it.
+        self.window = None
+        if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, layer_number
+        ):
+            self.window = check_window(config.window_size)
 
     def forward(
         self,
@@ -150,6 +161,7 @@ class HDPCoreAttention(MegatronModule):
             dropout=dropout,
             finalize=SINK if sink else None,
             finalize_params=sink,
+            window=self.window,
         )
         out = out.reshape(out.shape[0], -1)
         if padded != real:

@@ -29,6 +29,7 @@ from megatron_hdp.megatron.core_attention import HDPCoreAttention
 from megatron_hdp.megatron.dropout import install_keyed_dropout
 from megatron_hdp.megatron.moe import GlobalIndexSequentialMLP, SequenceAuxLossRouter
 from megatron_hdp.scheduler.cost import ModelShape
+from megatron_hdp.scheduler.windows import check_window, window_problems, windowed_layers
 
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
 _DTYPES = {
@@ -135,6 +136,12 @@ class GPTConfig:
     Megatron-Core's MTP block, with HDP's shifted inputs and labels (`mtp.py`)."""
     mtp_loss_scaling_factor: float = 0.1
     """The MTP losses' weight, shared by the depths (--mtp-loss-scaling-factor)."""
+    window_size: tuple[int, int] | None = None
+    """Sliding-window attention `(left, 0)`: each query sees `left` earlier tokens and its
+    own (--window-size, Megatron-Core's meaning); None: full causal attention."""
+    window_attn_skip_freq: int | tuple[int, ...] | None = None
+    """Which layers keep full attention (--window-attn-skip-freq): an int N makes every N-th
+    layer full, a tuple has one 1 (windowed) or 0 (full) per layer; None: all windowed."""
 
     def __post_init__(self) -> None:
         if self.position_embedding_type not in POSITION_EMBEDDINGS:
@@ -234,6 +241,13 @@ class GPTConfig:
                 f"num_layers {self.num_layers} is not divisible by {pp} stages x {vp} model "
                 "chunks (every chunk holds the same number of layers)"
             )
+        for problem in window_problems(
+            self.window_size,
+            self.window_attn_skip_freq,
+            num_layers=self.num_layers,
+            attention_dropout=self.attention_dropout,
+        ):
+            raise ValueError(problem)
 
     def _check_head_shape(self) -> None:
         """Raise ValueError for a head size or RoPE share HDP attention cannot run."""
@@ -323,6 +337,10 @@ def model_shape(cfg: GPTConfig) -> ModelShape:
         num_experts=cfg.num_experts,
         moe_router_topk=cfg.moe_router_topk,
         moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
+        window=check_window(cfg.window_size),
+        windowed_layers=sum(
+            windowed_layers(cfg.num_layers, cfg.window_size, cfg.window_attn_skip_freq)
+        ),
     )
 
 
@@ -367,6 +385,13 @@ def transformer_config(cfg: GPTConfig) -> TransformerConfig:
         **({"overlap_p2p_comm": True, "batch_p2p_comm": False} if cfg.num_chunks > 1 else {}),
         mtp_num_layers=cfg.mtp_num_layers,
         mtp_loss_scaling_factor=cfg.mtp_loss_scaling_factor,
+        window_size=None if cfg.window_size is None else tuple(cfg.window_size),
+        # Megatron-Core tells a pattern by `isinstance(..., list)`.
+        window_attn_skip_freq=(
+            list(cfg.window_attn_skip_freq)
+            if isinstance(cfg.window_attn_skip_freq, tuple)
+            else cfg.window_attn_skip_freq
+        ),
         **(_moe_settings(cfg) or _dense_settings(cfg)),
     )
 

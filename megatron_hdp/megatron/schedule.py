@@ -51,8 +51,8 @@ from megatron_hdp.megatron.ep_lockstep import lockstep_slots, padding_batch, pad
 from megatron_hdp.megatron.grad_sync import OrderedGradSync, sync_in_backward
 from megatron_hdp.megatron.model import GPTConfig
 from megatron_hdp.megatron.moe import moe_micro_batch
-from megatron_hdp.megatron.pipeline import interleaved_padding
 from megatron_hdp.megatron.mtp import set_backward_scale
+from megatron_hdp.megatron.pipeline import interleaved_padding
 from megatron_hdp.megatron.step import (
     StepRuntime,
     local_batches,

@@ -67,6 +67,7 @@ from megatron_hdp.offload.host_budget import (
     local_processes,
 )
 from megatron_hdp.scheduler.cost import PROFILES, DeviceProfile
+from megatron_hdp.scheduler.windows import window_problems
 
 __all__ = [
     "NothingToTrain",
@@ -209,6 +210,14 @@ def _check_numbers(args: argparse.Namespace) -> None:
             f"collective timeout ({timeout_s:g} s from --distributed-timeout-minutes), or the "
             "report comes after the job has failed"
         )
+    problems = window_problems(
+        args.window_size,
+        args.window_attn_skip_freq,
+        num_layers=args.num_layers,
+        attention_dropout=args.attention_dropout,
+    )
+    if problems:
+        raise ValueError("; ".join(problems))
     timeline_interval = getattr(args, "hdp_timeline_interval", None)
     if timeline_interval and args.hdp_metrics_file is None:
         raise ValueError(
@@ -981,6 +990,8 @@ MODEL_FIELDS_BEFORE_THEY_EXISTED = {
     "virtual_pipeline_model_parallel_size": None,
     "mtp_num_layers": None,
     "mtp_loss_scaling_factor": 0.1,
+    "window_size": None,
+    "window_attn_skip_freq": None,
 }
 #: Model settings that change no parameter, so a resume may change them.
 MAY_CHANGE_ON_RESUME = (
@@ -1132,6 +1143,7 @@ def check_resume_matches(
         model = {k: v for k, v in model.items() if k in (saved_model or {})}
     if saved_model is not None:
         saved_model = {**MODEL_FIELDS_BEFORE_THEY_EXISTED, **saved_model}
+        model = json.loads(json.dumps(model))  # as meta.json holds it: tuples are lists
         may_change = MAY_CHANGE_ON_RESUME
         if meta.get("format") == "torch_dist":
             may_change += RESHARDED_ON_LOAD

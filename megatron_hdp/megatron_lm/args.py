@@ -20,6 +20,7 @@ from megatron_hdp.data.sampler import parse_split
 from megatron_hdp.errors import one_message
 from megatron_hdp.megatron.arguments import add_hdp_args
 from megatron_hdp.megatron_lm.moe import moe_refusals
+from megatron_hdp.scheduler.windows import window_problems
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +126,6 @@ _REFUSED_MEGATRON = (
         lambda v: v is not None,
         "--rotary-seq-len-interpolation-factor: HDP applies RoPE at the original positions",
     ),
-    ("window_size", lambda v: v is not None, "--window-size: HDP attention is full causal"),
     ("hybrid_context_parallel", bool, "--hybrid-context-parallel: HDP replaces it"),
     (
         "inprocess_restart",
@@ -360,6 +360,15 @@ def _refusals(args: argparse.Namespace, flags: dict) -> list[str]:
             f"{args.pipeline_model_parallel_size}: HDP runs multi-token prediction with one "
             "pipeline stage only (with --hdp)"
         )
+    problems += [
+        f"{message} (with --hdp)"
+        for message in window_problems(
+            getattr(args, "window_size", None),
+            getattr(args, "window_attn_skip_freq", None),
+            num_layers=args.num_layers,
+            attention_dropout=getattr(args, "attention_dropout", 0.0) or 0.0,
+        )
+    ]
     if getattr(args, "dataloader_type", None) not in (None, "external"):
         problems.append(
             f"--dataloader-type {args.dataloader_type}: --hdp brings its own data iterator "
@@ -549,7 +558,11 @@ def finish_args(args: argparse.Namespace) -> None:
     cfg = gpt_config(args, vocab_size=args.tensor_model_parallel_size)  # raises on a bad shape
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.hdp_attention_backend = resolve_kernel(
-        args.hdp_attention_backend, DeviceFacts.of(device), dtype=cfg.dtype, head_dim=cfg.head_dim
+        args.hdp_attention_backend,
+        DeviceFacts.of(device),
+        dtype=cfg.dtype,
+        head_dim=cfg.head_dim,
+        window=cfg.window_size is not None,
     )
     from megatron_hdp.megatron_lm.switch import startup_problems
 

@@ -62,8 +62,15 @@ def gpt_config(args: argparse.Namespace, vocab_size: int | None = None) -> GPTCo
         fp8=getattr(args, "fp8", None) is not None,
         mtp_num_layers=getattr(args, "mtp_num_layers", None) or None,
         mtp_loss_scaling_factor=float(getattr(args, "mtp_loss_scaling_factor", 0.1)),
+        window_size=getattr(args, "window_size", None),
+        window_attn_skip_freq=_skip_freq(getattr(args, "window_attn_skip_freq", None)),
         **moe_fields(args),
     )
+
+
+def _skip_freq(value):
+    """A list pattern as a tuple (GPTConfig is frozen); ints and None as they are."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 def params_dtype(args: argparse.Namespace) -> str:

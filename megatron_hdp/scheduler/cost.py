@@ -10,6 +10,9 @@ all layers of one model replica (an HDP rank):
   the router and the top-k experts a token runs through, not all experts.
 - `attention(s) = L * 3.5 * 2 * s^2 * d_q / F_attn`: causal attention scores and values,
   forward `4 s^2 d_q / 2` FLOPs (half the square), backward 2.5x forward.
+- sliding-window layers (`ModelShape.window`, `windowed_layers`) compute only the pairs
+  within their window and their rings carry only the rows later windows reach
+  (`scheduler.windows`).
 - `exposed_ring(s, k)`: each layer's ring has `k - 1` forward steps moving K/V of `s/k`
   tokens and, backward, `k - 1` K/V steps plus `k` dK/dV steps; a step costs
   `latency + bytes / bandwidth` and hides behind that step's share of attention compute,
@@ -31,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_hdp.scheduler.windows import attention_pairs, window_ring_rows
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelShape:
@@ -51,6 +56,11 @@ class ModelShape:
     """Experts each token runs through (MoE)."""
     moe_ffn_hidden_size: int | None = None
     """Hidden size of each expert; None: `ffn_hidden_size`."""
+    window: int | None = None
+    """Sliding window of the windowed layers (--window-size's left; `scheduler.windows`)."""
+    windowed_layers: int = 0
+    """How many layers attend within `window` (Megatron-Core's --window-attn-skip-freq rule,
+    `windows.windowed_layers`); the others attend in full."""
 
     @property
     def head_dim(self) -> int:
@@ -220,13 +230,47 @@ class CostModel:
         return 6.0 * self.model.params_per_token * s / self.device.linear_flops
 
     def attention_time(self, s: float) -> float:
-        """Causal attention seconds of a whole sequence on one rank, all layers."""
+        """Causal attention seconds of a whole sequence on one rank, all layers.
+
+        Windowed layers compute only the pairs within their window (`windows.attention_pairs`).
+        """
         m = self.model
+        if self._windowed:
+            return self._full_attention_time(s) + self.windowed_attention_time(s)
         forward = 2.0 * s * s * m.num_attention_heads * m.head_dim
         return m.num_layers * _ATTENTION_TRAIN_FACTOR * forward / self.device.attention_flops
 
-    def _exposed(self, tokens, attention, k):
-        """Exposed ring seconds for `tokens` per ring pass hiding behind `attention` seconds."""
+    @property
+    def _windowed(self) -> bool:
+        return self.model.window is not None and self.model.windowed_layers > 0
+
+    def _pairs_time(self, pairs, layers: int):
+        m = self.model
+        forward = 4.0 * pairs * m.num_attention_heads * m.head_dim
+        out = layers * _ATTENTION_TRAIN_FACTOR * forward / self.device.attention_flops
+        return float(out) if np.ndim(out) == 0 else out
+
+    def _full_attention_time(self, s):
+        """Attention seconds of the layers without a window."""
+        layers = self.model.num_layers - (self.model.windowed_layers if self._windowed else 0)
+        return self._pairs_time(attention_pairs(s, None), layers)
+
+    def windowed_attention_time(self, s):
+        """Attention seconds of the windowed layers alone (0 without a window)."""
+        if not self._windowed:
+            return self._pairs_time(np.zeros_like(np.asarray(s, dtype=np.float64)), 0)
+        m = self.model
+        return self._pairs_time(attention_pairs(s, m.window), m.windowed_layers)
+
+    def _exposed(self, tokens, attention, k, windowed=None):
+        """Exposed ring seconds for `tokens` per ring pass hiding behind `attention` seconds.
+
+        With windowed layers, `windowed` is their share of `attention` (default: that of one
+        sequence of `tokens`); their rings carry `windows.window_ring_rows` rows per hop and
+        hide behind their own attention, the other layers' as without a window.
+        """
+        if self._windowed:
+            return self._exposed_windowed(tokens, attention, k, windowed)
         m, d = self.model, self.device
         k = np.asarray(k, dtype=np.float64)
         ring = k > 1
@@ -243,11 +287,43 @@ class CostModel:
         out = np.where(ring, m.num_layers * per_layer, 0.0)
         return float(out) if out.ndim == 0 else out
 
+    def _exposed_windowed(self, tokens, attention, k, windowed):
+        m, d = self.model, self.device
+        tokens = np.asarray(tokens, dtype=np.float64)
+        if windowed is None:
+            windowed = self.windowed_attention_time(tokens)
+        k = np.asarray(k, dtype=np.float64)
+        ring = k > 1
+        k_safe = np.where(ring, k, 2.0)
+        local = tokens / k_safe
+        layers_w = m.windowed_layers
+        layers_f = m.num_layers - layers_w
+
+        def per_layer(rows, layer_attention, layers):
+            transfer = d.p2p_latency + 2.0 * rows * m.kv_dim * d.bytes_per_element / d.p2p_bandwidth
+            forward_step = (
+                layer_attention / (k_safe * k_safe) / (_ATTENTION_TRAIN_FACTOR * max(layers, 1))
+            )
+            backward_step = forward_step * _BACKWARD_STEP_FACTOR
+            return (
+                (k_safe - 1) * np.maximum(0.0, transfer - forward_step)
+                + (k_safe - 1) * np.maximum(0.0, 2.0 * transfer - backward_step)
+                + transfer
+            )
+
+        windowed = np.asarray(windowed, dtype=np.float64)
+        total = layers_f * per_layer(local, np.asarray(attention) - windowed, layers_f)
+        total = total + layers_w * per_layer(window_ring_rows(local, m.window), windowed, layers_w)
+        out = np.where(ring, total, 0.0)
+        return float(out) if out.ndim == 0 else out
+
     def exposed_ring_time(self, s, k):
         """Ring communication seconds not hidden by attention compute, per member.
 
         Works on floats or numpy arrays; zero where `k <= 1`.
         """
+        if self._windowed:
+            return self._exposed(s, self.attention_time(s), k, self.windowed_attention_time(s))
         return self._exposed(s, self.attention_time(s), k)
 
     def time(self, s, k=1):
@@ -269,6 +345,9 @@ class CostModel:
         s = np.asarray(lengths, dtype=np.float64)
         attention = float(np.sum(self.attention_time(s)))
         compute = (float(np.sum(self.linear_time(s))) + attention) / k
+        if self._windowed:
+            windowed = float(np.sum(self.windowed_attention_time(s)))
+            return compute + float(self._exposed(float(s.sum()), attention, k, windowed))
         return compute + float(self._exposed(float(s.sum()), attention, k))
 
     def forward_share(self, lengths: Sequence[int]) -> float:

@@ -167,7 +167,12 @@ def micro_batch_costs(cost: CostFn, lengths, offsets, ids, ks, capacity: int) ->
         attention = _numpy_sums(model.attention_time(s), offsets)
         compute = (_numpy_sums(model.linear_time(s), offsets) + attention) / ks
         tokens = _numpy_sums(s, offsets)
-        return compute + np.asarray(model._exposed(tokens, attention, ks), dtype=np.float64)
+        if model._windowed:
+            windowed = _numpy_sums(model.windowed_attention_time(s), offsets)
+            exposed = model._exposed(tokens, attention, ks, windowed)
+        else:
+            exposed = model._exposed(tokens, attention, ks)
+        return compute + np.asarray(exposed, dtype=np.float64)
     seqs = [int(x) for x in lengths.tolist()] if lengths.dtype.kind in "iu" else lengths
     return np.array(
         [

@@ -22,11 +22,12 @@ from pathlib import Path
 import numpy as np
 
 from megatron_hdp.scheduler.cost import CostModel
+from megatron_hdp.scheduler.windows import parse_skip_freq, parse_window_size
 from megatron_hdp.sim import claims as claims_mod
 from megatron_hdp.sim import pipelines as pipelines_mod
 from megatron_hdp.sim.clusters import CLUSTERS
 from megatron_hdp.sim.distributions import GENERATORS
-from megatron_hdp.sim.models import MODELS, PAPER_CAPACITY, memory_capacity
+from megatron_hdp.sim.models import MODELS, PAPER_CAPACITY, memory_capacity, with_window
 from megatron_hdp.sim.simulate import (
     ABLATION,
     LABELS,
@@ -149,6 +150,18 @@ def build_parser() -> argparse.ArgumentParser:
         default="mixtral-8x7b",
         help="model whose cost model prices the Fig. 5 case (two 4-stage pipelines, 8 "
         "micro-batches each); '' to skip",
+    )
+    p.add_argument(
+        "--window-size",
+        type=parse_window_size,
+        default=None,
+        help="price sliding-window attention 'left,0' in every model (Megatron-Core's meaning)",
+    )
+    p.add_argument(
+        "--window-attn-skip-freq",
+        type=parse_skip_freq,
+        default=None,
+        help="with --window-size: every N-th layer full, or a 1/0 list per layer",
     )
     p.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
     p.add_argument(
@@ -416,6 +429,11 @@ def main(argv=None) -> int:
             _say(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}", error=True)
             return 2
     models = [MODELS[m] for m in args.models.split(",") if m]
+    try:
+        models = [with_window(m, args.window_size, args.window_attn_skip_freq) for m in models]
+    except ValueError as err:
+        _say(str(err), error=True)
+        return 2
     datasets = [d for d in args.datasets.split(",") if d]
     contexts = [_tokens(c) for c in args.contexts.split(",") if c]
     cluster = CLUSTERS[args.cluster]

@@ -33,9 +33,11 @@ through Megatron's 1F1B schedule (`scheduler.pipeline_timeline`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megatron_hdp.scheduler.cost import ModelShape
+from megatron_hdp.scheduler.windows import check_window, window_problems, windowed_layers
 
 K = 1024
 
@@ -143,3 +145,22 @@ def memory_capacity(
     free = gpu_memory - reserve - (6.0 + 12.0 / pool) * per_gpu_params
     per_token = model.layers_per_stage * 34.0 * model.shape.hidden_size / model.tp
     return max(0, int(free / per_token))
+
+
+def with_window(model: SimModel, window_size, skip_freq) -> SimModel:
+    """`model` with sliding-window attention priced (`scheduler.windows`); as is for None.
+
+    ValueError naming the value for flags Megatron-Core would not take (`window_problems`).
+    """
+    if window_size is None and skip_freq is None:
+        return model
+    layers = model.shape.num_layers
+    problems = window_problems(window_size, skip_freq, num_layers=layers)
+    if problems:
+        raise ValueError(f"{model.name}: {problems[0]}")
+    shape = dataclasses.replace(
+        model.shape,
+        window=check_window(window_size),
+        windowed_layers=sum(windowed_layers(layers, window_size, skip_freq)),
+    )
+    return dataclasses.replace(model, shape=shape)

@@ -4,9 +4,11 @@
 `version` (2.6.0, 2.6.1, 2.6.2, 2.6.3, 2.7.0 or 2.8.3): `_flash_attn_varlen_forward` and
 `_flash_attn_varlen_backward` with that tag's exact parameter list (names, order, which have
 defaults) and that tag's return value, computed with the project's `math` kernel so that an
-adapter's results can be compared with it. Each definition names the file and line of the
-tag it copies (flash-attention `flash_attn/flash_attn_interface.py`; the C++ results from
-`csrc/flash_attn/flash_api.cpp` `mha_varlen_fwd` / `mha_varlen_bwd`).
+adapter's results can be compared with it; with a sliding window, dense attention under the
+C++ code's window mask (`flash_window`, written out from `flash_api.cpp` and `mask.h`).
+Each definition names the file and line of the tag it copies (flash-attention
+`flash_attn/flash_attn_interface.py`; the C++ results from `csrc/flash_attn/flash_api.cpp`
+`mha_varlen_fwd` / `mha_varlen_bwd`).
 
 Differences from the real ones, none visible to the adapter: no CUDA (any dtype, CPU
 tensors), the 2.7/2.8 custom ops are registered for every device instead of
@@ -40,9 +42,68 @@ def _blocks(q, cu_seqlens_q, cu_seqlens_k, causal) -> VarlenBlocks:
     )
 
 
-def _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window):
-    """`(out, softmax_lse)`: the math kernel's, the lse float32 `[H, total_q]` as flash gives."""
-    assert window == (-1, -1), "the fakes compute without a sliding window"
+def flash_window(lq, lk, *, window, causal, max_seqlen_k) -> torch.Tensor | None:
+    """flash-attn 2's visible `[lq, lk]` pairs of one sequence with a window; None: no mask.
+
+    `mha_varlen_fwd` / `mha_varlen_bwd` (`csrc/flash_attn/flash_api.cpp`): causal sets the
+    right window to 0, a window >= `max_seqlen_k` becomes -1; `set_params_fprop`: one side
+    -1 and the other >= 0 makes the -1 side `max_seqlen_k`; `kernels/mask.h`: row r sees
+    column c iff `r + lk - lq - left <= c < r + 1 + lk - lq + right` (bottom-right aligned).
+    """
+    left, right = window
+    if causal:
+        right = 0
+    left = -1 if left >= max_seqlen_k else left
+    right = -1 if right >= max_seqlen_k else right
+    if left < 0 and right < 0:
+        return None
+    left = max_seqlen_k if left < 0 else left
+    right = max_seqlen_k if right < 0 else right
+    r = torch.arange(lq).unsqueeze(1)
+    c = torch.arange(lk).unsqueeze(0)
+    return (c >= r + lk - lq - left) & (c < r + 1 + lk - lq + right)
+
+
+def _pieces(cu_seqlens_q, cu_seqlens_k):
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for i in range(len(cu_q) - 1):
+        yield slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+
+
+def _windowed_probs(q, k, rows, cols, mask, scale, lse=None):
+    heads = q.shape[1]
+    kk = k[cols].repeat_interleave(heads // k.shape[1], dim=1).double()
+    scores = torch.einsum("qhd,khd->hqk", q[rows].double(), kk) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - lse.unsqueeze(-1)), lse
+
+
+def _attend_windowed(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, window, max_seqlen_k):
+    heads = q.shape[1]
+    out = torch.empty_like(q)
+    lse = torch.empty(heads, q.shape[0], dtype=torch.float32)
+    for rows, cols in _pieces(cu_seqlens_q, cu_seqlens_k):
+        lq, lk = rows.stop - rows.start, cols.stop - cols.start
+        mask = flash_window(lq, lk, window=window, causal=causal, max_seqlen_k=max_seqlen_k)
+        mask = torch.ones(lq, lk, dtype=torch.bool) if mask is None else mask
+        probs, lse_b = _windowed_probs(q, k, rows, cols, mask, scale)
+        vv = v[cols].repeat_interleave(heads // v.shape[1], dim=1).double()
+        out[rows] = torch.einsum("hqk,khd->qhd", probs, vv).to(q.dtype)
+        lse[:, rows] = lse_b.float()
+    return out, lse
+
+
+def _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window, max_seqlen_k=None):
+    """`(out, softmax_lse)`: the math kernel's, the lse float32 `[H, total_q]` as flash gives.
+
+    With a sliding window: dense attention under `flash_window`'s mask, in float64.
+    """
+    if window != (-1, -1):
+        return _attend_windowed(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window, max_seqlen_k
+        )
     blocks = _blocks(q, cu_seqlens_q, cu_seqlens_k, causal)
     out, lse = MATH.forward(q, k, v, blocks, scale=softmax_scale)
     return out, lse.float()
@@ -51,12 +112,16 @@ def _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window):
 def _gradients(args: dict, window) -> torch.Tensor:
     """Fill `dq`, `dk`, `dv` from the math kernel; returns `softmax_d` (`mha_varlen_bwd`'s
     `[num_heads, total_q + 128 * batch_size]` float32)."""
-    assert window == (-1, -1) and args["softcap"] == 0.0 and args["alibi_slopes"] is None
+    assert args["softcap"] == 0.0 and args["alibi_slopes"] is None
     assert args["dropout_p"] == 0.0
     q = args["q"]
     total_q, heads = q.shape[0], q.shape[1]
     # mha_varlen_bwd checks only the lse's device and reads heads * total_q floats.
     lse = args["softmax_lse"].reshape(-1)[: heads * total_q].view(heads, total_q)
+    if window != (-1, -1):
+        _windowed_gradients(args, window, lse)
+        batch = args["cu_seqlens_q"].numel() - 1
+        return torch.zeros(heads, total_q + 128 * batch, dtype=torch.float32)
     blocks = _blocks(q, args["cu_seqlens_q"], args["cu_seqlens_k"], args["causal"])
     grads = MATH.backward(
         args["dout"], q, args["k"], args["v"], args["out"], lse, blocks,
@@ -66,6 +131,32 @@ def _gradients(args: dict, window) -> torch.Tensor:
         target.copy_(value)
     batch = args["cu_seqlens_q"].numel() - 1
     return torch.zeros(heads, total_q + 128 * batch, dtype=torch.float32)
+
+
+def _windowed_gradients(args: dict, window, lse) -> None:
+    """`dq`, `dk`, `dv` under `flash_window`'s mask, from the given out and lse (float64)."""
+    q, k, v, dout, out = args["q"], args["k"], args["v"], args["dout"], args["out"]
+    heads, groups = q.shape[1], k.shape[1]
+    for rows, cols in _pieces(args["cu_seqlens_q"], args["cu_seqlens_k"]):
+        lq, lk = rows.stop - rows.start, cols.stop - cols.start
+        mask = flash_window(
+            lq, lk, window=window, causal=args["causal"], max_seqlen_k=args["max_seqlen_k"]
+        )
+        mask = torch.ones(lq, lk, dtype=torch.bool) if mask is None else mask
+        scale = args["softmax_scale"]
+        probs, _ = _windowed_probs(q, k, rows, cols, mask, scale, lse[:, rows].double())
+        vv = v[cols].repeat_interleave(heads // groups, dim=1).double()
+        kk = k[cols].repeat_interleave(heads // groups, dim=1).double()
+        do, o, qq = dout[rows].double(), out[rows].double(), q[rows].double()
+        dv = torch.einsum("hqk,qhd->khd", probs, do)
+        dp = torch.einsum("qhd,khd->hqk", do, vv)
+        delta = (do * o).sum(-1).transpose(0, 1).unsqueeze(-1)
+        ds = probs * (dp - delta)
+        dq = torch.einsum("hqk,khd->qhd", ds, kk) * scale
+        dk = torch.einsum("hqk,qhd->khd", ds, qq) * scale
+        args["dq"][rows] = dq.to(q.dtype)
+        args["dk"][cols] = dk.view(lk, groups, heads // groups, -1).sum(2).to(k.dtype)
+        args["dv"][cols] = dv.view(lk, groups, heads // groups, -1).sum(2).to(v.dtype)
 
 
 def _forward_26(calls: list, args: dict) -> tuple:
@@ -78,7 +169,7 @@ def _forward_26(calls: list, args: dict) -> tuple:
     q, k, v = args["q"], args["k"], args["v"]
     out, lse = _attend(
         q, k, v, args["cu_seqlens_q"], args["cu_seqlens_k"], args["softmax_scale"],
-        args["causal"], tuple(args["window_size"]),
+        args["causal"], tuple(args["window_size"]), args["max_seqlen_k"],
     )  # fmt: skip
     return out, q, k, v, out, lse, None, torch.zeros(2, dtype=torch.int64)
 
@@ -96,7 +187,7 @@ def _forward_27(calls: list, args: dict) -> tuple:
     out, lse = _attend(
         args["q"], args["k"], args["v"], args["cu_seqlens_q"], args["cu_seqlens_k"],
         args["softmax_scale"], args["causal"],
-        (args["window_size_left"], args["window_size_right"]),
+        (args["window_size_left"], args["window_size_right"]), args["max_seqlen_k"],
     )  # fmt: skip
     return out, lse, torch.empty(0, dtype=out.dtype), torch.zeros(2, dtype=torch.int64)
 

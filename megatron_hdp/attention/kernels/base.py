@@ -17,12 +17,36 @@ ring steps), as the flash-attention recipe and Transformer Engine's ring do.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from megatron_hdp.attention.kernels.device import DeviceFacts
+
+
+@dataclass(frozen=True)
+class Band:
+    """A sliding window over a step's blocks (`attention.window`).
+
+    Query row r sees key row c of its block iff
+    `positions_k[c] <= positions_q[r] <= positions_k[c] + window` (Megatron-Core's window
+    `(window, 0)`: `window` earlier positions and the query's own). The positions are the
+    rows' positions in their document, packed as the rows are; every query row of a banded
+    block sees at least one key (rows that see none are left out of the step).
+
+    Attributes:
+        window: Earlier positions each query sees (>= 0).
+        positions_q / positions_k: int64 positions on the tensors' device.
+        host_q / host_k: The same on the host (for kernels that split blocks by position).
+    """
+
+    window: int
+    positions_q: torch.Tensor
+    positions_k: torch.Tensor
+    host_q: torch.Tensor
+    host_k: torch.Tensor
+    _calls: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -35,6 +59,8 @@ class VarlenBlocks:
         causal: Every block is causal (then lengths_q == lengths_k) or every one is full.
         cu_seqlens_q: int32 `[B + 1]` offsets of `lengths_q`, on the tensors' device.
         cu_seqlens_k: int32 `[B + 1]` offsets of `lengths_k`.
+        band: A sliding window; then `causal` is ignored and the band's positions decide
+            which pairs are visible. None for the causal / full blocks of full attention.
     """
 
     lengths_q: tuple[int, ...]
@@ -42,6 +68,7 @@ class VarlenBlocks:
     causal: bool
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
+    band: Band | None = field(default=None, kw_only=True)
 
     @classmethod
     def build(
@@ -102,6 +129,13 @@ class VarlenKernel(Protocol):
 
     def activate(self) -> None:
         """Process-wide set-up once the kernel is chosen (most kernels need none)."""
+        ...
+
+    def window_reason(self) -> str | None:
+        """None if the kernel computes banded steps (`Band`, sliding windows); else why not.
+
+        Optional (`registry.window_reason`): a kernel without it takes no window.
+        """
         ...
 
     def forward(

@@ -4,6 +4,7 @@
 cross-check. Both are CPU kernels: on CUDA they would materialise a dense score matrix per
 document, so kernel choice refuses them there (tests may still call them on any device).
 K/V heads are expanded per block here, inside the kernel (the GPU kernels take GQA natively).
+Sliding-window (banded) blocks run the dense banded math of `kernels.band` in both kernels.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from megatron_hdp.attention.backends import AttentionBackend, MathBackend, TorchBackend
+from megatron_hdp.attention.kernels.band import band_backward, band_forward
 from megatron_hdp.attention.kernels.base import VarlenBlocks
 from megatron_hdp.attention.kernels.device import DeviceFacts
 
@@ -47,6 +49,10 @@ class BlockLoopKernel:
     def activate(self) -> None:
         """Nothing to set up."""
 
+    def window_reason(self) -> str | None:
+        """Banded steps run `kernels.band`'s dense banded math: always available."""
+        return None
+
     def _pieces(self, blocks: VarlenBlocks):
         q0 = k0 = 0
         for lq, lk in zip(blocks.lengths_q, blocks.lengths_k, strict=True):
@@ -55,6 +61,8 @@ class BlockLoopKernel:
 
     def forward(self, q_THD, k_TGD, v_TGD, blocks, *, scale):
         """See `base.VarlenKernel.forward`."""
+        if blocks.band is not None:
+            return band_forward(q_THD, k_TGD, v_TGD, blocks, scale=scale)
         heads = q_THD.shape[1]
         out = torch.empty_like(q_THD)
         lse = None
@@ -74,6 +82,10 @@ class BlockLoopKernel:
 
     def backward(self, dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_HT, blocks, *, scale):
         """See `base.VarlenKernel.backward`."""
+        if blocks.band is not None:
+            return band_backward(
+                dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_HT, blocks, scale=scale
+            )
         heads, groups = q_THD.shape[1], k_TGD.shape[1]
         dq = torch.empty_like(q_THD)
         dk, dv = torch.empty_like(k_TGD), torch.empty_like(v_TGD)

@@ -5,7 +5,9 @@ releases. From 2.7 they are `torch.library.custom_op` objects (with torch >= 2.4
 `inspect.signature` is `(*args, **kwargs)`: their parameter names are read from the
 registered op schema (or the wrapped function) instead. 2.6 takes the sliding window as one
 `window_size` tuple, 2.7 and 2.8 as `window_size_left` / `window_size_right`; both forms are
-supported. Everything is passed by keyword, every argument the adapter depends on included
+supported; sliding-window (banded) steps pass them per call (`kernels.windowed`: one call
+per window, merged by log-sum-exp). Everything is passed by keyword, every argument the
+adapter depends on included
 (2.6.0 and 2.6.1 declare `window_size`, `softcap`, `alibi_slopes`, `return_softmax` and, in
 2.6.0, `block_table` without defaults), after `signature_problem()` has checked once, at
 start-up, that every keyword exists.
@@ -27,6 +29,7 @@ import torch
 
 from megatron_hdp.attention.kernels.base import VarlenBlocks, check_lse
 from megatron_hdp.attention.kernels.device import DeviceFacts, flash_limits
+from megatron_hdp.attention.kernels.windowed import WindowCall, banded_backward, banded_forward
 
 FORWARD_KEYWORDS = (
     "q",
@@ -99,11 +102,16 @@ def _window_keywords(names: tuple[str, ...]) -> tuple[str, ...] | None:
     return None
 
 
+def _window(names: tuple[str, ...], left: int = -1, right: int = -1) -> dict:
+    """The window keywords in this release's spelling; (-1, -1) turns the window off."""
+    if _window_keywords(names) == WINDOW_TUPLE:
+        return {"window_size": (left, right)}
+    return {"window_size_left": left, "window_size_right": right}
+
+
 def _no_window(names: tuple[str, ...]) -> dict:
     """The keywords that turn the sliding window off, in this release's spelling."""
-    if _window_keywords(names) == WINDOW_TUPLE:
-        return {"window_size": (-1, -1)}
-    return {"window_size_left": -1, "window_size_right": -1}
+    return _window(names)
 
 
 def forward_lse(result, q_THD):
@@ -154,8 +162,14 @@ class FlashAttnKernel:
     def activate(self) -> None:
         """Nothing to set up."""
 
+    def window_reason(self) -> str | None:
+        """None: banded steps pass flash-attn's window arguments (`kernels.windowed`)."""
+        return None
+
     def forward(self, q_THD, k_TGD, v_TGD, blocks: VarlenBlocks, *, scale):
-        """See `base.VarlenKernel.forward`."""
+        """See `base.VarlenKernel.forward` (banded steps: `windowed.banded_forward`)."""
+        if blocks.band is not None:
+            return banded_forward(self._window_forward, q_THD, k_TGD, v_TGD, blocks, scale=scale)
         function = _interface()._flash_attn_varlen_forward
         result = function(
             q=q_THD,
@@ -178,6 +192,18 @@ class FlashAttnKernel:
 
     def backward(self, dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_HT, blocks, *, scale):
         """See `base.VarlenKernel.backward` (deterministic in torch's deterministic mode)."""
+        if blocks.band is not None:
+            return banded_backward(
+                self._window_backward,
+                dout_THD,
+                q_THD,
+                k_TGD,
+                v_TGD,
+                out_THD,
+                lse_HT,
+                blocks,
+                scale=scale,
+            )
         function = _interface()._flash_attn_varlen_backward
         check_lse(lse_HT, q_THD, "the log-sum-exp handed to flash_attn's backward")
         dq, dk, dv = torch.empty_like(q_THD), torch.empty_like(k_TGD), torch.empty_like(v_TGD)
@@ -202,5 +228,54 @@ class FlashAttnKernel:
             alibi_slopes=None,
             deterministic=torch.are_deterministic_algorithms_enabled(),
             **_no_window(parameter_names(function)),
+        )
+        return dq, dk, dv
+
+    def _window_forward(self, q_THD, k_TGD, v_TGD, call: WindowCall, scale):
+        """One windowed call of a banded step (`kernels.windowed`)."""
+        function = _interface()._flash_attn_varlen_forward
+        result = function(
+            q=q_THD,
+            k=k_TGD,
+            v=v_TGD,
+            cu_seqlens_q=call.blocks.cu_seqlens_q,
+            cu_seqlens_k=call.blocks.cu_seqlens_k,
+            max_seqlen_q=call.blocks.max_seqlen_q,
+            max_seqlen_k=call.max_seqlen_k,
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=False,
+            softcap=0.0,
+            alibi_slopes=None,
+            return_softmax=False,
+            block_table=None,
+            **_window(parameter_names(function), call.left, call.right),
+        )
+        return result[0], forward_lse(result, q_THD)
+
+    def _window_backward(self, dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_HT, call, scale):
+        function = _interface()._flash_attn_varlen_backward
+        dq, dk, dv = torch.empty_like(q_THD), torch.empty_like(k_TGD), torch.empty_like(v_TGD)
+        function(
+            dout=dout_THD.contiguous(),
+            q=q_THD,
+            k=k_TGD,
+            v=v_TGD,
+            out=out_THD.contiguous(),
+            softmax_lse=lse_HT.to(torch.float32).contiguous(),
+            dq=dq,
+            dk=dk,
+            dv=dv,
+            cu_seqlens_q=call.blocks.cu_seqlens_q,
+            cu_seqlens_k=call.blocks.cu_seqlens_k,
+            max_seqlen_q=call.blocks.max_seqlen_q,
+            max_seqlen_k=call.max_seqlen_k,
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=False,
+            softcap=0.0,
+            alibi_slopes=None,
+            deterministic=torch.are_deterministic_algorithms_enabled(),
+            **_window(parameter_names(function), call.left, call.right),
         )
         return dq, dk, dv

@@ -81,6 +81,10 @@ class FlashAttn4Kernel:
     def activate(self) -> None:
         """Nothing to set up."""
 
+    def window_reason(self) -> str | None:
+        """FA4's window arguments are not wired in: a window is refused at start-up."""
+        return "flash_attn_4's window arguments are unverified; use torch_flash or flash_attn"
+
     def forward(self, q_THD, k_TGD, v_TGD, blocks: VarlenBlocks, *, scale):
         """See `base.VarlenKernel.forward`."""
         result = _interface()._flash_attn_fwd(

@@ -72,17 +72,39 @@ def kernel_reasons(facts: DeviceFacts, *, dtype: torch.dtype, head_dim: int) -> 
     }
 
 
-def resolve_kernel(name: str, facts: DeviceFacts, *, dtype: torch.dtype, head_dim: int) -> str:
+def window_reason(kernel: VarlenKernel) -> str | None:
+    """None if `kernel` computes sliding-window (banded) steps; otherwise why not."""
+    method = getattr(kernel, "window_reason", None)
+    if method is None:
+        return "takes no sliding window"
+    return method()
+
+
+def _reason(kernel, facts, *, dtype, head_dim, window: bool) -> str | None:
+    reason = kernel.unavailable_reason(facts, dtype=dtype, head_dim=head_dim)
+    if reason is None and window:
+        problem = window_reason(kernel)
+        if problem is not None:
+            reason = f"cannot run --window-size: {problem}"
+    return reason
+
+
+def resolve_kernel(
+    name: str, facts: DeviceFacts, *, dtype: torch.dtype, head_dim: int, window: bool = False
+) -> str:
     """The concrete kernel for `name` ("auto" or a kernel) on `facts`, activated.
 
-    Raises ValueError if a named kernel is unknown or cannot run here, or if "auto" finds
-    no kernel; the message gives each candidate's reason.
+    `window`: some layer attends within a sliding window, so the kernel must compute banded
+    steps (`window_reason`). Raises ValueError if a named kernel is unknown or cannot run
+    here, or if "auto" finds no kernel; the message gives each candidate's reason.
     """
     if name == "auto":
         candidates = _AUTO_ORDER.get(facts.type, ())
         reasons = []
         for candidate in candidates:
-            reason = _KERNELS[candidate].unavailable_reason(facts, dtype=dtype, head_dim=head_dim)
+            reason = _reason(
+                _KERNELS[candidate], facts, dtype=dtype, head_dim=head_dim, window=window
+            )
             if reason is None:
                 skipped = f" (skipped: {'; '.join(reasons)})" if reasons else ""
                 # Worth a line where it matters (a GPU); the CPU start stays quiet.
@@ -100,7 +122,7 @@ def resolve_kernel(name: str, facts: DeviceFacts, *, dtype: torch.dtype, head_di
             message += f"; {PRECISION_HINT}"
         raise ValueError(f"no attention kernel runs this job on {facts.describe()}: {message}")
     kernel = get_kernel(name)
-    reason = kernel.unavailable_reason(facts, dtype=dtype, head_dim=head_dim)
+    reason = _reason(kernel, facts, dtype=dtype, head_dim=head_dim, window=window)
     if reason is not None:
         raise ValueError(f"attention backend {name!r} cannot run here: {reason}")
     kernel.activate()

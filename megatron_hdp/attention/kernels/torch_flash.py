@@ -13,6 +13,9 @@ Where this torch offers another flash implementation behind the same ops
 `flash_attn_interface` module of flash-attention's hopper build, FA4 from the `flash-attn-4`
 package's `flash_attn.cute.interface`), the `torch_flash_fa3` / `torch_flash_fa4` kernels
 activate it once, process-wide, and then call the same ops.
+
+Sliding-window (banded) steps pass the ops' `window_size_left` / `window_size_right`
+(flash-attn 2's meaning) per call (`kernels.windowed`); only the built-in kernels take them.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 from megatron_hdp.attention.kernels.base import VarlenBlocks, check_lse
 from megatron_hdp.attention.kernels.device import DeviceFacts, fa4_limits, flash_limits
+from megatron_hdp.attention.kernels.windowed import WindowCall, banded_backward, banded_forward
 
 logger = logging.getLogger(__name__)
 
@@ -161,8 +165,21 @@ class TorchFlashKernel:
                 torch.nn.attention.activate_flash_attention_impl(self.impl)
                 logger.info("aten flash-attention ops now run %s", self.impl)
 
+    def window_reason(self) -> str | None:
+        """None where banded steps can pass the ops' window arguments (`kernels.windowed`).
+
+        The built-in kernels (FlashAttention-2) take `window_size_left` / `window_size_right`
+        with flash-attn 2's meaning; FA3 and FA4 behind the same ops are not verified with
+        them, so a window is refused there.
+        """
+        if self.impl is not None:
+            return f"{self.name}'s window arguments are unverified; use torch_flash or flash_attn"
+        return window_schema_problem()
+
     def forward(self, q_THD, k_TGD, v_TGD, blocks: VarlenBlocks, *, scale):
-        """See `base.VarlenKernel.forward`."""
+        """See `base.VarlenKernel.forward` (banded steps: `windowed.banded_forward`)."""
+        if blocks.band is not None:
+            return banded_forward(_window_forward, q_THD, k_TGD, v_TGD, blocks, scale=scale)
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
             q_THD,
             k_TGD,
@@ -180,6 +197,18 @@ class TorchFlashKernel:
 
     def backward(self, dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_HT, blocks, *, scale):
         """See `base.VarlenKernel.backward` (no dropout: the RNG state is never read)."""
+        if blocks.band is not None:
+            return banded_backward(
+                _window_backward,
+                dout_THD,
+                q_THD,
+                k_TGD,
+                v_TGD,
+                out_THD,
+                lse_HT,
+                blocks,
+                scale=scale,
+            )
         # What torch's own varlen attention passes without dropout (torch/nn/attention/varlen.py).
         rng_state = torch.zeros(2, dtype=torch.uint64, device=q_THD.device)
         unused = torch.empty(0, device=q_THD.device)
@@ -201,3 +230,64 @@ class TorchFlashKernel:
             scale=scale,
         )
         return dq, dk, dv
+
+
+#: The ops' keyword-only window arguments (torch >= 2.6; flash-attn 2's meaning).
+WINDOW_KEYWORDS = ("window_size_left", "window_size_right")
+
+
+def window_schema_problem(schemas: dict | None = None) -> str | None:
+    """None if both aten ops take the window keywords; otherwise which lacks them."""
+    for op_name in ("_flash_attention_forward", "_flash_attention_backward"):
+        schema = (schemas or {}).get(op_name) if schemas is not None else _schema(op_name)
+        if schema is None:
+            return f"this torch {torch.__version__} has no aten::{op_name}"
+        names = {a.name for a in schema.arguments if a.kwarg_only}
+        if not all(k in names for k in WINDOW_KEYWORDS):
+            return f"this torch {torch.__version__}'s aten::{op_name} takes no window arguments"
+    return None
+
+
+def _window_forward(q_THD, k_TGD, v_TGD, call: WindowCall, scale):
+    """One windowed call of a banded step (`kernels.windowed`)."""
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(
+        q_THD,
+        k_TGD,
+        v_TGD,
+        call.blocks.cu_seqlens_q,
+        call.blocks.cu_seqlens_k,
+        call.blocks.max_seqlen_q,
+        call.max_seqlen_k,
+        0.0,
+        False,
+        False,
+        scale=scale,
+        window_size_left=call.left,
+        window_size_right=call.right,
+    )
+    return out, check_lse(lse, q_THD, "aten::_flash_attention_forward")
+
+
+def _window_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_HT, call: WindowCall, scale):
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q_THD.device)
+    unused = torch.empty(0, device=q_THD.device)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        dout_THD.contiguous(),
+        q_THD,
+        k_TGD,
+        v_TGD,
+        out_THD.contiguous(),
+        lse_HT.to(torch.float32).contiguous(),
+        call.blocks.cu_seqlens_q,
+        call.blocks.cu_seqlens_k,
+        call.blocks.max_seqlen_q,
+        call.max_seqlen_k,
+        0.0,
+        False,
+        rng_state,
+        unused,
+        scale=scale,
+        window_size_left=call.left,
+        window_size_right=call.right,
+    )
+    return dq, dk, dv
