@@ -48,10 +48,10 @@ class BlockLoopKernel:
         )
 
     def unequal_head_dims_reason(self, facts: DeviceFacts, *, dtype, head_dim, head_dim_v):
-        """None if the block kernel takes a value head dim unlike the q/k one (math does)."""
-        if self._unequal_head_dims:
-            return None
-        return "aten's CPU flash kernels need equal q/k and v head dims"
+        """None on CPU if the block kernel takes a value head dim unlike the q/k one (math)."""
+        if not self._unequal_head_dims:
+            return "aten's CPU flash kernels need equal q/k and v head dims"
+        return self.unavailable_reason(facts, dtype=dtype, head_dim=head_dim)
 
     def activate(self) -> None:
         """Nothing to set up."""

@@ -87,7 +87,8 @@ class FlashAttn4Kernel:
         major = (facts.capability or (0, 0))[0]
         if major not in (10, 11):
             return f"takes unequal head dims on Blackwell only, not on {facts.describe()}"
-        return fa4_limits(facts, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v)
+        problem = fa4_limits(facts, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v)
+        return problem or signature_problem()
 
     def activate(self) -> None:
         """Nothing to set up."""

@@ -3,7 +3,8 @@
 MLA's queries and keys carry `qk_head_dim + qk_pos_emb_head_dim` channels per head, its
 values `v_head_dim` (DeepSeek-V3: 192 and 128). A varlen kernel may take that natively: it
 then has a method `unequal_head_dims_reason(facts, *, dtype, head_dim, head_dim_v)` that
-returns None where it can (the CPU `math` kernel; FlashAttention-4 on Blackwell for the
+returns None where it runs such tensors on the device (its whole check, in place of
+`unavailable_reason`) (the CPU `math` kernel; FlashAttention-4 on Blackwell for the
 pairs of `device.FA4_BLACKWELL_PAIRS`). Every other kernel runs such tensors through
 `PaddedHeadDims`: q, k and v are zero-padded to one head dim `max(Dqk, Dv)`, the output and
 the gradients are sliced back. Zero channels add nothing to a score (q.k) and give zero
@@ -35,7 +36,7 @@ def native_reason(
     head_dim: int,
     head_dim_v: int,
 ) -> str | None:
-    """None if `kernel` takes q/k of `head_dim` with v of `head_dim_v` as they are."""
+    """None if `kernel` runs q/k of `head_dim` with v of `head_dim_v` here, as they are."""
     method = getattr(kernel, "unequal_head_dims_reason", None)
     if method is None:
         return f"{kernel.name} takes equal q/k and v head dims only"

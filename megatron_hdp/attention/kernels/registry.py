@@ -101,9 +101,7 @@ def _for_head_dims(
     kernel = _KERNELS[name]
     if head_dim_v is None or head_dim_v == head_dim:
         return name, kernel.unavailable_reason(facts, dtype=dtype, head_dim=head_dim)
-    reason = kernel.unavailable_reason(facts, dtype=dtype, head_dim=head_dim)
-    native = native_reason(kernel, facts, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v)
-    if reason is None and native is None:
+    if native_reason(kernel, facts, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v) is None:
         return name, None
     padded = max(head_dim, head_dim_v)
     reason = kernel.unavailable_reason(facts, dtype=dtype, head_dim=padded)
