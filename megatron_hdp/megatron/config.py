@@ -24,6 +24,7 @@ from megatron_hdp.megatron.arguments import (
     schedule_steps,
 )
 from megatron_hdp.megatron.engine import OptimConfig
+from megatron_hdp.megatron.mla_args import mla_fields
 from megatron_hdp.megatron.model import GPTConfig
 from megatron_hdp.scheduler.cost import PROFILES, DeviceProfile
 
@@ -72,6 +73,7 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         expert_model_parallel_size=args.expert_model_parallel_size,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        **mla_fields(args),
     )
 
 

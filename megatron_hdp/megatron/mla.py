@@ -24,9 +24,9 @@ import logging
 
 import torch
 
-logger = logging.getLogger(__name__)
+from megatron_hdp.megatron.mla_args import ROPE_TYPES
 
-ROPE_TYPES = ("rope", "yarn")
+logger = logging.getLogger(__name__)
 
 
 def mla_problems(cfg) -> list[str]:

@@ -236,8 +236,10 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        """Query/key channels per attention head: kv_channels, else hidden / heads; with MLA
-        qk_head_dim + qk_pos_emb_head_dim."""
+        """Query/key channels per attention head.
+
+        kv_channels, else hidden / heads; with MLA qk_head_dim + qk_pos_emb_head_dim.
+        """
         if self.multi_latent_attention:
             return self.qk_head_dim + self.qk_pos_emb_head_dim
         if self.kv_channels is not None:

@@ -12,7 +12,6 @@ RoPE at the original positions (`megatron.mla`): the loss and every gradient, in
 import dataclasses
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from megatron_hdp.distributed.layout import ParallelDims
@@ -88,7 +87,7 @@ def _reference(rank, world_size, cfg):
 @pytest.mark.parametrize("cfg", [YARN, ROPE], ids=["yarn", "rope"])
 @pytest.mark.parametrize("pool_size", [1, 3])
 def test_hdp_mla_equals_stock_megatron_mla(cfg, pool_size):
-    (ref_loss, ref_grads), = run_ranks(_reference, 1, cfg)
+    ((ref_loss, ref_grads),) = run_ranks(_reference, 1, cfg)
     per_rank = run_ranks(_body, pool_size, cfg, timeout_s=240)
     for rank, (loss, grads, rings) in enumerate(per_rank):
         if pool_size > 1:

@@ -106,7 +106,8 @@ def _for_head_dims(
     padded = max(head_dim, head_dim_v)
     reason = kernel.unavailable_reason(facts, dtype=dtype, head_dim=padded)
     if reason is not None:
-        reason = f"{reason} (q/k head dim {head_dim} and v head dim {head_dim_v} padded to {padded})"
+        dims = f"q/k head dim {head_dim} and v head dim {head_dim_v} padded to {padded}"
+        reason = f"{reason} ({dims})"
     return name + PAD_SUFFIX, reason
 
 
