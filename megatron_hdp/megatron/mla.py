@@ -24,47 +24,9 @@ import logging
 
 import torch
 
-from megatron_hdp.megatron.mla_args import ROPE_TYPES
+from megatron_hdp.megatron.mla_args import mla_problems  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
-
-
-def mla_problems(cfg) -> list[str]:
-    """What HDP cannot run in an MLA model shape (`GPTConfig`), one message each."""
-    problems = []
-    if cfg.rope_type not in (None, *ROPE_TYPES):
-        problems.append(f"rope_type {cfg.rope_type!r} is not one of {ROPE_TYPES} (--rope-type)")
-    for name in ("kv_lora_rank", "qk_head_dim", "v_head_dim"):
-        if getattr(cfg, name) < 1:
-            problems.append(f"{name} must be >= 1, got {getattr(cfg, name)}")
-    if cfg.q_lora_rank is not None and cfg.q_lora_rank < 1:
-        problems.append(f"q_lora_rank must be >= 1 or None, got {cfg.q_lora_rank}")
-    rotary = cfg.qk_pos_emb_head_dim
-    if cfg.rope_type == "rope" and cfg.rotary_percent < 1.0:
-        rotary = int(rotary * cfg.rotary_percent)
-    if rotary < 2 or rotary % 2:
-        problems.append(
-            f"qk_pos_emb_head_dim {cfg.qk_pos_emb_head_dim} (rotary_percent "
-            f"{cfg.rotary_percent}) rotates {rotary} channels: RoPE needs an even number >= 2"
-        )
-    if cfg.rotary_interleaved:
-        problems.append(
-            "rotary_interleaved does not work with multi_latent_attention (Megatron-Core "
-            "refuses it too)"
-        )
-    groups = cfg.num_query_groups
-    if groups is not None and groups != cfg.num_attention_heads:
-        problems.append(
-            f"num_query_groups {groups}: multi-latent attention has one key/value head per "
-            "query head (Megatron-Core refuses --group-query-attention with it)"
-        )
-    if cfg.sequence_parallel:
-        problems.append(
-            "sequence_parallel with multi_latent_attention: MLA rotates the sequence-parallel "
-            "pad tokens with the real ones, which HDP's THD micro-batches do not hold; not "
-            "supported with HDP yet"
-        )
-    return problems
 
 
 def without_transformer_engine() -> None:

@@ -6,7 +6,56 @@ Names, defaults and meaning follow Megatron-LM's `_add_mla_args` and `--rope-typ
 
 from __future__ import annotations
 
+import argparse
+
 ROPE_TYPES = ("rope", "yarn")
+
+
+def mla_problems(cfg) -> list[str]:
+    """What HDP cannot run in an MLA model shape (`GPTConfig`), one message each."""
+    problems = []
+    if cfg.rope_type not in (None, *ROPE_TYPES):
+        problems.append(f"rope_type {cfg.rope_type!r} is not one of {ROPE_TYPES} (--rope-type)")
+    for name in ("kv_lora_rank", "qk_head_dim", "v_head_dim"):
+        if getattr(cfg, name) < 1:
+            problems.append(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.q_lora_rank is not None and cfg.q_lora_rank < 1:
+        problems.append(f"q_lora_rank must be >= 1 or None, got {cfg.q_lora_rank}")
+    rotary = cfg.qk_pos_emb_head_dim
+    if cfg.rope_type == "rope" and cfg.rotary_percent < 1.0:
+        rotary = int(rotary * cfg.rotary_percent)
+    if rotary < 2 or rotary % 2:
+        problems.append(
+            f"qk_pos_emb_head_dim {cfg.qk_pos_emb_head_dim} (rotary_percent "
+            f"{cfg.rotary_percent}) rotates {rotary} channels: RoPE needs an even number >= 2"
+        )
+    if cfg.rotary_interleaved:
+        problems.append(
+            "rotary_interleaved does not work with multi_latent_attention (Megatron-Core "
+            "refuses it too)"
+        )
+    groups = cfg.num_query_groups
+    if groups is not None and groups != cfg.num_attention_heads:
+        problems.append(
+            f"num_query_groups {groups}: multi-latent attention has one key/value head per "
+            "query head (Megatron-Core refuses --group-query-attention with it)"
+        )
+    if cfg.sequence_parallel:
+        problems.append(
+            "sequence_parallel with multi_latent_attention: MLA rotates the sequence-parallel "
+            "pad tokens with the real ones, which HDP's THD micro-batches do not hold; not "
+            "supported with HDP yet"
+        )
+    return problems
+
+
+def args_problems(args) -> list[str]:
+    """`mla_problems` of Megatron-named arguments (none without --multi-latent-attention)."""
+    if not getattr(args, "multi_latent_attention", False):
+        return []
+    view = argparse.Namespace(**vars(args))
+    view.num_query_groups = args.num_query_groups if args.group_query_attention else None
+    return mla_problems(view)
 
 
 def add_mla_args(parser) -> None:
@@ -64,3 +113,20 @@ def head_dims(args) -> tuple[int, int | None]:
     if getattr(args, "multi_latent_attention", False):
         return args.qk_head_dim + args.qk_pos_emb_head_dim, args.v_head_dim
     return args.kv_channels or args.hidden_size // args.num_attention_heads, None
+
+
+#: The MLA fields that shape the model (the cost model's `ModelShape` has these).
+SHAPE_FIELDS = (
+    "multi_latent_attention",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+)
+
+
+def mla_shape_fields(args) -> dict:
+    """The `ModelShape` MLA fields of Megatron-named arguments (none without MLA)."""
+    fields = mla_fields(args)
+    return {name: fields[name] for name in SHAPE_FIELDS if name in fields}

@@ -209,7 +209,7 @@ class GPTConfig:
 
     def _check_mla(self) -> None:
         """Raise ValueError for an MLA shape or RoPE HDP cannot run, naming the value."""
-        from megatron_hdp.megatron.mla import mla_problems
+        from megatron_hdp.megatron.mla_args import mla_problems
 
         for problem in mla_problems(self):
             raise ValueError(problem)
