@@ -121,7 +121,6 @@ _REFUSED_MEGATRON = (
     ("spec", lambda v: v is not None, "--spec: HDP sets the layer spec (HDP core attention)"),
     ("yaml_cfg", lambda v: v is not None, "--yaml-cfg: give the flags on the command line"),
     ("mtp_num_layers", lambda v: v is not None, "--mtp-num-layers: not supported with HDP"),
-    ("multi_latent_attention", bool, "--multi-latent-attention: HDP attention is MHA/GQA"),
     (
         "experimental_attention_variant",
         lambda v: v is not None,
@@ -556,7 +555,11 @@ def finish_args(args: argparse.Namespace) -> None:
     cfg = gpt_config(args, vocab_size=args.tensor_model_parallel_size)  # raises on a bad shape
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.hdp_attention_backend = resolve_kernel(
-        args.hdp_attention_backend, DeviceFacts.of(device), dtype=cfg.dtype, head_dim=cfg.head_dim
+        args.hdp_attention_backend,
+        DeviceFacts.of(device),
+        dtype=cfg.dtype,
+        head_dim=cfg.head_dim,
+        head_dim_v=cfg.head_dim_v,  # MLA: v's head dim differs from q's and k's
     )
     from megatron_hdp.megatron_lm.switch import startup_problems
 

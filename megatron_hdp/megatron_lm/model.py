@@ -18,6 +18,7 @@ import logging
 
 import torch
 
+from megatron_hdp.megatron.mla_args import mla_fields
 from megatron_hdp.megatron.model import GPTConfig
 from megatron_hdp.megatron_lm.moe import moe_fields, moe_layer_pattern
 
@@ -57,6 +58,7 @@ def gpt_config(args: argparse.Namespace, vocab_size: int | None = None) -> GPTCo
         sequence_parallel=args.sequence_parallel,
         fp8=getattr(args, "fp8", None) is not None,
         **moe_fields(args),
+        **mla_fields(args),
     )
 
 
@@ -88,7 +90,10 @@ def _layer_specs(args: argparse.Namespace, cfg: GPTConfig):
 
     def te_spec(num_experts):
         spec = get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=cfg.qk_layernorm
+            num_experts=num_experts,
+            moe_grouped_gemm=False,
+            qk_layernorm=cfg.qk_layernorm,
+            **({"multi_latent_attention": True} if cfg.multi_latent_attention else {}),
         )
         spec.module = SeededTransformerLayer
         spec.submodules.self_attention.submodules.core_attention = HDPCoreAttention
@@ -96,6 +101,11 @@ def _layer_specs(args: argparse.Namespace, cfg: GPTConfig):
             _hdp_experts(spec)
         return spec
 
+    if cfg.multi_latent_attention:
+        logger.warning(
+            "--hdp: multi-latent attention in Transformer Engine's layer spec is unverified (no "
+            "TE here to test it); --transformer-impl local is the tested path"
+        )
     layers = [te_spec(None)] * cfg.layers_per_stage
     if cfg.num_experts is not None:
         logger.warning(
@@ -152,6 +162,15 @@ def hdp_gpt_builder(
         config.variable_seq_lengths = True
         config.moe_token_dispatcher_type = "alltoall"
     position_type = "none" if cfg.position_embedding_type == "rope" else cfg.position_embedding_type
+    if cfg.multi_latent_attention:
+        from megatron_hdp.megatron.mla import without_transformer_engine
+
+        without_transformer_engine()
+    if cfg.multi_latent_attention and config.apply_rope_fusion:
+        # Fused MLA RoPE reads cos/sin by packed-piece position; the unfused path computes
+        # the same rotation at the original positions (`megatron.mla`).
+        logger.info("--hdp: MLA's RoPE runs unfused, at the tokens' original positions")
+        config.apply_rope_fusion = False
     spec = _layer_specs(args, cfg)
     # torch.manual_seed reseeds CUDA too: fork it as well, Megatron-LM's streams stay as set.
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
