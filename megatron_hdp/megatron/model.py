@@ -443,7 +443,9 @@ def hdp_layer_spec(cfg: GPTConfig) -> ModuleSpec:
     if cfg.qk_layernorm:
         attention = spec.submodules.self_attention.submodules
         if cfg.multi_latent_attention:  # MLA's norms of the compressed q and kv (its spec's)
-            attention.q_layernorm = attention.kv_layernorm = hdp_norm(cfg)
+            attention.kv_layernorm = hdp_norm(cfg)
+            if cfg.q_lora_rank is not None:  # no compressed q, no norm (core 0.19 refuses one)
+                attention.q_layernorm = hdp_norm(cfg)
         else:
             attention.q_layernorm = attention.k_layernorm = hdp_norm(cfg)
     return spec

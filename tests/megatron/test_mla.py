@@ -48,7 +48,7 @@ MLA = GPTConfig(
 YARN = dataclasses.replace(
     MLA, rope_type="yarn", rotary_scaling_factor=4.0, mscale=0.7, mscale_all_dim=0.5
 )
-ROPE = dataclasses.replace(MLA, rope_type="rope", q_lora_rank=None)
+ROPE = dataclasses.replace(MLA, rope_type="rope", q_lora_rank=None, qk_layernorm=False)
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0, adam_eps=1e-4)
 # Around the capacity: 1 token, C - 1, C, C + 1, and one needing all three ranks.
 LENGTHS = [1, 5, CAPACITY - 1, CAPACITY, CAPACITY + 1, 2 * CAPACITY + 3]
