@@ -211,8 +211,9 @@ class GPTConfig:
         """Raise ValueError for an MLA shape or RoPE HDP cannot run, naming the value."""
         from megatron_hdp.megatron.mla_args import mla_problems
 
-        for problem in mla_problems(self):
-            raise ValueError(problem)
+        problems = mla_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
 
     def _check_head_shape(self) -> None:
         """Raise ValueError for a head size or RoPE share HDP attention cannot run."""

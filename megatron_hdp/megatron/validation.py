@@ -415,8 +415,9 @@ def _check_layout(args: argparse.Namespace, world_size: int, *, here: bool = Tru
             f"--rotary-percent {args.rotary_percent} of head dim {head_dim} rotates {rotary} "
             "channels: RoPE needs an even number >= 2"
         )
-    for problem in args_problems(args):  # --multi-latent-attention's shape and RoPE
-        raise ValueError(problem)
+    mla = args_problems(args)  # --multi-latent-attention's shape and RoPE, all of them
+    if mla:
+        raise ValueError("; ".join(mla))
     if args.group_query_attention and args.num_attention_heads % args.num_query_groups:
         raise ValueError(
             f"--num-attention-heads {args.num_attention_heads} is not divisible by "
