@@ -96,3 +96,16 @@ def test_hdp_mla_equals_stock_megatron_mla(cfg, pool_size):
         assert set(grads) == set(ref_grads)
         for name, want in ref_grads.items():
             assert_close_rel(grads[name], want, f"rank {rank} grad {name}", rel=1e-5)
+
+
+def test_mla_with_keyed_dropout_gives_one_ranks_loss_and_gradients_on_rings():
+    """Attention and hidden dropout 0.1: the keyed masks (`attention.dropout`, its dense
+    kernel with v's own head dim) are the same on a ring of 3 as on one rank."""
+    cfg = dataclasses.replace(YARN, attention_dropout=0.1, hidden_dropout=0.1)
+    ((one_loss, one_grads, _),) = run_ranks(_body, 1, cfg)
+    ((plain_loss, _, _),) = run_ranks(_body, 1, YARN)
+    assert abs(one_loss - plain_loss) > 1e-4  # the dropout is there
+    for rank, (loss, grads, rings) in enumerate(run_ranks(_body, 3, cfg, timeout_s=240)):
+        assert max(rings) == 3 and loss == pytest.approx(one_loss, rel=1e-5), (rank, loss)
+        for name, want in one_grads.items():
+            assert_close_rel(grads[name], want, f"rank {rank} grad {name}", rel=1e-5)
