@@ -32,7 +32,9 @@ def reduce_groups(x_THD: torch.Tensor, groups: int) -> torch.Tensor:
 class BlockLoopKernel:
     """A varlen kernel made of one dense block call per document (`backends` block kernels)."""
 
-    def __init__(self, name: str, block: AttentionBackend, *, unequal_head_dims: bool) -> None:
+    def __init__(
+        self, name: str, block: AttentionBackend, *, unequal_head_dims: bool = False
+    ) -> None:
         self.name = name
         self._block = block
         self._unequal_head_dims = unequal_head_dims
