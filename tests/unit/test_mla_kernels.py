@@ -101,6 +101,9 @@ def test_fa4_takes_192_128_natively_on_blackwell_and_padded_on_hopper(monkeypatc
     monkeypatch.setattr(flash_attn_4, "_interface", _flash_attn_4_module)
     assert resolve("flash_attn_4", B200) == "flash_attn_4"
     assert resolve("flash_attn_4", H100) == "flash_attn_4+pad_v"
+    # Natively (its fake computes what the release returns): v keeps its own head dim.
+    _against_math("flash_attn_4", 12, 8, torch.float32, tol=1e-5)
+    _against_math("flash_attn_4+pad_v", 12, 8, torch.float32, tol=1e-5)
     # torch's FA4 switch has no unequal-dim path here; padded to (192, 192), which Blackwell
     # refuses: the refusal names the padding.
     with pytest.raises(ValueError, match=r"got \(192, 192\).*padded to 192"):
