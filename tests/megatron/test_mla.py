@@ -109,3 +109,34 @@ def test_mla_with_keyed_dropout_gives_one_ranks_loss_and_gradients_on_rings():
         assert max(rings) == 3 and loss == pytest.approx(one_loss, rel=1e-5), (rank, loss)
         for name, want in one_grads.items():
             assert_close_rel(grads[name], want, f"rank {rank} grad {name}", rel=1e-5)
+
+
+def _body_tp(rank, world_size, cfg):
+    with cpu_shims():
+        layout = ParallelDims.of_world(tensor_model_parallel_size=2).initialize()
+        try:
+            engine = build_engine(cfg, OPTIM, seed=SEED)
+            runtime = StepRuntime(
+                group=layout.pool_group,
+                check_plans=True,
+                backend="math",
+                job_group=dist.group.WORLD,
+            )
+            source = source_of(batch_of_lengths(LENGTHS, seed=3))
+            plan = plan_step(source.seqlens, pool_size=2, capacity=CAPACITY + 4)
+            result = train_step(engine, plan, source, runtime)
+            return result.loss, result.grad_norm, max(mb.cp_size for mb in plan.micro_batches)
+        finally:
+            layout.destroy()
+
+
+def test_mla_with_tensor_parallelism_gives_stock_loss_and_gradient_norm():
+    """TP 2 (MLA's heads split over two ranks) x a pool of 2 replicas, rings of 2."""
+    base = dataclasses.replace(YARN, vocab_size=98)  # split over 2 TP ranks
+    cfg = dataclasses.replace(base, tensor_model_parallel_size=2)
+    ((ref_loss, ref_grads),) = run_ranks(_reference, 1, base)
+    ref_norm = sum(float(g.double().pow(2).sum()) for g in ref_grads.values()) ** 0.5
+    for rank, (loss, norm, widest) in enumerate(run_ranks(_body_tp, 4, cfg, timeout_s=240)):
+        assert widest == 2  # the longest document ran on a ring of 2 replicas
+        assert loss == pytest.approx(ref_loss, rel=1e-5), (rank, loss, ref_loss)
+        assert norm == pytest.approx(ref_norm, rel=1e-5), (rank, norm, ref_norm)
