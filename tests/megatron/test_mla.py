@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron_hdp.distributed.layout import ParallelDims
 from megatron_hdp.megatron.cpu_shim import cpu_shims
 from megatron_hdp.megatron.engine import OptimConfig, build_engine
-from megatron_hdp.megatron.model import GPTConfig
+from megatron_hdp.megatron.model import GPTConfig, model_parallel_dims
 from megatron_hdp.megatron.step import StepRuntime, train_step
 from megatron_hdp.scheduler import plan_step
 from tests.dist import run_ranks
@@ -111,9 +111,9 @@ def test_mla_with_keyed_dropout_gives_one_ranks_loss_and_gradients_on_rings():
             assert_close_rel(grads[name], want, f"rank {rank} grad {name}", rel=1e-5)
 
 
-def _body_tp(rank, world_size, cfg):
+def _body_tp_pp(rank, world_size, cfg):
     with cpu_shims():
-        layout = ParallelDims.of_world(tensor_model_parallel_size=2).initialize()
+        layout = model_parallel_dims(cfg, world_size).initialize()
         try:
             engine = build_engine(cfg, OPTIM, seed=SEED)
             runtime = StepRuntime(
@@ -123,20 +123,23 @@ def _body_tp(rank, world_size, cfg):
                 job_group=dist.group.WORLD,
             )
             source = source_of(batch_of_lengths(LENGTHS, seed=3))
-            plan = plan_step(source.seqlens, pool_size=2, capacity=CAPACITY + 4)
+            pp = cfg.pipeline_model_parallel_size
+            plan = plan_step(source.seqlens, pool_size=2, capacity=CAPACITY + 4, pipeline_stages=pp)
             result = train_step(engine, plan, source, runtime)
             return result.loss, result.grad_norm, max(mb.cp_size for mb in plan.micro_batches)
         finally:
             layout.destroy()
 
 
-def test_mla_with_tensor_parallelism_gives_stock_loss_and_gradient_norm():
-    """TP 2 (MLA's heads split over two ranks) x a pool of 2 replicas, rings of 2."""
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_mla_with_tp_or_pp_gives_stock_loss_and_gradient_norm(tp, pp):
+    """TP 2 (MLA's heads split over two ranks) or PP 2 (one layer a stage), x a pool of 2
+    replicas with rings of 2."""
     base = dataclasses.replace(YARN, vocab_size=98)  # split over 2 TP ranks
-    cfg = dataclasses.replace(base, tensor_model_parallel_size=2)
+    cfg = dataclasses.replace(base, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     ((ref_loss, ref_grads),) = run_ranks(_reference, 1, base)
     ref_norm = sum(float(g.double().pow(2).sum()) for g in ref_grads.values()) ** 0.5
-    for rank, (loss, norm, widest) in enumerate(run_ranks(_body_tp, 4, cfg, timeout_s=240)):
+    for rank, (loss, norm, widest) in enumerate(run_ranks(_body_tp_pp, 4, cfg, timeout_s=240)):
         assert widest == 2  # the longest document ran on a ring of 2 replicas
         assert loss == pytest.approx(ref_loss, rel=1e-5), (rank, loss, ref_loss)
         assert norm == pytest.approx(ref_norm, rel=1e-5), (rank, norm, ref_norm)
