@@ -107,14 +107,17 @@ def _prepare(parser, args, world_size: int):
     from megatron_hdp.data.training_data import build_training_data
     from megatron_hdp.errors import DataServiceError
     from megatron_hdp.megatron.config import data_config, model_config
+    from megatron_hdp.megatron.mla_args import head_dims
 
     try:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        head_dim, head_dim_v = head_dims(args)  # MLA: q/k and v head dims differ
         args.hdp_attention_backend = resolve_kernel(
             args.hdp_attention_backend,
             DeviceFacts.of(device),
             dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
-            head_dim=args.kv_channels or args.hidden_size // args.num_attention_heads,
+            head_dim=head_dim,
+            head_dim_v=head_dim_v,
             window=args.window_size is not None,
         )
         cfg = data_config(args, world_size)

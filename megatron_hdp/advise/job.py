@@ -32,6 +32,7 @@ from megatron_hdp.megatron.arguments import (
     parse_data_path,
     uses_static_mesh,
 )
+from megatron_hdp.megatron.mla_args import mla_shape_fields
 from megatron_hdp.scheduler.cost import ModelShape
 from megatron_hdp.scheduler.windows import check_window, windowed_layers
 from megatron_hdp.sim.models import SimModel
@@ -121,6 +122,8 @@ def total_params(shape: ModelShape, *, tied_embeddings: bool) -> float:
     """Every weight (all experts, the router, embeddings; norms and biases left out)."""
     h = shape.hidden_size
     attention = h * (h + 2 * shape.kv_dim) + h * h
+    if shape.multi_latent_attention:
+        attention = shape.attention_params
     per_mlp = 3 if shape.swiglu else 2
     ffn = shape.ffn_hidden_size or 4 * h
     if shape.num_experts is None:
@@ -175,6 +178,7 @@ def model_shape(args: argparse.Namespace, vocab_size: int) -> ModelShape:
                 getattr(args, "window_attn_skip_freq", None),
             )
         ),
+        **mla_shape_fields(args),
     )
 
 

@@ -317,7 +317,7 @@ class KeyedDropoutKernel:
         _require_keys(blocks)
         acc = accumulation_dtype(q_THD.dtype)
         heads = q_THD.shape[1]
-        out = torch.empty(q_THD.shape, dtype=acc, device=q_THD.device)
+        out = torch.empty((*q_THD.shape[:2], v_TGD.shape[-1]), dtype=acc, device=q_THD.device)
         lse = torch.empty((heads, q_THD.shape[0]), dtype=acc, device=q_THD.device)
         for rows, cols in _pieces(blocks):
             q = q_THD[rows].to(acc)

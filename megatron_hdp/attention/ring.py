@@ -9,7 +9,9 @@ Two autograd functions cover the two cases of a micro-batch:
   log-sum-exp.
 
 Shape legend: T local tokens, H query heads, G key/value heads (GQA: H % G == 0), D head
-dim. Tensors are `[T, H, D]` (Megatron's THD) throughout. Each ring step makes ONE varlen
+dim (the value head dim Dv may differ from the q/k one: multi-latent attention; K and V then
+travel as one flat message, `kv_message`). Tensors are `[T, H, D]` (Megatron's THD)
+throughout. Each ring step makes ONE varlen
 kernel call for all documents of the micro-batch (`kernels.base`): the step's query rows and
 K/V rows are gathered, packed per document with `cu_seqlens`, and K/V keep their G heads.
 
@@ -38,6 +40,7 @@ import torch.distributed as dist
 
 from megatron_hdp.attention.kernels.base import VarlenBlocks, VarlenKernel, accumulation_dtype
 from megatron_hdp.attention.kernels.registry import get_kernel
+from megatron_hdp.attention.kv_message import KVLayout
 from megatron_hdp.attention.ring_index import StepBlocks, ring_index
 from megatron_hdp.attention.window import binds
 from megatron_hdp.attention.window_ring import window_attention
@@ -211,14 +214,15 @@ class _HDPAttention(torch.autograd.Function):
     def forward(
         ctx, q_THD, k_TGD, v_TGD, spec: RingAttentionSpec, scale: float, finalize=None, *params
     ):
-        num_groups = k_TGD.shape[1]
+        kv = KVLayout.of(k_TGD, v_TGD)
         active, me = spec.active, spec.active.index(spec.position)
         n = len(active)
         acc = accumulation_dtype(q_THD.dtype)
         steps = spec.step_blocks(q_THD.device)
-        out_THD = torch.zeros(q_THD.shape, dtype=acc, device=q_THD.device)
+        out_shape = (*q_THD.shape[:2], kv.v_dim)
+        out_THD = torch.zeros(out_shape, dtype=acc, device=q_THD.device)
         lse_HT = torch.full(q_THD.shape[1::-1], float("-inf"), dtype=acc, device=q_THD.device)
-        kv_cur = torch.cat([k_TGD, v_TGD], dim=1).contiguous()  # [T, 2G, D], one message
+        kv_cur = kv.pack(k_TGD, v_TGD)  # [T, G * (Dk + Dv)], one message
         for step in range(n):
             source = active[(me - step) % n]
             pending = None
@@ -230,8 +234,8 @@ class _HDPAttention(torch.autograd.Function):
                 rows, cols = _rows(blocks, q_THD, kv_cur)
                 out_b, lse_b = spec.backend.forward(
                     q_THD.index_select(0, rows),
-                    kv_cur[:, :num_groups].index_select(0, cols),
-                    kv_cur[:, num_groups:].index_select(0, cols),
+                    kv.keys(kv_cur).index_select(0, cols),
+                    kv.values(kv_cur).index_select(0, cols),
                     blocks.blocks,
                     scale=scale,
                 )
@@ -249,20 +253,20 @@ class _HDPAttention(torch.autograd.Function):
             out_THD, lse_HT = finalize.forward(out_THD, lse_HT, *params)
         out_THD = out_THD.to(q_THD.dtype)
         ctx.save_for_backward(q_THD, k_TGD, v_TGD, out_THD, lse_HT, *params)
-        ctx.spec, ctx.scale, ctx.steps, ctx.finalize = spec, scale, steps, finalize
+        ctx.spec, ctx.scale, ctx.steps, ctx.kv = spec, scale, steps, kv
+        ctx.finalize = finalize
         return out_THD
 
     @staticmethod
     def backward(ctx, dout_THD):
         q_THD, k_TGD, v_TGD, out_THD, lse_HT, *params = ctx.saved_tensors
-        spec, scale, steps = ctx.spec, ctx.scale, ctx.steps
-        num_groups = k_TGD.shape[1]
+        spec, scale, steps, kv = ctx.spec, ctx.scale, ctx.steps, ctx.kv
         active, me = spec.active, spec.active.index(spec.position)
         n = len(active)
         acc = accumulation_dtype(q_THD.dtype)
         dout_THD = dout_THD.contiguous().to(q_THD.dtype)
         dq_THD = torch.zeros(q_THD.shape, dtype=acc, device=q_THD.device)
-        kv_cur = torch.cat([k_TGD, v_TGD], dim=1).contiguous()
+        kv_cur = kv.pack(k_TGD, v_TGD)
         pending_dkv = None
         dkv_own = None
         for step in range(n):
@@ -271,16 +275,16 @@ class _HDPAttention(torch.autograd.Function):
             pending_kv = None
             if step + 1 < n:
                 pending_kv = spec.comm.exchange(kv_cur, _kv_buffer(spec, nxt, kv_cur), _TAG_BWD_KV)
-            dk_TGD = torch.zeros(kv_cur[:, :num_groups].shape, dtype=acc, device=kv_cur.device)
-            dv_TGD = torch.zeros_like(dk_TGD)
+            dkv = torch.zeros(kv_cur.shape, dtype=acc, device=kv_cur.device)
+            dk_TGD, dv_TGD = kv.keys(dkv), kv.values(dkv)
             blocks = steps.get(source)
             if blocks is not None:
                 rows, cols = _rows(blocks, q_THD, kv_cur)
                 dq_b, dk_b, dv_b = spec.backend.backward(
                     dout_THD.index_select(0, rows),
                     q_THD.index_select(0, rows),
-                    kv_cur[:, :num_groups].index_select(0, cols),
-                    kv_cur[:, num_groups:].index_select(0, cols),
+                    kv.keys(kv_cur).index_select(0, cols),
+                    kv.values(kv_cur).index_select(0, cols),
                     out_THD.index_select(0, rows),
                     lse_HT[:, rows].contiguous(),
                     blocks.blocks,
@@ -289,7 +293,6 @@ class _HDPAttention(torch.autograd.Function):
                 dq_THD.index_add_(0, rows, dq_b.to(acc))
                 dk_TGD.index_add_(0, cols, dk_b.to(acc))
                 dv_TGD.index_add_(0, cols, dv_b.to(acc))
-            dkv = torch.cat([dk_TGD, dv_TGD], dim=1)
             if pending_dkv is not None:
                 dkv = dkv + pending_dkv.wait()
             if n == 1:
@@ -301,8 +304,8 @@ class _HDPAttention(torch.autograd.Function):
                 kv_cur = pending_kv.wait()
         if pending_dkv is not None:
             dkv_own = pending_dkv.wait()
-        dk_TGD = dkv_own[:, :num_groups].to(k_TGD.dtype)
-        dv_TGD = dkv_own[:, num_groups:].to(v_TGD.dtype)
+        dk_TGD = kv.keys(dkv_own).to(k_TGD.dtype)
+        dv_TGD = kv.values(dkv_own).to(v_TGD.dtype)
         dparams = _finalize_grads(ctx, 6, dout_THD, out_THD, lse_HT, params)
         return dq_THD.to(q_THD.dtype), dk_TGD, dv_TGD, None, None, None, *dparams
 
@@ -364,7 +367,7 @@ def hdp_attention(
     finalize_params: Sequence[torch.Tensor] = (),
     window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of this rank's tokens of a micro-batch; returns `[T, H, D]`.
+    """Causal attention of this rank's tokens of a micro-batch; returns `[T, H, Dv]`.
 
     Collective over `spec.comm.ring` (the active members) when more than one member holds
     tokens: each must call it (forward and backward) for the same micro-batch and layer,
@@ -372,10 +375,10 @@ def hdp_attention(
 
     Args:
         q_THD: Local queries, laid out as `spec.shards[spec.position]` says.
-        k_TGD: Local keys, G heads (G divides H).
-        v_TGD: Local values, G heads.
+        k_TGD: Local keys, G heads (G divides H), q's head dim.
+        v_TGD: Local values, G heads; their head dim Dv may differ (multi-latent attention).
         spec: The micro-batch's documents, ring and backend.
-        softmax_scale: Defaults to `1 / sqrt(D)`.
+        softmax_scale: Defaults to `1 / sqrt(D)`, D the q/k head dim.
         dropout: Keyed dropout of the probabilities (`attention.dropout`): the spec then
             computes with its kernel, on blocks that carry their rows' keys.
         finalize: A step after the merge of every query row (`RowFinalize`, e.g. the
@@ -386,10 +389,16 @@ def hdp_attention(
             Runs `window_ring.window_attention`, which skips what the window hides.
     """
     num_tokens = spec.shards[spec.position].num_tokens
-    if q_THD.shape[0] != num_tokens or k_TGD.shape != v_TGD.shape or k_TGD.shape[0] != num_tokens:
+    if (
+        q_THD.shape[0] != num_tokens
+        or k_TGD.shape[:2] != v_TGD.shape[:2]
+        or k_TGD.shape[0] != num_tokens
+        or q_THD.shape[-1] != k_TGD.shape[-1]
+    ):
         raise ValueError(
-            f"expected {num_tokens} local tokens for this ring position and equal k/v shapes, "
-            f"got q {tuple(q_THD.shape)}, k {tuple(k_TGD.shape)}, v {tuple(v_TGD.shape)}"
+            f"expected {num_tokens} local tokens for this ring position, k/v of equal heads "
+            f"and q/k of equal head dims, got q {tuple(q_THD.shape)}, k {tuple(k_TGD.shape)}, "
+            f"v {tuple(v_TGD.shape)}"
         )
     if q_THD.shape[1] % k_TGD.shape[1] != 0:
         raise ValueError(

@@ -17,6 +17,7 @@ import argparse
 import math
 from collections.abc import Sequence
 
+from megatron_hdp.megatron.mla_args import add_mla_args
 from megatron_hdp.scheduler.placement import POLICIES
 from megatron_hdp.scheduler.windows import parse_skip_freq, parse_window_size
 
@@ -706,6 +707,7 @@ def build_parser() -> RefusingParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     _add_model_args(parser)
+    add_mla_args(parser)
     _add_training_args(parser)
     _add_data_args(parser)
     _add_logging_args(parser)

@@ -86,7 +86,9 @@ def time_lengths(
     kernel `backend`, resolved for the device as the job resolves it (`job_kernel`), so a
     GPU calibration times the flash kernel the job would run, never a CPU kernel.
     """
-    backend = job_kernel(backend, device, dtype=cfg.dtype, head_dim=cfg.head_dim)
+    backend = job_kernel(
+        backend, device, dtype=cfg.dtype, head_dim=cfg.head_dim, head_dim_v=cfg.head_dim_v
+    )
     engine = build_engine(cfg, OptimConfig())
     runtime = StepRuntime(group=dist.group.WORLD, device=device, backend=backend)
     gen = torch.Generator().manual_seed(0)
@@ -166,7 +168,9 @@ def main(argv=None) -> int:
     )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        backend = job_kernel("auto", device, dtype=cfg.dtype, head_dim=cfg.head_dim)
+        backend = job_kernel(
+            "auto", device, dtype=cfg.dtype, head_dim=cfg.head_dim, head_dim_v=cfg.head_dim_v
+        )
     except ValueError as err:
         logger.error("calibrate: error: %s", err)
         return 2

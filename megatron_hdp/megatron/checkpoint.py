@@ -246,7 +246,10 @@ def checkpoint_args(
         hidden_size=cfg.hidden_size,
         ffn_hidden_size=cfg.ffn_hidden_size or 4 * cfg.hidden_size,
         num_attention_heads=heads,
-        kv_channels=cfg.head_dim,
+        # MLA's head dims are its own flags; kv_channels stays Megatron-LM's hidden / heads.
+        kv_channels=(cfg.kv_channels or cfg.hidden_size // heads)
+        if cfg.multi_latent_attention
+        else cfg.head_dim,
         qk_layernorm=cfg.qk_layernorm,
         softmax_type=cfg.softmax_type,
         rotary_percent=cfg.rotary_percent,

@@ -24,6 +24,7 @@ from megatron_hdp.megatron.arguments import (
     schedule_steps,
 )
 from megatron_hdp.megatron.engine import OptimConfig
+from megatron_hdp.megatron.mla_args import mla_fields
 from megatron_hdp.megatron.model import GPTConfig
 from megatron_hdp.scheduler.cost import PROFILES, DeviceProfile
 
@@ -78,6 +79,7 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
         mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         window_size=args.window_size,
         window_attn_skip_freq=_skip_freq(args.window_attn_skip_freq),
+        **mla_fields(args),
     )
 
 

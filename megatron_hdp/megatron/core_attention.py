@@ -48,12 +48,15 @@ class HDPPackedSeqParams(PackedSeqParams):
             has no dropout.
         mtp: The local tokens' shifted targets for multi-token prediction's rolls
             (`megatron.mtp.MTPShift`); None without MTP.
+        positions: The local tokens' original positions in their documents, `[T]` int64;
+            multi-latent attention rotates at them itself (`megatron.mla`), else None.
     """
 
     attention: RingAttentionSpec | None = None
     rotary: RotaryTable | None = None
     dropout: MicroBatchKeys | None = None
     mtp: object | None = None
+    positions: torch.Tensor | None = None
 
 
 class HDPCoreAttention(MegatronModule):
@@ -117,7 +120,9 @@ class HDPCoreAttention(MegatronModule):
         attention_bias=None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        """`[t, h, d]` q/k/v of this rank's tokens -> `[t, h * d]` attention output.
+        """`[t, h, d]` q/k/v of this rank's tokens -> `[t, h * dv]` attention output.
+
+        v's head dim dv may differ from q's and k's (multi-latent attention).
 
         Collective over the micro-batch's ring (see `hdp_attention`).
         """

@@ -142,6 +142,28 @@ class GPTConfig:
     window_attn_skip_freq: int | tuple[int, ...] | None = None
     """Which layers keep full attention (--window-attn-skip-freq): an int N makes every N-th
     layer full, a tuple has one 1 (windowed) or 0 (full) per layer; None: all windowed."""
+    multi_latent_attention: bool = False
+    """Megatron-Core's multi-latent attention (`MLASelfAttention`) with HDP's core attention
+    (--multi-latent-attention); the fields below are its shape and RoPE (`megatron.mla`)."""
+    q_lora_rank: int | None = None
+    """Rank of the queries' low-rank projection; None: one full projection (--q-lora-rank)."""
+    kv_lora_rank: int = 32
+    """Rank of the keys' and values' low-rank projection (--kv-lora-rank)."""
+    qk_head_dim: int = 128
+    """Query/key channels per head without RoPE (--qk-head-dim)."""
+    qk_pos_emb_head_dim: int = 64
+    """The decoupled RoPE channels per head of queries and keys (--qk-pos-emb-head-dim)."""
+    v_head_dim: int = 128
+    """Value channels per head (--v-head-dim)."""
+    rope_type: str | None = None
+    """MLA's RoPE: "rope" or "yarn"; None: Megatron-Core's default for MLA, "yarn"
+    (--rope-type)."""
+    rotary_scaling_factor: float = 1.0
+    """YaRN's scaling factor (--rotary-scaling-factor)."""
+    mscale: float = 1.0
+    """YaRN's mscale (--mscale)."""
+    mscale_all_dim: float = 0.0
+    """YaRN's mscale of all dims, also in the softmax scale (--mscale-all-dim)."""
 
     def __post_init__(self) -> None:
         if self.position_embedding_type not in POSITION_EMBEDDINGS:
@@ -158,6 +180,8 @@ class GPTConfig:
             )
         self._check_head_shape()
         check_softmax_type(self.softmax_type)
+        if self.multi_latent_attention:
+            self._check_mla()
         groups = self.num_query_groups or self.num_attention_heads
         if self.num_attention_heads % groups:
             raise ValueError(
@@ -249,12 +273,22 @@ class GPTConfig:
         ):
             raise ValueError(problem)
 
+    def _check_mla(self) -> None:
+        """Raise ValueError for an MLA shape or RoPE HDP cannot run, naming the value."""
+        from megatron_hdp.megatron.mla_args import mla_problems
+
+        problems = mla_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+
     def _check_head_shape(self) -> None:
         """Raise ValueError for a head size or RoPE share HDP attention cannot run."""
         if self.kv_channels is not None and self.kv_channels < 1:
             raise ValueError(f"kv_channels must be >= 1, got {self.kv_channels}")
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
+        if self.multi_latent_attention:
+            return  # MLA rotates its decoupled channels only (`_check_mla`)
         rotary = int(self.head_dim * self.rotary_percent)
         if self.position_embedding_type == "rope" and (rotary < 2 or rotary % 2):
             raise ValueError(
@@ -283,10 +317,20 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        """Channels per attention head: kv_channels, else hidden / heads."""
+        """Query/key channels per attention head.
+
+        kv_channels, else hidden / heads; with MLA qk_head_dim + qk_pos_emb_head_dim.
+        """
+        if self.multi_latent_attention:
+            return self.qk_head_dim + self.qk_pos_emb_head_dim
         if self.kv_channels is not None:
             return self.kv_channels
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def head_dim_v(self) -> int:
+        """Value channels per attention head: head_dim, or MLA's v_head_dim."""
+        return self.v_head_dim if self.multi_latent_attention else self.head_dim
 
     @property
     def expert_ffn_hidden_size(self) -> int:
@@ -341,12 +385,26 @@ def model_shape(cfg: GPTConfig) -> ModelShape:
         windowed_layers=sum(
             windowed_layers(cfg.num_layers, cfg.window_size, cfg.window_attn_skip_freq)
         ),
+        multi_latent_attention=cfg.multi_latent_attention,
+        q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_head_dim=cfg.qk_head_dim,
+        qk_pos_emb_head_dim=cfg.qk_pos_emb_head_dim,
+        v_head_dim=cfg.v_head_dim,
     )
 
 
 def transformer_config(cfg: GPTConfig) -> TransformerConfig:
-    """Megatron `TransformerConfig` for `cfg`: unfused kernels, per-token loss."""
-    return TransformerConfig(
+    """Megatron `TransformerConfig` for `cfg`: unfused kernels, per-token loss.
+
+    With multi-latent attention an `MLATransformerConfig` with its shape and RoPE fields.
+    """
+    config_class, extra = TransformerConfig, {}
+    if cfg.multi_latent_attention:
+        from megatron_hdp.megatron.mla import mla_config_fields
+
+        config_class, extra = mla_config_fields(cfg)
+    return config_class(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
@@ -393,6 +451,7 @@ def transformer_config(cfg: GPTConfig) -> TransformerConfig:
             else cfg.window_attn_skip_freq
         ),
         **(_moe_settings(cfg) or _dense_settings(cfg)),
+        **extra,
     )
 
 
@@ -467,7 +526,10 @@ def hdp_layer_spec(cfg: GPTConfig) -> ModuleSpec:
     rotation, as Megatron's own order).
     """
     spec = get_gpt_layer_local_spec(
-        num_experts=cfg.num_experts, moe_grouped_gemm=False, normalization=cfg.normalization
+        num_experts=cfg.num_experts,
+        moe_grouped_gemm=False,
+        normalization=cfg.normalization,
+        **({"multi_latent_attention": True} if cfg.multi_latent_attention else {}),
     )
     spec.module = SeededTransformerLayer
     spec.submodules.self_attention.submodules.core_attention = HDPCoreAttention
@@ -479,7 +541,12 @@ def hdp_layer_spec(cfg: GPTConfig) -> ModuleSpec:
     spec.submodules.pre_mlp_layernorm = hdp_norm(cfg)
     if cfg.qk_layernorm:
         attention = spec.submodules.self_attention.submodules
-        attention.q_layernorm = attention.k_layernorm = hdp_norm(cfg)
+        if cfg.multi_latent_attention:  # MLA's norms of the compressed q and kv (its spec's)
+            attention.kv_layernorm = hdp_norm(cfg)
+            if cfg.q_lora_rank is not None:  # no compressed q, no norm (core 0.19 refuses one)
+                attention.q_layernorm = hdp_norm(cfg)
+        else:
+            attention.q_layernorm = attention.k_layernorm = hdp_norm(cfg)
     return spec
 
 
@@ -610,6 +677,10 @@ def build_seeded(cfg: GPTConfig, construct: Callable[[], GPTModel], *, tp_rank: 
         model = construct()
     finally:
         _INIT_SEED.reset(token)
+    if cfg.multi_latent_attention:
+        from megatron_hdp.megatron.mla import rope_at_original_positions
+
+        rope_at_original_positions(model)
     _redraw_output_layer(model, cfg, base + cfg.num_layers + 1, tp_rank)
     install_keyed_dropout(model)
     if cfg.mtp_num_layers is not None:

@@ -139,8 +139,10 @@ def packed_seq_params(
     """The THD parameters of one local batch, with its ring spec and RoPE table."""
     cu = batch.cu_seqlens()
     max_len = max(batch.shard.local_doc_lengths(), default=0)
-    rotary = None
-    if cfg.position_embedding_type == "rope":
+    rotary = positions = None
+    if cfg.multi_latent_attention:  # MLA rotates itself, at these positions (`megatron.mla`)
+        positions = batch.position_ids[0]
+    elif cfg.position_embedding_type == "rope":
         rotary = RotaryTable.build(
             batch.position_ids[0],
             head_dim=cfg.head_dim,
@@ -167,6 +169,7 @@ def packed_seq_params(
         rotary=rotary,
         dropout=dropout_keys(batch, cfg, runtime),
         mtp=mtp_shift(batch, cfg, runtime),
+        positions=positions,
     )
 
 

@@ -55,6 +55,7 @@ from megatron_hdp.megatron.arguments import (
     schedule_steps,
     uses_static_mesh,
 )
+from megatron_hdp.megatron.mla_args import args_problems
 from megatron_hdp.megatron.resume_checks import (
     NothingToTrain,
     check_overwrite,
@@ -426,6 +427,9 @@ def _check_layout(args: argparse.Namespace, world_size: int, *, here: bool = Tru
             f"--rotary-percent {args.rotary_percent} of head dim {head_dim} rotates {rotary} "
             "channels: RoPE needs an even number >= 2"
         )
+    mla = args_problems(args)  # --multi-latent-attention's shape and RoPE, all of them
+    if mla:
+        raise ValueError("; ".join(mla))
     if args.group_query_attention and args.num_attention_heads % args.num_query_groups:
         raise ValueError(
             f"--num-attention-heads {args.num_attention_heads} is not divisible by "

@@ -109,7 +109,6 @@ _REFUSED_MEGATRON = (
         bool,
         "--mtp-use-repeated-layer: HDP builds one MTP layer per depth (not tested shared)",
     ),
-    ("multi_latent_attention", bool, "--multi-latent-attention: HDP attention is MHA/GQA"),
     (
         "experimental_attention_variant",
         lambda v: v is not None,
@@ -563,6 +562,7 @@ def finish_args(args: argparse.Namespace) -> None:
         dtype=cfg.dtype,
         head_dim=cfg.head_dim,
         window=cfg.window_size is not None,
+        head_dim_v=cfg.head_dim_v,  # MLA: v's head dim differs from q's and k's
     )
     from megatron_hdp.megatron_lm.switch import startup_problems
 

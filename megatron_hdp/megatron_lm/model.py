@@ -18,6 +18,7 @@ import logging
 
 import torch
 
+from megatron_hdp.megatron.mla_args import mla_fields
 from megatron_hdp.megatron.model import GPTConfig
 from megatron_hdp.megatron_lm.moe import moe_fields, moe_layer_pattern
 
@@ -65,6 +66,7 @@ def gpt_config(args: argparse.Namespace, vocab_size: int | None = None) -> GPTCo
         window_size=getattr(args, "window_size", None),
         window_attn_skip_freq=_skip_freq(getattr(args, "window_attn_skip_freq", None)),
         **moe_fields(args),
+        **mla_fields(args),
     )
 
 
@@ -104,7 +106,10 @@ def _layer_specs(args: argparse.Namespace, cfg: GPTConfig, vp_stage: int | None 
 
     def te_spec(num_experts):
         spec = get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=cfg.qk_layernorm
+            num_experts=num_experts,
+            moe_grouped_gemm=False,
+            qk_layernorm=cfg.qk_layernorm,
+            **({"multi_latent_attention": True} if cfg.multi_latent_attention else {}),
         )
         spec.module = SeededTransformerLayer
         spec.submodules.self_attention.submodules.core_attention = HDPCoreAttention
@@ -112,6 +117,11 @@ def _layer_specs(args: argparse.Namespace, cfg: GPTConfig, vp_stage: int | None 
             _hdp_experts(spec)
         return spec
 
+    if cfg.multi_latent_attention:
+        logger.warning(
+            "--hdp: multi-latent attention in Transformer Engine's layer spec is unverified (no "
+            "TE here to test it); --transformer-impl local is the tested path"
+        )
     layers = [te_spec(None)] * cfg.layers_per_chunk
     if cfg.num_experts is not None:
         logger.warning(
@@ -186,6 +196,15 @@ def hdp_gpt_builder(
         config.variable_seq_lengths = True
         config.moe_token_dispatcher_type = "alltoall"
     position_type = "none" if cfg.position_embedding_type == "rope" else cfg.position_embedding_type
+    if cfg.multi_latent_attention:
+        from megatron_hdp.megatron.mla import without_transformer_engine
+
+        without_transformer_engine()
+    if cfg.multi_latent_attention and config.apply_rope_fusion:
+        # Fused MLA RoPE reads cos/sin by packed-piece position; the unfused path computes
+        # the same rotation at the original positions (`megatron.mla`).
+        logger.info("--hdp: MLA's RoPE runs unfused, at the tokens' original positions")
+        config.apply_rope_fusion = False
     spec = _layer_specs(args, cfg, vp_stage)
     mtp = _mtp_spec(args, cfg, spec) if post_process else None
     # torch.manual_seed reseeds CUDA too: fork it as well, Megatron-LM's streams stay as set.

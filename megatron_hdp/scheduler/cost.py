@@ -8,15 +8,19 @@ all layers of one model replica (an HDP rank):
 - `linear(s) = 6 * P * s / F_lin`: GEMMs of all layers and the output layer (P parameters
   touched per token; 2 FLOPs per multiply-add, x3 for forward + backward). For MoE, P counts
   the router and the top-k experts a token runs through, not all experts.
-- `attention(s) = L * 3.5 * 2 * s^2 * d_q / F_attn`: causal attention scores and values,
-  forward `4 s^2 d_q / 2` FLOPs (half the square), backward 2.5x forward.
+- `attention(s) = L * 3.5 * s^2 * H * (d_qk + d_v) / F_attn`: causal attention scores
+  (`2 s^2 H d_qk`) and values (`2 s^2 H d_v`), forward FLOPs halved by the causal mask,
+  backward 2.5x forward. `d_qk = d_v` = the head dim, except with multi-latent attention
+  (q/k `qk_head_dim + qk_pos_emb_head_dim`, v `v_head_dim`).
 - sliding-window layers (`ModelShape.window`, `windowed_layers`) compute only the pairs
   within their window and their rings carry only the rows later windows reach
   (`scheduler.windows`).
 - `exposed_ring(s, k)`: each layer's ring has `k - 1` forward steps moving K/V of `s/k`
   tokens and, backward, `k - 1` K/V steps plus `k` dK/dV steps; a step costs
   `latency + bytes / bandwidth` and hides behind that step's share of attention compute,
-  only the excess is exposed. Zero for `k = 1`.
+  only the excess is exposed. Zero for `k = 1`. A message holds K and V of every local
+  token, `G * (d_qk + d_v)` elements (`kv_message_dim`); MLA ships per-head K/V (G = H),
+  not its latent.
 
 Activation bytes per token and layer follow field-anchors.md 5.4: about `34 h` bytes in
 16-bit (scaled by the element size). Constants of the named device profiles are documented
@@ -61,6 +65,18 @@ class ModelShape:
     windowed_layers: int = 0
     """How many layers attend within `window` (Megatron-Core's --window-attn-skip-freq rule,
     `windows.windowed_layers`); the others attend in full."""
+    multi_latent_attention: bool = False
+    """Megatron-Core's MLA: the fields below replace kv_channels and the query groups."""
+    q_lora_rank: int | None = None
+    """MLA: rank of the queries' projection; None: one full projection."""
+    kv_lora_rank: int = 32
+    """MLA: rank of the keys' and values' projection."""
+    qk_head_dim: int = 128
+    """MLA: query/key channels per head without RoPE."""
+    qk_pos_emb_head_dim: int = 64
+    """MLA: decoupled RoPE channels per head."""
+    v_head_dim: int = 128
+    """MLA: value channels per head."""
 
     @property
     def head_dim(self) -> int:
@@ -68,6 +84,18 @@ class ModelShape:
         if self.kv_channels is not None:
             return self.kv_channels
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def qk_dim_per_head(self) -> int:
+        """Query/key channels of one head: the head dim; MLA's `qk_head_dim + pos`."""
+        if self.multi_latent_attention:
+            return self.qk_head_dim + self.qk_pos_emb_head_dim
+        return self.head_dim
+
+    @property
+    def v_dim_per_head(self) -> int:
+        """Value (and attention output) channels of one head: the head dim; MLA's v."""
+        return self.v_head_dim if self.multi_latent_attention else self.head_dim
 
     @property
     def q_dim(self) -> int:
@@ -80,13 +108,40 @@ class ModelShape:
         return (self.num_query_groups or self.num_attention_heads) * self.head_dim
 
     @property
+    def kv_message_dim(self) -> int:
+        """Elements of K and V together per token, as the ring ships them.
+
+        `2 * kv_dim`; with MLA every head's K and V (`H * (d_qk + d_v)`), not the latent.
+        """
+        if self.multi_latent_attention:
+            return self.num_attention_heads * (self.qk_dim_per_head + self.v_dim_per_head)
+        return 2 * self.kv_dim
+
+    @property
+    def attention_params(self) -> int:
+        """Weights of one layer's attention projections (biases and norms left out).
+
+        MLA: the q projection (down and up with `q_lora_rank`), the kv down projection (with
+        the decoupled RoPE channels), the kv up projection and the output projection.
+        """
+        h = self.hidden_size
+        if not self.multi_latent_attention:
+            return h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h
+        heads = self.num_attention_heads
+        q_out = heads * self.qk_dim_per_head
+        q = h * q_out if self.q_lora_rank is None else self.q_lora_rank * (h + q_out)
+        kv_down = h * (self.kv_lora_rank + self.qk_pos_emb_head_dim)
+        kv_up = self.kv_lora_rank * heads * (self.qk_head_dim + self.v_head_dim)
+        return q + kv_down + kv_up + heads * self.v_head_dim * h
+
+    @property
     def params_per_token(self) -> int:
         """Weights each token multiplies: all transformer layers plus the output layer.
 
         With experts these are the ACTIVE weights: the router (h x E) and top-k experts.
         """
         h, ffn = self.hidden_size, self.ffn_hidden_size or 4 * self.hidden_size
-        attention = h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h
+        attention = self.attention_params
         per_mlp = 3 if self.swiglu else 2
         if self.num_experts is None:
             mlp = per_mlp * h * ffn
@@ -237,7 +292,7 @@ class CostModel:
         m = self.model
         if self._windowed:
             return self._full_attention_time(s) + self.windowed_attention_time(s)
-        forward = 2.0 * s * s * m.num_attention_heads * m.head_dim
+        forward = s * s * m.num_attention_heads * (m.qk_dim_per_head + m.v_dim_per_head)
         return m.num_layers * _ATTENTION_TRAIN_FACTOR * forward / self.device.attention_flops
 
     @property
@@ -246,7 +301,7 @@ class CostModel:
 
     def _pairs_time(self, pairs, layers: int):
         m = self.model
-        forward = 4.0 * pairs * m.num_attention_heads * m.head_dim
+        forward = 2.0 * pairs * m.num_attention_heads * (m.qk_dim_per_head + m.v_dim_per_head)
         out = layers * _ATTENTION_TRAIN_FACTOR * forward / self.device.attention_flops
         return float(out) if np.ndim(out) == 0 else out
 
@@ -275,7 +330,7 @@ class CostModel:
         k = np.asarray(k, dtype=np.float64)
         ring = k > 1
         k_safe = np.where(ring, k, 2.0)
-        kv_bytes = 2.0 * (np.asarray(tokens, dtype=np.float64) / k_safe) * m.kv_dim
+        kv_bytes = (np.asarray(tokens, dtype=np.float64) / k_safe) * m.kv_message_dim
         transfer = d.p2p_latency + kv_bytes * d.bytes_per_element / d.p2p_bandwidth
         forward_step = attention / (k_safe * k_safe) / (_ATTENTION_TRAIN_FACTOR * m.num_layers)
         backward_step = forward_step * _BACKWARD_STEP_FACTOR
@@ -394,7 +449,7 @@ class CostModel:
         exposed_b = exposed - exposed_f
         ring_f = ring_b = np.zeros_like(tokens)
         if d.host_link_shared:
-            step = 2.0 * tokens * m.kv_dim * d.bytes_per_element / d.host_bandwidth
+            step = tokens * m.kv_message_dim * d.bytes_per_element / d.host_bandwidth
             ring_f = np.where(k > 1, (k - 1) * step, 0.0)
             ring_b = np.where(k > 1, (2 * (k - 1) + 1) * step, 0.0)
         windows = ((forward + exposed_f, ring_f), (backward + exposed_b, ring_b))

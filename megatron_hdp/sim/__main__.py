@@ -27,7 +27,13 @@ from megatron_hdp.sim import claims as claims_mod
 from megatron_hdp.sim import pipelines as pipelines_mod
 from megatron_hdp.sim.clusters import CLUSTERS
 from megatron_hdp.sim.distributions import GENERATORS
-from megatron_hdp.sim.models import MODELS, PAPER_CAPACITY, memory_capacity, with_window
+from megatron_hdp.sim.models import (
+    MLA_MODELS,
+    MODELS,
+    PAPER_CAPACITY,
+    memory_capacity,
+    with_window,
+)
 from megatron_hdp.sim.simulate import (
     ABLATION,
     LABELS,
@@ -95,7 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
         "by the planner's cost model; write JSON, markdown and PNG charts.",
     )
     p.add_argument("--out", default=DEFAULT_OUT, help="output folder (created)")
-    p.add_argument("--models", default=",".join(MODELS), help="comma list of models")
+    p.add_argument(
+        "--models",
+        default=",".join(MODELS),
+        help=f"comma list of models (also the MLA variants {', '.join(MLA_MODELS)})",
+    )
     p.add_argument(
         "--contexts",
         default=",".join(_fmt_ctx(c) for c in DEFAULT_CONTEXTS),
@@ -428,7 +438,12 @@ def main(argv=None) -> int:
         if s not in SYSTEMS:
             _say(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}", error=True)
             return 2
-    models = [MODELS[m] for m in args.models.split(",") if m]
+    known = {**MODELS, **MLA_MODELS}  # MLA variants by name only
+    unknown = [m for m in args.models.split(",") if m and m not in known]
+    if unknown:
+        _say(f"unknown model(s) {unknown}; choose from {', '.join(known)}", error=True)
+        return 2
+    models = [known[m] for m in args.models.split(",") if m]
     try:
         models = [with_window(m, args.window_size, args.window_attn_skip_freq) for m in models]
     except ValueError as err:

@@ -124,6 +124,35 @@ MODELS: dict[str, SimModel] = {
     )
 }
 
+
+def _mla(base: SimModel) -> SimModel:
+    """`base` with DeepSeek-V3's attention shape (config.json).
+
+    Multi-latent attention, q/k 128 + 64 RoPE channels and v 128 per head, q rank 1536, kv
+    rank 512; same heads, layers, MLP and layout. Not a model of the paper: an MLA variant
+    to price, chosen by name (`--models llama-7b-mla`), outside the default list.
+    """
+    shape = dataclasses.replace(
+        base.shape,
+        num_query_groups=None,
+        multi_latent_attention=True,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_head_dim=128,
+        qk_pos_emb_head_dim=64,
+        v_head_dim=128,
+    )
+    h, layers = shape.hidden_size, shape.num_layers
+    mlp = 3 * h * (shape.ffn_hidden_size or 4 * h)
+    total = float(layers * (shape.attention_params + mlp) + 2 * h * shape.vocab_size)
+    return dataclasses.replace(base, name=f"{base.name}-mla", shape=shape, total_params=total)
+
+
+#: MLA variants of Table 1's dense models, priced by the same cost model (by name only).
+MLA_MODELS: dict[str, SimModel] = {
+    m.name: m for m in (_mla(MODELS["llama-7b"]), _mla(MODELS["llama-70b"]))
+}
+
 #: The paper's capacity C in its examples (bytescale-paper.md section 8, claims 3, 4, 9).
 PAPER_CAPACITY = 8 * K
 

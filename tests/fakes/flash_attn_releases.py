@@ -95,11 +95,21 @@ def _attend_windowed(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, window,
     return out, lse
 
 
+def _check_head_size(q, k, v) -> None:
+    """`mha_varlen_fwd`/`_bwd`'s `CHECK_SHAPE(k|v, total_k, num_heads_k, head_size)`: k and v
+    must have q's head size in every 2.x release (no separate value head dim)."""
+    head_size = q.shape[-1]
+    if k.shape[-1] != head_size or v.shape[-1] != head_size:
+        raise RuntimeError(f"{'k' if k.shape[-1] != head_size else 'v'} must have shape (total_k, "
+                           f"num_heads_k, {head_size})")  # fmt: skip
+
+
 def _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window, max_seqlen_k=None):
     """`(out, softmax_lse)`: the math kernel's, the lse float32 `[H, total_q]` as flash gives.
 
     With a sliding window: dense attention under `flash_window`'s mask, in float64.
     """
+    _check_head_size(q, k, v)
     if window != (-1, -1):
         return _attend_windowed(
             q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window, max_seqlen_k
@@ -115,6 +125,7 @@ def _gradients(args: dict, window) -> torch.Tensor:
     assert args["softcap"] == 0.0 and args["alibi_slopes"] is None
     assert args["dropout_p"] == 0.0
     q = args["q"]
+    _check_head_size(q, args["k"], args["v"])
     total_q, heads = q.shape[0], q.shape[1]
     # mha_varlen_bwd checks only the lse's device and reads heads * total_q floats.
     lse = args["softmax_lse"].reshape(-1)[: heads * total_q].view(heads, total_q)

@@ -46,6 +46,7 @@ class SDPACoreAttention(MegatronModule):
         **unused,
     ):
         super().__init__(config=config)
+        self.softmax_scale = softmax_scale  # MLA passes its own (YaRN's mscale)
 
     def forward(
         self,
@@ -62,7 +63,7 @@ class SDPACoreAttention(MegatronModule):
         q = query.permute(1, 2, 0, 3)
         k = key.repeat_interleave(rep, dim=2).permute(1, 2, 0, 3)
         v = value.repeat_interleave(rep, dim=2).permute(1, 2, 0, 3)
-        scale = 1.0 / math.sqrt(q.shape[-1])
+        scale = self.softmax_scale or 1.0 / math.sqrt(q.shape[-1])
         scores = torch.matmul(q, k.transpose(-1, -2)) * scale
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
         probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
@@ -78,6 +79,8 @@ def build_reference(cfg: GPTConfig, state_dict: dict) -> GPTModel:
         moe_grouped_gemm=False,
         normalization=cfg.normalization,
         qk_layernorm=cfg.qk_layernorm,
+        # Megatron-Core's MLASelfAttention, its own RoPE (positions 0..s-1, YaRN, mscale).
+        **({"multi_latent_attention": True} if cfg.multi_latent_attention else {}),
     )
     if cfg.softmax_type == "vanilla":  # else: the local spec's stock DotProductAttention
         spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention

@@ -5,6 +5,8 @@ cross-check. Both are CPU kernels: on CUDA they would materialise a dense score 
 document, so kernel choice refuses them there (tests may still call them on any device).
 K/V heads are expanded per block here, inside the kernel (the GPU kernels take GQA natively).
 Sliding-window (banded) blocks run the dense banded math of `kernels.band` in both kernels.
+`"math"` also takes a value head dim that differs from the q/k one (multi-latent attention);
+aten's CPU flash kernels do not, so `"torch"` gets them padded (`kernels.head_dims`).
 """
 
 from __future__ import annotations
@@ -32,9 +34,12 @@ def reduce_groups(x_THD: torch.Tensor, groups: int) -> torch.Tensor:
 class BlockLoopKernel:
     """A varlen kernel made of one dense block call per document (`backends` block kernels)."""
 
-    def __init__(self, name: str, block: AttentionBackend) -> None:
+    def __init__(
+        self, name: str, block: AttentionBackend, *, unequal_head_dims: bool = False
+    ) -> None:
         self.name = name
         self._block = block
+        self._unequal_head_dims = unequal_head_dims
 
     def unavailable_reason(self, facts: DeviceFacts, *, dtype, head_dim) -> str | None:
         """Runs on CPU only: on CUDA a dense block would hold a `[heads, s, s]` score matrix."""
@@ -45,6 +50,12 @@ class BlockLoopKernel:
             "document (out of memory at real lengths); use a flash kernel "
             f"(torch_flash or flash_attn, with --bf16)"
         )
+
+    def unequal_head_dims_reason(self, facts: DeviceFacts, *, dtype, head_dim, head_dim_v):
+        """None on CPU if the block kernel takes a value head dim unlike the q/k one (math)."""
+        if not self._unequal_head_dims:
+            return "aten's CPU flash kernels need equal q/k and v head dims"
+        return self.unavailable_reason(facts, dtype=dtype, head_dim=head_dim)
 
     def activate(self) -> None:
         """Nothing to set up."""
@@ -64,7 +75,7 @@ class BlockLoopKernel:
         if blocks.band is not None:
             return band_forward(q_THD, k_TGD, v_TGD, blocks, scale=scale)
         heads = q_THD.shape[1]
-        out = torch.empty_like(q_THD)
+        out = q_THD.new_empty((*q_THD.shape[:2], v_TGD.shape[-1]))
         lse = None
         for rows, cols in self._pieces(blocks):
             out_b, lse_b = self._block.forward(
@@ -106,5 +117,5 @@ class BlockLoopKernel:
         return dq, dk, dv
 
 
-TORCH = BlockLoopKernel("torch", TorchBackend())
-MATH = BlockLoopKernel("math", MathBackend())
+TORCH = BlockLoopKernel("torch", TorchBackend(), unequal_head_dims=False)
+MATH = BlockLoopKernel("math", MathBackend(), unequal_head_dims=True)

@@ -78,6 +78,18 @@ class FlashAttn4Kernel:
         """Needs sm90/sm100, 16-bit tensors, FA4's head dims (`fa4_limits`) and flash-attn-4."""
         return fa4_limits(facts, dtype=dtype, head_dim=head_dim) or signature_problem()
 
+    def unequal_head_dims_reason(self, facts: DeviceFacts, *, dtype, head_dim, head_dim_v):
+        """None on Blackwell for FA4's unequal pair (192, 128); elsewhere the ring pads.
+
+        FA4 validates `(head_dim, head_dim_v)` itself (`fa4_limits`); only Blackwell's pair
+        list names an unequal one, so on Hopper the kernel runs padded (`head_dims`).
+        """
+        major = (facts.capability or (0, 0))[0]
+        if major not in (10, 11):
+            return f"takes unequal head dims on Blackwell only, not on {facts.describe()}"
+        problem = fa4_limits(facts, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v)
+        return problem or signature_problem()
+
     def activate(self) -> None:
         """Nothing to set up."""
 
