@@ -234,6 +234,13 @@ class PlannerActor:
             out.append(record)
         return out
 
+    def scale(self, source: str, count: int, reason: str = "asked by the operator") -> None:
+        """Move `source` to `count` loaders now (within its min and max), logged with `reason`.
+
+        The policy's own changes go the same way (`Scaling.apply`).
+        """
+        self.scaling.apply(source, count, reason)
+
     def scaling_log(self, since: int = 0) -> dict:
         """The scaling timeline from entry `since` on (`Scaling.log`)."""
         return self.scaling.log(since)

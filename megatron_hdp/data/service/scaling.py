@@ -82,16 +82,35 @@ class Scaling:
         free = self.p._ray.available_resources().get("CPU")
         counts = [len(g) for g in self.p.loaders]
         for decision in self.policy.decide(measured, counts=counts, free_cpus=free):
-            record = {**decision.as_record(), "t": now - self.started, "step": self.p.produced}
-            self.decisions.append(record)
-            if decision.after == decision.before:
-                logger.info("data plane: %r stays at %d loaders: %s", decision.source,
-                            decision.before, decision.reason)  # fmt: skip
-                continue
-            logger.info("data plane: %r %d -> %d loaders: %s", decision.source, decision.before,
-                        decision.after, decision.reason)  # fmt: skip
-            k = [s.name for s in self.p.sources].index(decision.source)
-            self._scale(k, decision.after)
+            self._record(decision.as_record(), now)
+
+    def apply(self, source: str, count: int, reason: str) -> None:
+        """Move `source` to `count` loaders for `reason` (not the policy's: an operator's).
+
+        ValueError naming the source or the count if it is none of the spec's sources or
+        outside its `loaders` range.
+        """
+        names = [s.name for s in self.p.sources]
+        if source not in names:
+            raise ValueError(f"no data source {source!r} (sources: {', '.join(names)})")
+        low, high = self.p.sources[names.index(source)].loader_range
+        if not low <= count <= high:
+            raise ValueError(f"data source {source!r} takes {low} to {high} loaders, not {count}")
+        before = len(self.p.loaders[names.index(source)])
+        record = {"tick": None, "source": source, "before": before, "after": count,
+                  "reason": reason, "busy": None, "wait": None}  # fmt: skip
+        self._record(record, time.perf_counter())
+
+    def _record(self, record: dict, now: float) -> None:
+        """Log and keep a decision, and carry it out."""
+        record = {**record, "t": now - self.started, "step": self.p.produced}
+        self.decisions.append(record)
+        name, before, after = record["source"], record["before"], record["after"]
+        if after == before:
+            logger.info("data plane: %r stays at %d loaders: %s", name, before, record["reason"])
+            return
+        logger.info("data plane: %r %d -> %d loaders: %s", name, before, after, record["reason"])
+        self._scale([s.name for s in self.p.sources].index(name), after)
 
     def _measure(self, now: float) -> list[Measurement | None]:
         """Each source's busy share and attributable wait since the last measurement."""
