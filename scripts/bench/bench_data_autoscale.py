@@ -290,6 +290,7 @@ def main() -> None:
     from megatron_hdp.provenance import environment
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    load_start = os.getloadavg()
     ray.init(
         num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=2 * 10**8
     )
@@ -359,6 +360,8 @@ def main() -> None:
             "ranks_are": "processes running the trainer's GlobalBatchLoader on the service "
             f"(prefetch 2) plus a simulated compute of {COMPUTE_S} s per step (a sleep)",
             "ray": "local, ray.init(num_cpus=2), on this 2-core machine",
+            "load_average_at_start_and_end": [load_start, os.getloadavg()],
+            "cores": os.cpu_count(),
             "tokens_per_batch": TOKENS_PER_BATCH,
             "seq_length": SEQ,
             "steps": args.steps,

@@ -53,8 +53,8 @@ class Scaling:
         self.asked: dict[str, tuple[int, object]] = {}  # actor id -> (source, stats ref)
         self.last: dict[str, tuple[float, float]] = {}  # actor id -> (busy_s, alive_s)
         self.waits, self.period = [0.0] * n, 0.0
-        self.started = time.perf_counter()
-        self.next_tick = self.started + plane.interval_s
+        self.started = None  # the first batch: the log's clock starts there
+        self.next_tick = float("inf")
         self.samples: list[dict] = []
         self.decisions: list[dict] = []
 
@@ -69,6 +69,9 @@ class Scaling:
 
     def between_batches(self) -> None:
         """Settle what is pending, end retired loaders, and measure and decide when due."""
+        if self.started is None:
+            self.started = time.perf_counter()
+            self.next_tick = self.started + self.plane.interval_s
         for k in range(len(self.pending)):
             self._settle(k)
         while self.retired and self.retired[0][0] + self.p.keep <= self.p.produced:
@@ -99,6 +102,8 @@ class Scaling:
         before = len(self.p.loaders[names.index(source)])
         record = {"tick": None, "source": source, "before": before, "after": count,
                   "reason": reason, "busy": None, "wait": None}  # fmt: skip
+        if self.started is None:
+            self.started = time.perf_counter()
         self._record(record, time.perf_counter())
 
     def _record(self, record: dict, now: float) -> None:
@@ -215,7 +220,7 @@ class Scaling:
     def log(self, since: int = 0) -> dict:
         """`{"samples": [...], "decisions": [...], "next": n}` from sample/decision `since` on.
 
-        A sample: seconds since the planner started (`t`), batches planned (`step`), and
+        A sample: seconds since the first batch was planned (`t`), batches planned (`step`), and
         per source its loaders, their busy share and the ranks' data-wait share on it.
         A decision: `autoscale.Decision` with `t` and `step`. `since` counts both lists
         together (the caller passes the previous call's `next`).
