@@ -1,7 +1,7 @@
 """The Ray data plane scaling a heavy source by measured cost: 4 ranks on 2 cores, real Ray.
 
 A local Ray (`ray.init(num_cpus=2)`) runs the planner actor and the loaders of two
-synthetic sources: `cheap` (2 us of read latency per token) and `heavy` (20 us: 10x the
+synthetic sources: `cheap` (4 us of read latency per token) and `heavy` (40 us: 10x the
 cost per token). Both are latency-bound (their reads wait, as on remote storage or a
 decoding service, rather than compute), which is what lets extra loaders help on 2
 cores: each loader asks Ray for 0.25 CPU, and the plane's budget is 2 CPUs.
@@ -22,7 +22,8 @@ measurements. Then:
   JSONL source of `--jsonl-mb` MB (tokenized when opened, as each rank does today);
 - item 6, assembly: a rank's CPU and wall seconds per step to fetch its token ranges and
   assemble its micro-batches itself, against asking a constructor actor (in this script)
-  to do both and hand over the finished micro-batches, for 2 sources and for 8.
+  to do both and hand over the finished micro-batches, for 2 sources and for 4 (one
+  heavy source each time).
 
 Writes the JSON (config, versions, git revision, machine, figures) and the timeline
 picture (loader count and data wait over the run).
@@ -46,18 +47,21 @@ import numpy as np
 RANKS = 4
 SEQ = 1024
 COMPUTE_S = 0.06
+#: Read latency per token of the two sources (us): the heavy one costs 10x per token.
+CHEAP_US, HEAVY_US = 4.0, 40.0
 TOKENS_PER_BATCH = 8192
 
 
-def _spec(heavy_loaders, documents=400, sources=("cheap", "heavy")):
+def _spec(heavy_loaders, documents=400, sources=("cheap", "heavy"), cpus=0.25):
     from megatron_hdp.data.spec import parse_spec
 
     raw = []
     for k, name in enumerate(sources):
-        latency = 20.0 if name == "heavy" else 2.0
+        latency = HEAVY_US if name == "heavy" else CHEAP_US
         raw.append({
             "name": name,
             "loaders": heavy_loaders if name == "heavy" else 1,
+            "cpus": cpus,
             "synthetic": {"documents": documents, "min_tokens": 64, "max_tokens": 1024,
                           "seed": k, "latency_us_per_token": latency},
         })  # fmt: skip
@@ -226,7 +230,7 @@ def _assembly(sources: int, steps: int) -> dict:
     from megatron_hdp.data.sources import open_source
 
     names = ["heavy"] + [f"cheap{k}" for k in range(sources - 1)]
-    spec = _spec(1, documents=200, sources=tuple(names))
+    spec = _spec(1, documents=200, sources=tuple(names), cpus=0.1)  # 2 CPUs hold them all
     open_args = {"tokenizer_type": "ByteLevel", "tokenizer_model": None, "cache_dir": None}
     readers = [open_source(s, **open_args) for s in spec.sources]
     out = {}
@@ -250,7 +254,7 @@ def _assembly(sources: int, steps: int) -> dict:
                 walls.append(time.perf_counter() - wall)
                 cpus.append(time.process_time() - cpu)
         else:
-            actor = ray.remote(Constructor).options(num_cpus=0.25).remote(name)
+            actor = ray.remote(Constructor).options(num_cpus=0.1).remote(name)
             ray.get(actor.build.remote(0))  # started and warm
             for _ in range(steps):
                 wall, cpu = time.perf_counter(), time.process_time()
@@ -344,7 +348,7 @@ def main() -> None:
     speedup = figures["fixed"]["median_step_s"] / figures["autoscale"]["median_step_s"]
     memory = _jsonl_memory(args.jsonl_mb, Path(args.out).parent)
     rank_growth = figures["autoscale"]["rank_uss_growth_bytes_median"]
-    assembly = {n: _assembly(n, args.assembly_steps) for n in (2, 8)}
+    assembly = {n: _assembly(n, args.assembly_steps) for n in (2, 4)}
     ray.shutdown()
     _picture(runs, Path(args.picture))
     targets = {
@@ -367,8 +371,9 @@ def main() -> None:
             "steps": args.steps,
             "steady_from_step": first,
             "spec": {
-                "cheap": "synthetic, latency 2 us/token, loaders 1, cpus 0.25",
-                "heavy": "synthetic, latency 20 us/token (10x), cpus 0.25; fixed: loaders 1; "
+                "cheap": f"synthetic, latency {CHEAP_US:g} us/token, loaders 1, cpus 0.25",
+                "heavy": f"synthetic, latency {HEAVY_US:g} us/token (10x), cpus 0.25; fixed: "
+                "loaders 1; "
                 "autoscale: loaders {min 1, max 4}",
                 "data_plane": {"cpus": 2, "interval_s": 0.5, "patience": 2, "cooldown": 2},
             },

@@ -10,14 +10,16 @@ after each new batch, and never waits on a busy loader:
   wait comes with their batch requests (`note_wait`), attributed to the source whose
   reads arrived last in their fetches.
 - **Scale up**: the source's warm shadow (opened on the whole source, idle) is promoted at
-  once into the new slot and a new shadow is started; the source is cut into one more
+  once into the new slot (a shadow still opening, after a recent promotion, joins once
+  open) and a new shadow is started; the source is cut into one more
   token-balanced range (`sources.token_partition`).
 - **Scale down**: one range fewer; the loader left over is retired.
 - **Repartition**: each new range is served by a current loader that holds its documents
   (any loader, unless the source is JSONL tokenized when opened, whose loaders hold only
   their part), else by the promoted shadow, else by a new loader opened on that range;
   when new loaders are needed the new routing waits until they have opened their part
-  (the old one serves meanwhile). Either way the routing changes, never the tokens: a
+  (the old one serves meanwhile, and the source is not decided on again until then).
+  Either way the routing changes, never the tokens: a
   range is read the same whoever serves it.
 - Retired loaders live `keep` more batches (a rank may still be fetching with the
   routing before) and are then ended.
@@ -83,6 +85,8 @@ class Scaling:
         self.next_tick = now + self.plane.interval_s
         measured = self._measure(now)
         free = self.p._ray.available_resources().get("CPU")
+        # a source still opening the loaders of its last change is not decided on again
+        measured = [None if self.pending[k] else m for k, m in enumerate(measured)]
         counts = [len(g) for g in self.p.loaders]
         for decision in self.policy.decide(measured, counts=counts, free_cpus=free):
             self._record(decision.as_record(), now)
@@ -132,8 +136,10 @@ class Scaling:
                     stats = ray.get(ref)
                 except ray.exceptions.RayError:
                     continue
-                before = self.last.get(actor, (0.0, 0.0))
+                before = self.last.get(actor)
                 self.last[actor] = (stats["busy_s"], stats["alive_s"])
+                if before is None:  # its first answer (a promoted shadow's idle life before)
+                    continue
                 span = stats["alive_s"] - before[1]
                 if span > 0:
                     busy[source].append(min(1.0, (stats["busy_s"] - before[0]) / span))
@@ -178,6 +184,8 @@ class Scaling:
         source = self.p.sources[k]
         if self.pending[k] is not None:
             logger.info("data plane: %r is still opening loaders; no change", source.name)
+            self.decisions[-1]["after"] = self.decisions[-1]["before"]
+            self.decisions[-1]["reason"] += " (not made: the last change is still opening)"
             return
         bounds = token_partition(self.p.lengths[k], count)
         ranges = [(int(bounds[i]), int(bounds[i + 1])) for i in range(len(bounds) - 1)]
@@ -193,8 +201,11 @@ class Scaling:
             match = next((i for i, (_, held) in enumerate(free) if covers(held, want)), None)
             if match is not None:
                 handle, held = free.pop(match)
-            elif promote and self._shadow_is_ready(k):
-                handle, held, promote = self.take_shadow(k), None, False  # serves at once
+            elif promote:  # the warm shadow serves at once (or once it has opened)
+                ready = self._shadow_is_ready(k)
+                handle, held, promote = self.take_shadow(k), None, False
+                if not ready:
+                    waiting.append(handle.ready.remote())
             else:
                 handle, held = self.p._start(k, want), want
                 waiting.append(handle.ready.remote())
