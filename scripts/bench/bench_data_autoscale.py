@@ -1,10 +1,11 @@
 """The Ray data plane scaling a heavy source by measured cost: 4 ranks on 2 cores, real Ray.
 
 A local Ray (`ray.init(num_cpus=2)`) runs the planner actor and the loaders of two
-synthetic sources: `cheap` (4 us of read latency per token) and `heavy` (40 us: 10x the
-cost per token). Both are latency-bound (their reads wait, as on remote storage or a
-decoding service, rather than compute), which is what lets extra loaders help on 2
-cores: each loader asks Ray for 0.25 CPU, and the plane's budget is 2 CPUs.
+synthetic sources: `cheap` (20 us of read latency per token) and `heavy` (200 us: 10x
+the cost per token; one loader needs 0.8 s for a batch's 4K heavy tokens, 2.7 times the
+simulated compute of 0.3 s per step). Both are latency-bound (their reads wait, as on
+remote storage or a decoding service, rather than compute), which is what lets extra
+loaders help on 2 cores: each loader asks Ray for 0.25 CPU, and the plane's budget is 2 CPUs.
 
 Four rank processes each run the trainer's batch loader (`data.loader.GlobalBatchLoader`,
 2 batches prefetched) against the service and stand in for training with a fixed
@@ -46,9 +47,9 @@ import numpy as np
 
 RANKS = 4
 SEQ = 1024
-COMPUTE_S = 0.06
+COMPUTE_S = 0.3
 #: Read latency per token of the two sources (us): the heavy one costs 10x per token.
-CHEAP_US, HEAVY_US = 4.0, 40.0
+CHEAP_US, HEAVY_US = 20.0, 200.0
 TOKENS_PER_BATCH = 8192
 
 
@@ -284,7 +285,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--picture", required=True)
-    parser.add_argument("--steps", type=int, default=90)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--jsonl-mb", type=float, default=20.0)
     parser.add_argument("--assembly-steps", type=int, default=12)
     args = parser.parse_args()
