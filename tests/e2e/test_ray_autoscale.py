@@ -161,3 +161,16 @@ def test_scale_ups_downs_and_a_kill_keep_the_batches_bit_identical(local_ray, tm
             ray.get(planner.scale.remote("open", 3))
     finally:
         ray.kill(planner, no_restart=True)
+
+
+def test_loaders_asking_for_more_cpus_than_the_cluster_has_are_refused(local_ray):
+    from megatron_hdp.data.service.client import check_cpus
+    from megatron_hdp.data.spec import SourceSpec
+    from megatron_hdp.errors import DataServiceError
+
+    fits = [SourceSpec("a", 1.0, path="x", loaders=3, cpus=1.0)]  # 3 loaders + a shadow: 4
+    check_cpus(fits, "local")
+    wide = [SourceSpec("a", 1.0, path="x", loaders=4, cpus=1.0)]
+    with pytest.raises(DataServiceError) as err:
+        check_cpus(wide, "local")
+    assert "ask for 5 CPUs at start" in str(err.value) and "at local has 4" in str(err.value)

@@ -12,7 +12,9 @@ inside the planner's methods that start or hand out other actors and objects.
   supervises the loaders: `loaders` per source as the spec says, each owning one of the
   source's token-balanced document ranges (`sources.token_partition`), plus one warm
   *shadow* per source (opened on the whole source, idle) that takes over the part of a
-  loader that dies, after which a new shadow is started. The service's resumable state
+  loader that dies, after which a new shadow is started. Sources with `loaders: {min,
+  max}` are scaled between batches by measured cost (`scaling.Scaling`, the policy in
+  `autoscale.py`); loaders ask Ray for their source's `cpus`. The service's resumable state
   is the sampler's (a few integers per stream): checkpoints store it, and a resumed job
   starts the planner from it.
 """

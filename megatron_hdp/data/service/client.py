@@ -12,6 +12,9 @@ starts) the job's planner actor, which starts the source loaders. Then, per step
    waits once for all of them (`RayDataService.tokens`);
 3. reads its micro-batches from what was fetched.
 
+Each batch carries the planner's routing version (which loader serves which document
+range); a rank with an older routing takes the new one before fetching (scale events,
+`scaling.py`), and reports its data wait with its batch requests (`WaitReport`).
 A loader that dies mid-fetch is replaced by its source's shadow (`PlannerActor.
 replace_loader`) and the fetch is retried there; the batch and its units do not change,
 so every document is still used exactly once per epoch. No collective runs here.
