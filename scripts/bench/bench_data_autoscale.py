@@ -5,14 +5,14 @@ synthetic sources: `cheap` (20 us of read latency per token) and `heavy` (200 us
 the cost per token; one loader needs 0.8 s for a batch's 4K heavy tokens, 2.7 times the
 simulated compute of 0.3 s per step). Both are latency-bound (their reads wait, as on
 remote storage or a decoding service, rather than compute), which is what lets extra
-loaders help on 2 cores: each loader asks Ray for 0.25 CPU, and the plane's budget is 2 CPUs.
+loaders help on 2 cores: each loader asks Ray for 0.2 CPU, and the plane's budget is 2 CPUs.
 
 Four rank processes each run the trainer's batch loader (`data.loader.GlobalBatchLoader`,
 2 batches prefetched) against the service and stand in for training with a fixed
 simulated compute time per step (a sleep), so a step is max(compute, data). Two runs:
 
 - `fixed`: the heavy source with `loaders: 1`;
-- `autoscale`: the heavy source with `loaders: {min: 1, max: 4}`; the planner scales it.
+- `autoscale`: the heavy source with `loaders: {min: 1, max: 6}`; the planner scales it.
 
 Per run: each rank's step times and data waits (medians over the steady part), the
 heavy source's loader count over time (the planner's scaling log) and the loaders'
@@ -53,7 +53,7 @@ CHEAP_US, HEAVY_US = 20.0, 200.0
 TOKENS_PER_BATCH = 8192
 
 
-def _spec(heavy_loaders, documents=400, sources=("cheap", "heavy"), cpus=0.25):
+def _spec(heavy_loaders, documents=400, sources=("cheap", "heavy"), cpus=0.2):
     from megatron_hdp.data.spec import parse_spec
 
     raw = []
@@ -301,7 +301,7 @@ def main() -> None:
     )
     address = ray.get_runtime_context().gcs_address
     runs = {}
-    for label, loaders in (("fixed", 1), ("autoscale", {"min": 1, "max": 4})):
+    for label, loaders in (("fixed", 1), ("autoscale", {"min": 1, "max": 6})):
         results, log, stats = _run(label, loaders, args.steps, address)
         ups = [d for d in log["decisions"] if d["source"] == "heavy" and d["after"] > d["before"]]
         counts = [s["loaders"]["heavy"] for s in log["samples"]]
@@ -372,16 +372,16 @@ def main() -> None:
             "steps": args.steps,
             "steady_from_step": first,
             "spec": {
-                "cheap": f"synthetic, latency {CHEAP_US:g} us/token, loaders 1, cpus 0.25",
-                "heavy": f"synthetic, latency {HEAVY_US:g} us/token (10x), cpus 0.25; fixed: "
+                "cheap": f"synthetic, latency {CHEAP_US:g} us/token, loaders 1, cpus 0.2",
+                "heavy": f"synthetic, latency {HEAVY_US:g} us/token (10x), cpus 0.2; fixed: "
                 "loaders 1; "
-                "autoscale: loaders {min 1, max 4}",
+                "autoscale: loaders {min 1, max 6}",
                 "data_plane": {"cpus": 2, "interval_s": 0.5, "patience": 2, "cooldown": 2},
             },
             "why_latency_bound": "on 2 cores shared by 4 ranks, Ray and the loaders, a "
             "CPU-bound source cannot go faster with more loaders (there is no idle core); "
             "a latency-bound one (reads that wait: remote storage, a decoding service) "
-            "can, since loaders wait in parallel. Each loader asks Ray for 0.25 CPU.",
+            "can, since loaders wait in parallel. Each loader asks Ray for 0.2 CPU.",
         },
         "figures": {
             "fixed": figures["fixed"],
