@@ -352,7 +352,7 @@ class RayDataService:
         once on a recorder to learn which ranges this rank's micro-batches read. `kwargs`
         go to `IndexedTokens` (the vocabulary check).
         """
-        if batch.routing > self.routing:
+        if batch.routing != self.routing:  # a scale event, or a restarted planner's routing
             self._refresh()
         recorders = [_Recorder() for _ in self.loaders]
         collect(batch.plan, IndexedTokens(recorders, batch.units), rank)
