@@ -3,10 +3,11 @@
 A local Ray (`ray.init(num_cpus=4)`, logical CPUs on any machine) runs the planner actor
 and the source loaders of three sources: synthetic documents with a CPU cost per token,
 raw JSONL tokenized at read time (lengths index), and raw JSONL tokenized when opened (each
-loader tokenizes only its own range, so a request routed to the wrong loader fails). Loader counts are rotated so that
-every source runs with 1, 2 and 3 loaders. For every step and both pool ranks the
-micro-batches read through the service are bit-identical to the in-process loader's
-(`read_local` over the sources opened in this process), also when a loader is killed
+loader tokenizes only its own range, so a request routed to the wrong loader fails). Loader
+counts are rotated so that every source runs with 1, 2 and 3 loaders. For every step and
+both pool ranks the micro-batches read through the service are bit-identical to the
+in-process loader's (`read_local` over the sources opened in this process), also when a
+loader is killed
 mid-run and its shadow takes over its range.
 """
 
