@@ -7,8 +7,7 @@ loader tokenizes only its own range, so a request routed to the wrong loader fai
 counts are rotated so that every source runs with 1, 2 and 3 loaders. For every step and
 both pool ranks the micro-batches read through the service are bit-identical to the
 in-process loader's (`read_local` over the sources opened in this process), also when a
-loader is killed
-mid-run and its shadow takes over its range.
+loader is killed mid-run and its shadow takes over its range.
 """
 
 from __future__ import annotations
