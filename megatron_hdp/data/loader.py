@@ -90,8 +90,14 @@ class GlobalBatchLoader:
         return plan, source, read, notes
 
     def next(self) -> Prepared:
-        """The next batch, in sampler order (its `wait_s`: how long this call blocked)."""
-        return self._feed.next()
+        """The next batch, in sampler order (its `wait_s`: how long this call blocked).
+
+        With the Ray data service the wait is reported to its planner (scaling policy).
+        """
+        item = self._feed.next()
+        if self.service is not None:
+            self.service.note_wait(item.wait_s)
+        return item
 
     def state_dict(self) -> dict:
         """The sampler state after the last batch handed out (what a checkpoint stores)."""

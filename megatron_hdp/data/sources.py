@@ -297,8 +297,6 @@ def open_source(
     Raises:
         ValueError: Naming the source, for missing or unreadable files.
     """
-    from megatron_hdp.data.indexed import open_indexed_dataset
-
     try:
         if source.kind == "synthetic":
             return SyntheticTokens(source.synthetic_params)
@@ -312,6 +310,9 @@ def open_source(
             return JsonlTokens(
                 source.jsonl, json_key=source.json_key, tokenizer=tokenizer, docs=docs
             )
+        # imported here: it brings torch, which synthetic and JSONL loaders never need
+        from megatron_hdp.data.indexed import open_indexed_dataset
+
         return open_indexed_dataset(source_location(source, cache_dir))
     except ValueError as err:
         raise ValueError(f"data spec source {source.name!r}: {err}") from err

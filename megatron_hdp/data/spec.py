@@ -23,8 +23,15 @@ service both read it (`--hdp-data-spec FILE`)::
   deterministic synthetic documents with a declared cost per token read, for tests and
   benchmarks (`synthetic: {documents, min_tokens, max_tokens, seed, vocab,
   cpu_us_per_token, latency_us_per_token}`). `loaders` is how many source-loader actors
-  the Ray service runs for it (1 to 64, default 1; each holds a contiguous, token-balanced
-  range of the documents; the in-process loader ignores it).
+  the Ray service runs for it: a fixed number (1 to 64, default 1), or `{min, max}` to
+  let the planner scale it by measured cost (`data/service/autoscale.py`), starting at
+  `min`; each loader holds a contiguous, token-balanced range of the documents. `cpus`
+  is what each of its loaders asks Ray for (default 0.25: Ray places four on a core; say
+  1 for a CPU-bound source). The in-process loader ignores both.
+- `data_plane` (optional) bounds and tunes the Ray service's loaders as a whole:
+  `{cpus, interval_s, scale_up_busy, scale_down_busy, scale_up_wait, patience,
+  cooldown}` (`PlaneSpec`): `cpus` is the CPU budget of every loader and shadow of the
+  job together (default: no budget beyond the cluster's own CPUs).
 - `length_buckets` split every source's training sequences by length into streams named
   `source/bucket`: a sequence goes to the first bucket whose `max_tokens` it fits (the last
   bucket has no `max_tokens`). Without buckets each source is one stream.
@@ -52,7 +59,8 @@ from pathlib import Path
 BUILTIN_SOURCES = ("stdlib",)
 
 _SOURCE_KEYS = {
-    "name", "path", "jsonl", "json_key", "tokenize", "builtin", "synthetic", "weight", "loaders"
+    "name", "path", "jsonl", "json_key", "tokenize", "builtin", "synthetic", "weight", "loaders",
+    "cpus",
 }  # fmt: skip
 #: When a JSONL source is tokenized: all of it when opened, or each document when read.
 TOKENIZE_MODES = ("on_open", "on_read")
@@ -69,10 +77,12 @@ SYNTHETIC_DEFAULTS = {
 }
 #: The synthetic fields that are costs, not content.
 SYNTHETIC_COSTS = ("cpu_us_per_token", "latency_us_per_token")
-_TOP_KEYS = {"sources", "length_buckets", "schedule"}
+_TOP_KEYS = {"sources", "length_buckets", "schedule", "data_plane"}
 
 #: Source-loader actors a source may ask for: each is a Ray actor holding the source open.
 MAX_LOADERS = 64
+#: CPUs each source loader asks Ray for unless its source says (`cpus`).
+DEFAULT_LOADER_CPUS = 0.25
 
 #: Exponent forms YAML 1.1 (PyYAML) reads as text: `1e-3` (no dot), `1.5e3` (no sign).
 _EXPONENT_FORM = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
@@ -91,6 +101,22 @@ class SourceSpec:
     loaders: int = 1
     tokenize: str = "on_open"
     synthetic: tuple[tuple[str, float], ...] = ()
+    max_loaders: int | None = None
+    cpus: float = DEFAULT_LOADER_CPUS
+
+    @property
+    def loader_range(self) -> tuple[int, int]:
+        """`(min, max)` loaders: `loaders` is the minimum (and the start); equal when fixed."""
+        return self.loaders, self.max_loaders if self.max_loaders is not None else self.loaders
+
+    @property
+    def holds_tokens(self) -> bool:
+        """Whether a loader holds its part's tokens (JSONL tokenized when opened).
+
+        Such a loader serves only the documents it opened; every other reader holds
+        offsets or nothing, so any of the source's loaders can serve any document.
+        """
+        return self.kind == "jsonl" and self.tokenize == "on_open"
 
     @property
     def kind(self) -> str:
@@ -124,6 +150,29 @@ class Phase:
 
 
 @dataclass(frozen=True)
+class PlaneSpec:
+    """The Ray data plane's budget and scaling knobs (`data_plane` in the spec).
+
+    `cpus`: CPUs all loaders and shadows of the job may ask Ray for together (None: the
+    cluster's). The planner measures every `interval_s` seconds; a source whose loaders
+    were busy at least `scale_up_busy` of the time, or to which the ranks' data wait
+    was at least `scale_up_wait` of their time, for `patience` measurements in a row
+    gets one more loader; one whose loaders were busy under `scale_down_busy` (and
+    would stay under `scale_up_busy` with one fewer) for `patience` measurements with
+    no such wait gets one fewer. After a change a source is left alone for `cooldown`
+    measurements (`data/service/autoscale.py`).
+    """
+
+    cpus: float | None = None
+    interval_s: float = 1.0
+    scale_up_busy: float = 0.8
+    scale_down_busy: float = 0.3
+    scale_up_wait: float = 0.05
+    patience: int = 2
+    cooldown: int = 2
+
+
+@dataclass(frozen=True)
 class DataSpec:
     """A parsed, checked data spec (see the module docstring)."""
 
@@ -131,6 +180,7 @@ class DataSpec:
     buckets: tuple[Bucket, ...] = ()
     schedule: tuple[Phase, ...] = ()
     origin: str = "<spec>"
+    plane: PlaneSpec = PlaneSpec()
     streams: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -216,14 +266,16 @@ def _source(origin: str, index: int, raw, base: Path) -> SourceSpec:
         raise _fail(origin, f"source {name!r} needs exactly one of path, jsonl, builtin, synthetic")
     if kinds[0] != "jsonl" and ("tokenize" in raw or "json_key" in raw):
         raise _fail(origin, f"source {name!r}: tokenize and json_key are for jsonl sources")
-    loaders = raw.get("loaders", 1)
-    if isinstance(loaders, bool) or not isinstance(loaders, int) or not 1 <= loaders <= MAX_LOADERS:
+    loaders, most = _loaders(origin, name, raw.get("loaders", 1))
+    cpus = raw.get("cpus", DEFAULT_LOADER_CPUS)
+    if isinstance(cpus, bool) or not isinstance(cpus, int | float) or not 0 < cpus <= 1024:
         raise _fail(
             origin,
-            f"source {name!r}: loaders must be an integer from 1 to {MAX_LOADERS} (Ray actors "
-            f"per source), got {loaders!r}",
+            f"source {name!r}: cpus must be a number above 0 (CPUs each of its loaders asks "
+            f"Ray for), got {cpus!r}",
         )
     weight = _weight(origin, f"source {name!r} weight", raw.get("weight", 1.0))
+    loaders = {"loaders": loaders, "max_loaders": most, "cpus": float(cpus)}
 
     def resolve(p) -> str:
         if not isinstance(p, str) or not p:
@@ -237,12 +289,12 @@ def _source(origin: str, index: int, raw, base: Path) -> SourceSpec:
                 f"source {name!r}: builtin must be one of {BUILTIN_SOURCES}, "
                 f"got {raw['builtin']!r}",
             )
-        return SourceSpec(name, weight, builtin=raw["builtin"], loaders=loaders)
+        return SourceSpec(name, weight, builtin=raw["builtin"], **loaders)
     if kinds[0] == "synthetic":
         params = _synthetic(origin, name, raw["synthetic"])
-        return SourceSpec(name, weight, synthetic=params, loaders=loaders)
+        return SourceSpec(name, weight, synthetic=params, **loaders)
     if kinds[0] == "path":
-        return SourceSpec(name, weight, path=resolve(raw["path"]), loaders=loaders)
+        return SourceSpec(name, weight, path=resolve(raw["path"]), **loaders)
     files = raw["jsonl"] if isinstance(raw["jsonl"], list) else [raw["jsonl"]]
     if not files:
         raise _fail(origin, f"source {name!r}: jsonl names no file")
@@ -259,9 +311,75 @@ def _source(origin: str, index: int, raw, base: Path) -> SourceSpec:
         weight,
         jsonl=tuple(resolve(f) for f in files),
         json_key=key,
-        loaders=loaders,
         tokenize=tokenize,
+        **loaders,
     )
+
+
+def _count(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and 1 <= value <= MAX_LOADERS
+
+
+def _loaders(origin: str, name: str, raw) -> tuple[int, int | None]:
+    """`(min, max)` from `loaders: N` (fixed: max None) or `loaders: {min, max}`."""
+    if isinstance(raw, dict):
+        unknown = sorted(set(raw) - {"min", "max"})
+        low, high = raw.get("min", 1), raw.get("max")
+        if unknown or not _count(low) or not _count(high) or high < low:
+            raise _fail(
+                origin,
+                f"source {name!r}: loaders {{min, max}} must be integers with 1 <= min <= max "
+                f"<= {MAX_LOADERS} (only those keys), got {raw!r}",
+            )
+        return low, high
+    if not _count(raw):
+        raise _fail(
+            origin,
+            f"source {name!r}: loaders must be an integer from 1 to {MAX_LOADERS} (Ray actors "
+            f"per source) or {{min, max}}, got {raw!r}",
+        )
+    return raw, None
+
+
+#: `data_plane` knobs: (smallest, largest, integer?) of each.
+_PLANE_KNOBS = {
+    "cpus": (1e-9, 1e6, False),
+    "interval_s": (0.01, 3600.0, False),
+    "scale_up_busy": (1e-9, 1.0, False),
+    "scale_down_busy": (0.0, 1.0, False),
+    "scale_up_wait": (1e-9, 1.0, False),
+    "patience": (1, 1000, True),
+    "cooldown": (0, 1000, True),
+}
+
+
+def _plane(origin: str, raw) -> PlaneSpec:
+    """The checked `data_plane` object (`PlaneSpec`)."""
+    if raw is None:
+        return PlaneSpec()
+    if not isinstance(raw, dict):
+        raise _fail(origin, f"data_plane must be an object, got {raw!r}")
+    unknown = sorted(set(raw) - set(_PLANE_KNOBS))
+    if unknown:
+        raise _fail(
+            origin, f"data_plane has unknown keys {unknown} (known: {sorted(_PLANE_KNOBS)})"
+        )
+    for key, value in raw.items():
+        low, high, integer = _PLANE_KNOBS[key]
+        kind = int if integer else int | float
+        if isinstance(value, bool) or not isinstance(value, kind) or not low <= value <= high:
+            what = "an integer" if integer else "a number"
+            raise _fail(
+                origin, f"data_plane {key} must be {what} from {low:g} to {high:g}, got {value!r}"
+            )
+    plane = PlaneSpec(**raw)
+    if plane.scale_down_busy >= plane.scale_up_busy:
+        raise _fail(
+            origin,
+            f"data_plane scale_down_busy ({plane.scale_down_busy:g}) must be below "
+            f"scale_up_busy ({plane.scale_up_busy:g}), or every measurement scales",
+        )
+    return plane
 
 
 def _synthetic(origin: str, name: str, raw) -> tuple[tuple[str, float], ...]:
@@ -366,7 +484,16 @@ def parse_spec(data, *, origin: str = "<spec>", base: str | Path = ".") -> DataS
     if len(set(names)) != len(names):
         raise _fail(origin, f"source names must be distinct: {names}")
     buckets = _buckets(origin, data.get("length_buckets"))
-    spec = DataSpec(sources, buckets, origin=origin)
+    plane = _plane(origin, data.get("data_plane"))
+    if plane.cpus is not None:
+        need = sum((s.loaders + 1) * s.cpus for s in sources)  # the start, shadows included
+        if need > plane.cpus + 1e-9:
+            raise _fail(
+                origin,
+                f"data_plane cpus {plane.cpus:g} is below what the loaders start with: {need:g} "
+                "(each source's min loaders and its shadow, times its cpus)",
+            )
+    spec = DataSpec(sources, buckets, origin=origin, plane=plane)
     known = [*names, *(s for s in spec.streams if s not in names)]
     raw_schedule = data.get("schedule")
     phases: list[Phase] = []
@@ -390,7 +517,7 @@ def parse_spec(data, *, origin: str = "<spec>", base: str | Path = ".") -> DataS
             weights = _phase_weights(origin, f"schedule[{k}]", item.get("weights"), known)
             phases.append(Phase(until, weights))
             previous = until
-    return DataSpec(sources, buckets, tuple(phases), origin=origin)
+    return DataSpec(sources, buckets, tuple(phases), origin=origin, plane=plane)
 
 
 def load_spec(path: str | Path) -> DataSpec:

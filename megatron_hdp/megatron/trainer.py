@@ -391,6 +391,7 @@ class Trainer:
                 lengths=[d.sequence_lengths for d in self.data.datasets],
                 timeout_s=timeout_s,
                 save=self.args.save,
+                plane=cfg.spec.plane if cfg.spec is not None else None,
             )
         dist.barrier(group=self.runtime.all_ranks)
         release_indexers()  # every rank has its lengths (`_prepare`, before the group)
@@ -616,6 +617,7 @@ class Trainer:
             ):  # the source loaders' measurements, on logging steps
                 try:
                     record["data_service"] = self.service.loader_stats()
+                    record["data_scaling"] = self.service.scaling_log()
                 except DataServiceError as err:
                     # rank 0 alone asks: a dead planner is reported by every rank at its
                     # next batch (one line each, with the checkpoint), not here by one

@@ -9,7 +9,9 @@
   and packed (one-rank) ones in two colours; below, the static mesh's predicted timeline
   of the same batch;
 - `curves.png`: training loss and tokens/s per step (with the static mesh's tokens/s
-  estimated from the measured step time and the cost model's predicted ratio).
+  estimated from the measured step time and the cost model's predicted ratio);
+- `data-plane.png` (runs on the Ray data service): loaders per source and the data wait
+  over the run (`plot.data_plane`).
 
 matplotlib is imported only here, lazily (the `dev` extra installs it); its object API is
 used with the Agg canvas, so the process's pyplot backend is left alone.
@@ -22,10 +24,13 @@ import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from megatron_hdp.plot.data_plane import data_plane_from_records, draw_data_plane
 from megatron_hdp.report.summary import read_metrics
 from megatron_hdp.report.timeline import read_timelines
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["draw_curves", "draw_data_plane", "draw_run", "draw_timeline", "load_run"]
 
 RING_COLOUR = "#d95f02"
 PACKED_COLOUR = "#1b9e77"
@@ -259,6 +264,9 @@ def draw_run(run_dir: str | Path, *, step: int | None = None) -> list[Path]:
     out = run / "pictures"
     out.mkdir(exist_ok=True)
     written = [draw_curves(records, out / "curves.png")]
+    plane = data_plane_from_records(records)
+    if plane is not None:
+        written.append(draw_data_plane({"this run": plane}, out / "data-plane.png"))
     if not timelines:
         logger.warning(
             "no timeline in %s (the job records them next to --hdp-metrics-file every "

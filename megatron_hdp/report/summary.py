@@ -21,7 +21,10 @@ records, so anyone can recompute it from the metrics file:
   shorter predicted step);
 - offloading (runs with `--hdp-offload`): rings offloaded of all rings, bytes moved to the
   host (measured and predicted) and why the other rings did not (`report.offload`); a run
-  that never offloaded says so in one line.
+  that never offloaded says so in one line;
+- the Ray data plane (runs with `--hdp-data-service ray`): per source its loaders, tokens
+  served, CPU seconds, busy share and memory (USS/PSS), and the scale events
+  (`report.data_plane`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
+from megatron_hdp.report.data_plane import data_plane_lines, data_plane_totals
 from megatron_hdp.report.offload import offload_line, offload_totals
 
 
@@ -74,7 +78,8 @@ def run_summary(
     `static_attention_bytes_predicted`, `attention_bytes_saved` and
     `attention_bytes_saved_share` (over the steps that have the measurement and the static
     prediction), `offload` (`report.offload.offload_totals`, None without `--hdp-offload`)
-    and `offload_line`, plus `pool_size`, `policy` and `locations` as given. A number the
+    and `offload_line`, `data_plane` (`report.data_plane.data_plane_totals`, None off the
+    Ray data service), plus `pool_size`, `policy` and `locations` as given. A number the
     records do not hold is None. ValueError if there is no record.
     """
     records = list(records)
@@ -138,6 +143,7 @@ def run_summary(
         )
     out["offload"] = offload_totals(records)
     out["offload_line"] = offload_line(records)
+    out["data_plane"] = data_plane_totals(records)
     return out
 
 
@@ -245,6 +251,9 @@ def format_summary(s: Mapping) -> str:
             lines.append(f"               {why}")
     if s.get("offload_line"):
         lines.append(f"  {'offloading':<12} {s['offload_line']}")
+    if s.get("data_plane"):
+        for k, line in enumerate(data_plane_lines(s["data_plane"])):
+            lines.append(f"  {'data plane' if k == 0 else '':<12} {line}")
     for label, text in s["locations"]:
         lines.append(f"  {label:<12} {text}")
     return "\n".join(lines)

@@ -150,6 +150,8 @@ def test_ray_service_gives_the_in_process_batches_and_losses(spec_path, ray_clus
     ]  # fmt: skip
     assert all(r["tokens"] > 0 for r in last if r["role"] == "loader")  # both docs parts read
     assert all(r["tokens"] == 0 for r in last if r["role"] == "shadow")
+    # the planner's scaling log rides along; fixed loader counts: nothing measured or decided
+    assert all(s["data_scaling"] == {"samples": [], "decisions": []} for s in steps)
 
 
 def test_ranks_hold_lengths_and_evaluation_batches_come_from_the_loaders(spec_path, ray_cluster):

@@ -1,13 +1,13 @@
 """Partitioned, parallel fetch from the Ray data service gives the in-process batches.
 
-A local Ray (`ray.init(num_cpus=2)`) runs the planner actor and the source loaders of three
-sources: synthetic documents with a CPU cost per token, raw JSONL tokenized at read time
-(lengths index), and raw JSONL tokenized when opened (each loader tokenizes only its own
-range, so a request routed to the wrong loader fails). Loader counts are rotated so that
-every source runs with 1, 2 and 3 loaders. For every step and both pool ranks the
-micro-batches read through the service are bit-identical to the in-process loader's
-(`read_local` over the sources opened in this process), also when a loader is killed
-mid-run and its shadow takes over its range.
+A local Ray (`ray.init(num_cpus=4)`, logical CPUs on any machine) runs the planner actor
+and the source loaders of three sources: synthetic documents with a CPU cost per token,
+raw JSONL tokenized at read time (lengths index), and raw JSONL tokenized when opened (each
+loader tokenizes only its own range, so a request routed to the wrong loader fails). Loader
+counts are rotated so that every source runs with 1, 2 and 3 loaders. For every step and
+both pool ranks the micro-batches read through the service are bit-identical to the
+in-process loader's (`read_local` over the sources opened in this process), also when a
+loader is killed mid-run and its shadow takes over its range.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ COUNTS = [(1, 2, 3), (2, 3, 1), (3, 1, 2)]
 def local_ray(tmp_path_factory):
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(
-        num_cpus=2,
+        num_cpus=4,  # logical: the loaders ask for 0.25 each (9 of them at most)
         object_store_memory=100_000_000,
         include_dashboard=False,
         log_to_driver=False,

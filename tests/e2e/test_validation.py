@@ -189,7 +189,8 @@ BAD = [
     (lambda t: _spec(t) + ["--data-path", "/data/a"], "give --hdp-data-spec or --data-path"),
     (
         lambda t: _spec(t, [{"name": "lib", "builtin": "stdlib", "loaders": 100000}]),
-        "source 'lib': loaders must be an integer from 1 to 64 (Ray actors per source), got 100000",
+        "source 'lib': loaders must be an integer from 1 to 64 (Ray actors per source) or "
+        "{min, max}, got 100000",
     ),
     (
         ["--hdp-data-service", "ray", "--hdp-ray-address", "127.0.0.1:1"],

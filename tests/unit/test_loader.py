@@ -45,6 +45,9 @@ class _FailingService:
     def tokens(self, batch, rank, collect, **kwargs):
         raise RuntimeError("source loader 0 of source 0 failed 3 times")
 
+    def note_wait(self, seconds):  # the data wait the loader reports to the planner
+        self.waited = seconds
+
 
 class _PlannedBatches:
     """A sampler-like feed of batches that come planned (as the Ray service's do)."""

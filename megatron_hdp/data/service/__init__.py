@@ -6,6 +6,9 @@
   source-loader actors (one source each).
 - `indexer`: a JSONL source's lengths index, built once in the cluster for the ranks
   (which hold lengths only, `data.lengths_only`).
+- `autoscale`: the scaling policy (pure): measurements in, loader-count decisions out.
+- `scaling`: the planner's part that measures loaders and ranks' data wait and carries
+  the decisions out (warm shadow promotion, repartition by routing versions).
 - `client`: what a trainer rank runs: fetch the step's plan, read its own micro-batches'
   tokens from the loaders, replace a loader that died by its shadow.
 """

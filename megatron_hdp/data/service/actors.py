@@ -12,7 +12,9 @@ inside the planner's methods that start or hand out other actors and objects.
   supervises the loaders: `loaders` per source as the spec says, each owning one of the
   source's token-balanced document ranges (`sources.token_partition`), plus one warm
   *shadow* per source (opened on the whole source, idle) that takes over the part of a
-  loader that dies, after which a new shadow is started. The service's resumable state
+  loader that dies, after which a new shadow is started. Sources with `loaders: {min,
+  max}` are scaled between batches by measured cost (`scaling.Scaling`, the policy in
+  `autoscale.py`); loaders ask Ray for their source's `cpus`. The service's resumable state
   is the sampler's (a few integers per stream): checkpoints store it, and a resumed job
   starts the planner from it.
 
@@ -33,8 +35,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from megatron_hdp.data.service.scaling import Scaling
 from megatron_hdp.data.sources import lengths_digest, open_source, token_partition
-from megatron_hdp.data.spec import SourceSpec
+from megatron_hdp.data.spec import PlaneSpec, SourceSpec
 
 logger = logging.getLogger(__name__)
 
@@ -80,13 +83,15 @@ class SourceLoader:
         """What it has served and what it costs, measured in the actor's process.
 
         `reads` and `tokens` served, `cpu_s` (process CPU seconds spent in reads), `busy_s`
-        (wall seconds in reads) and `busy_share` (of the seconds since it opened its
-        source), the documents it owns, and its process memory in bytes from psutil
-        (`uss`, `pss` where the platform has them, `rss`; absent without psutil).
+        (wall seconds in reads), `alive_s` (seconds since it opened its source) and
+        `busy_share` (busy of alive), the documents it owns, and its process memory in
+        bytes from psutil (`uss`, `pss` where the platform has them, `rss`; absent
+        without psutil).
         """
         alive = time.perf_counter() - self.started
         out = {
             **self.counts,
+            "alive_s": alive,
             "busy_share": self.counts["busy_s"] / alive if alive > 0 else 0.0,
             "docs": list(self.docs) if self.docs is not None else None,
         }
@@ -105,6 +110,11 @@ class PlannerActor:
         keep: Batches kept for ranks that are behind (older ones are dropped).
         lengths: Each source's document lengths (what the ranks planned with): they cut
             the sources into the loaders' token-balanced parts.
+        plane: The spec's `data_plane` (CPU budget and scaling knobs; default: none).
+
+    Sources with `loaders: {min, max}` are scaled between batches by `Scaling` (the
+    policy in `autoscale.py`); the *routing* (which loader serves which document range)
+    has a version that every batch carries, so ranks refresh theirs when it changes.
     """
 
     def __init__(
@@ -115,12 +125,14 @@ class PlannerActor:
         open_args: dict,
         keep: int,
         lengths: Sequence,
+        plane: PlaneSpec | None = None,
     ) -> None:
         import ray
 
         self._ray = ray
         self.sampler, self.plan, self.keep = sampler, plan, keep
         self.sources, self.open_args = list(sources), open_args
+        self.lengths = [np.asarray(n, dtype=np.int64) for n in lengths]
         self.produced = sampler.state.steps
         self.first = self.produced
         self.batches: dict[int, object] = {}
@@ -132,13 +144,12 @@ class PlannerActor:
                 "the data service's planner actor was restarted: new source loaders open "
                 "their parts; it resumes from the sampler position the ranks send"
             )
+        self.routing = 0
         self.bounds = [
-            token_partition(n, s.loaders) for n, s in zip(lengths, self.sources, strict=True)
+            token_partition(n, s.loaders) for n, s in zip(self.lengths, self.sources, strict=True)
         ]
-        self.loaders = [
-            [self._start(k, (int(b[i]), int(b[i + 1]))) for i in range(len(b) - 1)]
-            for k, b in enumerate(self.bounds)
-        ]
+        self.holds = [[(int(b[i]), int(b[i + 1])) for i in range(len(b) - 1)] for b in self.bounds]
+        self.loaders = [[self._start(k, d) for d in held] for k, held in enumerate(self.holds)]
         self.shadows = [self._start(k) for k in range(len(sources))]
         self.digests = []
         for group, shadow in zip(self.loaders, self.shadows, strict=True):
@@ -146,20 +157,28 @@ class PlannerActor:
             whole = ray.get(shadow.ready.remote())
             self.digests.append(sorted({lengths_digest(_Lengths(np.concatenate(parts))),
                                         lengths_digest(_Lengths(whole))}))  # fmt: skip
+        self.scaling = Scaling(self, plane or PlaneSpec())
 
     def _start(self, source: int, docs=None):
-        loader = self._ray.remote(SourceLoader).options(num_cpus=0, max_restarts=0)
+        """A new loader of `source` on documents `docs` (None: all, a shadow)."""
+        cpus = self.sources[source].cpus
+        loader = self._ray.remote(SourceLoader).options(num_cpus=cpus, max_restarts=0)
         return loader.remote(self.sources[source], self.open_args, docs)
 
-    def batch(self, step: int, since: tuple[int, dict] | None = None) -> list:
-        """`[ref]` to `(units, plan, sampler state after it)` of the 1-based batch `step`.
+    def batch(
+        self, step: int, since: tuple[int, dict] | None = None, report: dict | None = None
+    ) -> list:
+        """`[ref, routing]`: `ref` to `(units, plan, sampler state after it)` of batch `step`.
 
         Batches are drawn in order, so every rank gets the same batch for the same step;
-        the reference is wrapped in a list so that Ray hands it over unresolved.
+        the reference is wrapped in a list so that Ray hands it over unresolved. `routing`
+        is the loaders' routing version when it was handed out.
         `since = (k, state)`: the sampler state after batch `k`, the oldest a rank keeps.
         A planner behind it (restarted: it began again at the job's first batch) resumes
         from that state instead of drawing every batch since the job's first again; the
         batches are the same either way (the sampler is deterministic from its state).
+        `report`: the asking rank's data wait since its last report (`client.WaitReport`),
+        for the scaling policy; the policy runs here, between batches.
         """
         if since is not None and since[0] > self.produced:
             self._resume(int(since[0]), since[1])
@@ -168,13 +187,20 @@ class PlannerActor:
                 f"batch {step} is no longer kept by the planner (it has planned up to "
                 f"{self.produced} and keeps {self.keep}): a rank fell too far behind"
             )
+        if report:
+            self.scaling.note_wait(report)
         while self.produced < step:
             units = self.sampler.next_batch()
             plan = self.plan([u.length for u in units])
             self.produced += 1
             self.batches[self.produced] = self._ray.put((units, plan, self.sampler.state_dict()))
             self.batches.pop(self.produced - self.keep, None)
-        return [self.batches[step]]
+            self.scaling.between_batches()
+        return [self.batches[step], self.routing]
+
+    def route(self) -> tuple[int, list[list], list[list[int]]]:
+        """`(version, loaders per source, document boundaries per source)`: who serves what."""
+        return self.routing, self.loaders, [b.tolist() for b in self.bounds]
 
     def _resume(self, k: int, state: dict) -> None:
         """Continue after batch `k` from its sampler `state` (the older batches it kept go)."""
@@ -202,14 +228,19 @@ class PlannerActor:
         """The loader now serving `slot` of `source`, after one that died (`dead_id`).
 
         The first rank to report a dead loader promotes the source's shadow into its slot
-        and starts a new shadow; later reports of the same death get the replacement.
+        and starts a new shadow; later reports of the same death (or of a loader that a
+        scale event has retired) get the slot's current loader. The routing version moves
+        on, so every rank refreshes its routing.
         """
-        current = self.loaders[source][slot]
-        if current._actor_id.hex() != dead_id:
-            return current
-        replacement, self.shadows[source] = self.shadows[source], self._start(source)
+        ids = [h._actor_id.hex() for h in self.loaders[source]]
+        if dead_id not in ids:
+            return self.loaders[source][min(slot, len(ids) - 1)]
+        slot = ids.index(dead_id)
+        replacement = self.scaling.take_shadow(source)
         self.loaders[source][slot] = replacement
+        self.holds[source][slot] = None
         self.replacements += 1
+        self.routing += 1
         logger.warning(
             "source loader %d of %r died; its shadow took over (%d replacements so far)",
             slot,
@@ -221,7 +252,8 @@ class PlannerActor:
     def loader_stats(self) -> list[dict]:
         """Every loader's and shadow's `SourceLoader.stats`, with its source, slot and role.
 
-        A loader that does not answer (dead, not yet replaced) is listed with `error`.
+        A serving loader's `docs` is the range it serves now. A loader that does not answer
+        (dead, not yet replaced) is listed with `error`.
         """
         ray = self._ray
         actors = [
@@ -238,8 +270,22 @@ class PlannerActor:
                 record.update(ray.get(ref, timeout=30))
             except ray.exceptions.RayError as err:
                 record["error"] = type(err).__name__
+            if role == "loader":
+                b = self.bounds[[s.name for s in self.sources].index(name)]
+                record["docs"] = [int(b[slot]), int(b[slot + 1])]
             out.append(record)
         return out
+
+    def scale(self, source: str, count: int, reason: str = "asked by the operator") -> None:
+        """Move `source` to `count` loaders now (within its min and max), logged with `reason`.
+
+        The policy's own changes go the same way (`Scaling.apply`).
+        """
+        self.scaling.apply(source, count, reason)
+
+    def scaling_log(self, since: int = 0) -> dict:
+        """The scaling timeline from entry `since` on (`Scaling.log`)."""
+        return self.scaling.log(since)
 
     def source_digests(self) -> list[list[str]]:
         """Per source, the distinct length digests its loaders and its shadow opened.
@@ -249,7 +295,7 @@ class PlannerActor:
         return self.digests
 
     def status(self) -> dict:
-        """Batches planned, the first one kept, loader replacements and batches kept.
+        """Batches planned, the first kept, replacements, batches kept, routing, loaders.
 
         Also whether this planner is a restart (`restarted`) and the batch it resumed
         after (`resumed_from`, None if it did not).
@@ -261,6 +307,8 @@ class PlannerActor:
             "keep": self.keep,
             "restarted": self.restarted,
             "resumed_from": self.resumed_from,
+            "routing": self.routing,
+            "loaders": {s.name: len(g) for s, g in zip(self.sources, self.loaders, strict=True)},
         }
 
 

@@ -12,6 +12,9 @@ starts) the job's planner actor, which starts the source loaders. Then, per step
    waits once for all of them (`RayDataService.tokens`);
 3. reads its micro-batches from what was fetched.
 
+Each batch carries the planner's routing version (which loader serves which document
+range); a rank with an older routing takes the new one before fetching (scale events,
+`scaling.py`), and reports its data wait with its batch requests (`WaitReport`).
 A loader that dies mid-fetch is replaced by its source's shadow (`PlannerActor.
 replace_loader`) and the fetch is retried there; the batch and its units do not change,
 so every document is still used exactly once per epoch. A planner that dies is restarted
@@ -33,6 +36,7 @@ import numpy as np
 from megatron_hdp.data.batching import IndexedTokens
 from megatron_hdp.data.service.actors import PLANNER_RESTARTS, PlannerActor
 from megatron_hdp.data.service.sentinel import Sentinel, speaks_for_this_node
+from megatron_hdp.data.spec import PlaneSpec
 from megatron_hdp.errors import DataServiceError
 
 logger = logging.getLogger(__name__)
@@ -51,10 +55,47 @@ CONNECT_TIMEOUT_S = 60.0
 
 @dataclass(frozen=True)
 class PlannedBatch:
-    """A global batch as the planner actor made it: its units and its plan."""
+    """A global batch as the planner actor made it: its units, its plan, the routing version.
+
+    `routing`: the version of the planner's loader routing when it handed the batch out
+    (a rank whose routing is older asks for the new one before fetching).
+    """
 
     units: list
     plan: object
+    routing: int = 0
+
+
+class WaitReport:
+    """What a rank tells the planner of its data wait, for the scaling policy (thread-safe).
+
+    The trainer's loop adds the seconds each step waited for its batch (`add_wait`); each
+    fetch adds which source's reads arrived last (`add_last`); `take` hands the sums since
+    the last `take`, with the seconds they cover, to the next batch request.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._since = time.perf_counter()
+        self._wait, self._last = 0.0, {}
+
+    def add_wait(self, seconds: float) -> None:
+        """Add seconds the training loop waited for a batch."""
+        with self._lock:
+            self._wait += float(seconds)
+
+    def add_last(self, source: int) -> None:
+        """Count a fetch whose slowest reads were `source`'s."""
+        with self._lock:
+            self._last[source] = self._last.get(source, 0) + 1
+
+    def take(self) -> dict:
+        """`{wait_s, period_s, last}` since the previous take (and start afresh)."""
+        with self._lock:
+            now = time.perf_counter()
+            out = {"wait_s": self._wait, "period_s": now - self._since, "last": dict(self._last)}
+            self._since, self._wait, self._last = now, 0.0, {}
+        return out
 
 
 class _Recorder:
@@ -136,8 +177,9 @@ def _ask(planner, method: str, *args, timeout_s: float, what: str):
     until `timeout_s`. A call that finds it dead (or an answer lost with it) is sent again
     up to `PLANNER_ATTEMPTS` times: a planner Ray no longer restarts fails every one of
     them at once, and that is a DataServiceError saying `what` failed, not a hang.
-    An answer that is a `[ref]` list (`PlannerActor.batch`) is resolved here too, so that
-    a planner dying between handing out a batch and its fetch is asked again.
+    An answer that is a `[ref, routing]` list (`PlannerActor.batch`) is resolved here too
+    (returned as `(batch, routing)`), so that a planner dying between handing out a batch
+    and its fetch is asked again.
     """
     import ray
 
@@ -148,8 +190,9 @@ def _ask(planner, method: str, *args, timeout_s: float, what: str):
             if left <= 0:
                 raise ray.exceptions.GetTimeoutError(what)
             answer = ray.get(getattr(planner, method).remote(*args), timeout=left)
-            if method == "batch":
-                answer = ray.get(answer[0], timeout=max(deadline - time.monotonic(), 1e-3))
+            if method == "batch":  # [ref, routing]: the batch itself, and the routing
+                batch = ray.get(answer[0], timeout=max(deadline - time.monotonic(), 1e-3))
+                answer = (batch, answer[1])
             return answer
         except ray.exceptions.GetTimeoutError as err:
             raise DataServiceError(f"{what}: no answer within {timeout_s:g} s") from err
@@ -182,31 +225,45 @@ class RemoteBatches:
     sampler's format, so checkpoints and resumes do not depend on the data service.
     """
 
-    def __init__(self, planner, state: dict, *, timeout_s: float, window: int = 8) -> None:
+    def __init__(
+        self,
+        planner,
+        state: dict,
+        *,
+        timeout_s: float,
+        window: int = 8,
+        report: WaitReport | None = None,
+    ) -> None:
         self._planner, self._state, self._timeout_s = planner, state, timeout_s
         self._step = int(state["steps"])
         # The sampler states of the last `window` batches (a restarted planner resumes
         # from the oldest: ranks behind this one by fewer batches still get theirs).
         self._window = max(1, int(window))
         self._history: dict[int, dict] = {self._step: state}
+        self._report = report
 
     def next_batch(self) -> PlannedBatch:
-        """The next batch and its plan (blocks until the planner has made it)."""
+        """The next batch and its plan (blocks until the planner has made it).
+
+        The request carries this rank's data wait since its last one (`WaitReport`).
+        """
         self._step += 1
         what = f"the data service's planner actor, asked for batch {self._step}"
         oldest = min(self._history)
-        units, plan, state = _ask(
+        report = self._report.take() if self._report is not None else None
+        (units, plan, state), routing = _ask(
             self._planner,
             "batch",
             self._step,
             (oldest, self._history[oldest]),
+            report,
             timeout_s=self._timeout_s,
             what=what,
         )
         self._state = state
         self._history[self._step] = state
         self._history.pop(self._step - self._window, None)
-        return PlannedBatch(units, plan)
+        return PlannedBatch(units, plan, routing)
 
     def state_dict(self) -> dict:
         """The sampler state after the last batch handed out by `next_batch`."""
@@ -219,10 +276,36 @@ class RayDataService:
     def __init__(self, planner, *, timeout_s: float, sentinel: Sentinel | None = None) -> None:
         self.planner, self.timeout_s, self.sentinel = planner, timeout_s, sentinel
         what = "the data service's planner actor, starting its source loaders"
-        self.loaders = _ask(planner, "loader_handles", timeout_s=timeout_s, what=what)
-        bounds = _ask(planner, "partitions", timeout_s=timeout_s, what=what)
         self.keep = int(_ask(planner, "status", timeout_s=timeout_s, what=what)["keep"])
+        self.report = WaitReport()
+        self._scaling_next = 0
+        self._refresh("starting its source loaders")
+
+    def _refresh(self, why: str = "asked who serves what") -> None:
+        """Take the planner's current routing (`PlannerActor.route`)."""
+        self.routing, self.loaders, bounds = _ask(
+            self.planner,
+            "route",
+            timeout_s=self.timeout_s,
+            what=f"the data service's planner actor, {why}",
+        )
         self.bounds = [np.asarray(b, dtype=np.int64) for b in bounds]
+
+    def note_wait(self, seconds: float) -> None:
+        """Add seconds this rank's training loop waited for data (reported to the planner)."""
+        self.report.add_wait(seconds)
+
+    def scaling_log(self) -> dict:
+        """The planner's scaling timeline since this rank last asked (`Scaling.log`)."""
+        log = _ask(
+            self.planner,
+            "scaling_log",
+            self._scaling_next,
+            timeout_s=self.timeout_s,
+            what="the data service's planner actor, asked for its scaling timeline",
+        )
+        self._scaling_next = log.pop("next")
+        return log
 
     def check_sources(self, names: Sequence[str], digests: Sequence[str]) -> None:
         """ValueError naming a source whose loaders opened other documents than this rank.
@@ -259,22 +342,26 @@ class RayDataService:
         lengths: Sequence,
         timeout_s: float = 300.0,
         save: str | None = None,
+        plane: PlaneSpec | None = None,
     ) -> RayDataService:
         """Join the cluster at `address` and start the job's planner (one rank does this).
 
         `lengths`: each source's document lengths, which the planner cuts into its loaders'
-        parts (the rank's readers' `sequence_lengths`).
+        parts (the rank's readers' `sequence_lengths`). `plane`: the spec's `data_plane`
+        (CPU budget, scaling knobs). DataServiceError before any actor starts if the
+        loaders' and shadows' CPUs at start are more than the cluster has.
 
         Returns once the planner's loaders have opened their sources. The planner actor is
         named after `job_key`, so one job never uses another's; the other ranks `attach`.
         `save` (the job's --save) is what the rank's sentinel names if Ray ends the rank.
         """
         sentinel = _join(address, save)
+        check_cpus(list(sources), address)
         actor = ray_remote(PlannerActor).options(
             name=f"planner-{job_key}", num_cpus=0, max_restarts=PLANNER_RESTARTS
         )
         lengths = [np.asarray(n, dtype=np.int64) for n in lengths]
-        planner = actor.remote(sampler, plan, list(sources), open_args, keep, lengths)
+        planner = actor.remote(sampler, plan, list(sources), open_args, keep, lengths, plane)
         return cls(planner, timeout_s=timeout_s, sentinel=sentinel)
 
     @classmethod
@@ -315,7 +402,9 @@ class RayDataService:
 
     def batches(self, state: dict) -> RemoteBatches:
         """The batches after the sampler state `state` (what a resume restored)."""
-        return RemoteBatches(self.planner, state, timeout_s=self.timeout_s, window=self.keep)
+        return RemoteBatches(
+            self.planner, state, timeout_s=self.timeout_s, window=self.keep, report=self.report
+        )
 
     def tokens(self, batch: PlannedBatch, rank: int, collect: Callable, **kwargs) -> IndexedTokens:
         """A token source holding what pool rank `rank` reads of `batch`, fetched remotely.
@@ -324,6 +413,8 @@ class RayDataService:
         once on a recorder to learn which ranges this rank's micro-batches read. `kwargs`
         go to `IndexedTokens` (the vocabulary check).
         """
+        if batch.routing != self.routing:  # a scale event, or a restarted planner's routing
+            self._refresh()
         recorders = [_Recorder() for _ in self.loaders]
         collect(batch.plan, IndexedTokens(recorders, batch.units), rank)
         fetched = self._fetch([list(r.requests) for r in recorders])
@@ -344,28 +435,24 @@ class RayDataService:
     def _fetch(self, requests: list[list]) -> list[dict]:
         """Per source, the token ranges `requests` name, from the loaders that own them.
 
-        Every share is sent before any answer is awaited, and the rank waits once for all.
-        A share whose loader died is sent again to the loader the planner puts in its
-        place (its source's shadow), up to `ATTEMPTS` times.
+        Every share is sent before any answer is awaited, and the rank waits once for all;
+        the source whose reads arrived last is noted for the planner (`WaitReport`). A
+        share whose loader died (or was retired by a scale event) is reported to the
+        planner, which puts the source's shadow in its place; the rank then takes the
+        current routing and sends the share's requests again, up to `ATTEMPTS` times.
         """
         import ray
 
         ranges: list[dict] = [{} for _ in requests]
-        pending = self._shares(requests)
+        pending = requests
         for attempt in range(ATTEMPTS):
+            shares = self._shares(pending)
             sent = {
                 key: (self.loaders[key[0]][key[1]], self.loaders[key[0]][key[1]].read.remote(share))
-                for key, share in pending.items()
+                for key, share in shares.items()
             }
-            refs = [ref for _, ref in sent.values()]
-            _, late = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
-            if late:
-                (source, slot) = next(k for k, (_, r) in sent.items() if r in late)
-                raise DataServiceError(
-                    f"source loader {slot} of source {source} of the data service: no "
-                    f"answer within {self.timeout_s:g} s"
-                )
-            retry = {}
+            self._await(sent)
+            failed: list[list] = [[] for _ in requests]
             for (source, slot), (loader, ref) in sent.items():
                 try:
                     tokens, sizes = ray.get(ref)
@@ -376,7 +463,7 @@ class RayDataService:
                             f"failed {ATTEMPTS} times ({_first_line(err)})"
                         ) from err
                     logger.warning("source loader %d of source %d died: %s", slot, source, err)
-                    self.loaders[source][slot] = _ask(
+                    _ask(
                         self.planner,
                         "replace_loader",
                         source,
@@ -385,13 +472,52 @@ class RayDataService:
                         timeout_s=self.timeout_s,
                         what="the data service's planner actor, asked to replace a dead loader",
                     )
-                    retry[(source, slot)] = pending[(source, slot)]
+                    failed[source].extend(shares[(source, slot)])
                     continue
-                share = pending[(source, slot)]
                 pieces = np.split(tokens, np.cumsum(sizes)[:-1])
-                for request, piece in zip(share, pieces, strict=True):
+                for request, piece in zip(shares[(source, slot)], pieces, strict=True):
                     ranges[source][request] = piece
-            pending = retry
-            if not pending:
+            if not any(failed):
                 break
+            self._refresh("asked who serves what after a loader died")
+            pending = failed
         return ranges
+
+    def _await(self, sent: dict) -> None:
+        """Wait for every read in `sent`; note the source whose reads arrived last."""
+        import ray
+
+        owner = {ref: key for key, (_, ref) in sent.items()}
+        left, last = list(owner), None
+        deadline = time.perf_counter() + self.timeout_s
+        while left:
+            done, left = ray.wait(
+                left, num_returns=1, timeout=max(0.0, deadline - time.perf_counter())
+            )
+            if not done:
+                source, slot = owner[left[0]]
+                raise DataServiceError(
+                    f"source loader {slot} of source {source} of the data service: no "
+                    f"answer within {self.timeout_s:g} s"
+                )
+            last = owner[done[0]][0]
+        if last is not None:
+            self.report.add_last(last)
+
+
+def check_cpus(sources: Sequence, address: str) -> None:
+    """DataServiceError if the loaders and shadows at start ask for more CPUs than Ray has.
+
+    Each source starts its `loaders` (its `min`) and one shadow, each asking Ray for the
+    source's `cpus`; Ray would otherwise leave them waiting for ever.
+    """
+    import ray
+
+    need = sum((s.loaders + 1) * getattr(s, "cpus", 0.0) for s in sources)
+    have = float(ray.cluster_resources().get("CPU", 0.0))
+    if need > have + 1e-9:
+        raise DataServiceError(
+            f"the data service's loaders ask for {need:g} CPUs at start (each source's loaders "
+            f"and its shadow, times its cpus), but the Ray cluster at {address} has {have:g}: "
+            "lower the sources' cpus or loaders in the data spec, or add CPUs to the cluster"
+        )
