@@ -92,10 +92,13 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return diff / scale if math.isfinite(diff) else math.inf
 
 
-def reference_attention(q, k, v, lengths_q, lengths_k, causal, scale):
-    """float64 out `[Tq,H,D]` and lse `[H,Tq]` of each document's block (GQA by repetition).
+def reference_attention(q, k, v, lengths_q, lengths_k, causal, scale, window=None, sink=None):
+    """float64 out `[Tq,H,Dv]` and lse `[H,Tq]` of each document's block (GQA by repetition).
 
     Causal blocks are aligned at the top left (equal lengths: the diagonal included).
+    `window`: query i sees keys i - window..i only (Megatron's `(window, 0)`). `sink`: `[H]`
+    logits, one more column of every row's softmax whose probability is dropped
+    (Megatron's `SoftmaxOne`); lse then includes it. v's head dim may differ from q's.
     """
     heads, groups = q.shape[1], k.shape[1]
     outs, lses = [], []
@@ -105,11 +108,21 @@ def reference_attention(q, k, v, lengths_q, lengths_k, causal, scale):
         kd = k[k0 : k0 + lk].double().repeat_interleave(heads // groups, 1).transpose(0, 1)
         vd = v[k0 : k0 + lk].double().repeat_interleave(heads // groups, 1).transpose(0, 1)
         scores = qd @ kd.transpose(-1, -2) * scale
-        if causal:
-            mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
+        if causal or window is not None:
+            i = torch.arange(lq, device=q.device).unsqueeze(1)
+            j = torch.arange(lk, device=q.device).unsqueeze(0)
+            mask = j <= i if causal else torch.ones_like(i * j, dtype=torch.bool)
+            if window is not None:
+                mask = mask & (j >= i - window)
             scores = scores.masked_fill(~mask, -math.inf)
+        if sink is not None:
+            column = sink.double().view(heads, 1, 1).expand(heads, lq, 1)
+            scores = torch.cat([scores, column], dim=-1)
         lses.append(torch.logsumexp(scores, -1))
-        outs.append((torch.softmax(scores, -1) @ vd).transpose(0, 1))
+        probs = torch.softmax(scores, -1)
+        if sink is not None:
+            probs = probs[..., :-1]
+        outs.append((probs @ vd).transpose(0, 1))
         q0, k0 = q0 + lq, k0 + lk
     return torch.cat(outs), torch.cat(lses, dim=1)
 

@@ -11,7 +11,8 @@
 - **Time.** `--budget-s` drops the parts of lowest priority (the costliest first among
   equals) until the estimate fits. Priorities, highest first: env (everything else needs
   its device and kernel verdicts) > kernels (every kernel's correctness, cheap) > ring
-  (the ring's correctness, cheap) > train-check (HDP attention inside Megatron's model
+  (the ring's correctness, cheap) > variants (sliding window, sink, MLA head dims: their
+  correctness, cheap) > train-check (HDP attention inside Megatron's model
   against Megatron's own: the integration) > speed (the figures the GPU path is for) >
   offload (its bitwise check also runs on CPU in CI; the GPU adds copy speed and memory) >
   train-throughput sizes (figures only, the costliest per second).
@@ -41,6 +42,10 @@ PCIE_BYTES_PER_S = 50e9
 PIN_BYTES_PER_S = 10e9
 #: Building (initialising on the CPU) the train section's 1.1B model, per build.
 MODEL_BUILD_S = 10.0
+#: float64 on the host (the variants section's reference): 16 cores, about 200 GFLOP/s.
+CPU_FP64_FLOPS = 200e9
+#: Host memory bandwidth the float64 reference streams its scores at.
+HOST_BYTES_PER_S = 50e9
 #: A section's own process: Python, torch, the CUDA context, megatron_hdp.
 SECTION_START_S = 6.0
 #: `import megatron.core` (the train section's process only).
@@ -68,10 +73,11 @@ PRIORITY = {
     "env": 0,
     "kernels": 1,
     "ring": 2,
-    "train-check": 3,
-    "speed": 4,
-    "offload": 5,
-    "train-throughput": 6,
+    "variants": 3,
+    "train-check": 4,
+    "speed": 5,
+    "offload": 6,
+    "train-throughput": 7,
 }
 
 
@@ -204,6 +210,7 @@ def make_plan(mode, sections, device: Device, budget_s: float | None = None) -> 
         "env": _env,
         "kernels": _kernels,
         "ring": _ring,
+        "variants": _variants,
         "speed": _speed,
         "offload": _offload,
         "train": _train,
@@ -303,6 +310,34 @@ def _ring(mode, device: Device) -> list[Part]:
         peak = max(peak, ref_b)
     name = f"{len(mode.dtypes)} dtypes x rings of 2..8"
     return [Part("ring", name, "ring", None, len(mode.dtypes) * seconds, peak)]
+
+
+def _cpu_reference(lengths, heads, head_dim, head_dim_v) -> float:
+    """Seconds of `common.reference_attention` forward + backward in float64 on the host."""
+    elements = sum(heads * n * n for n in lengths)
+    flops = 3 * 2 * elements * (head_dim + head_dim_v)
+    return flops / CPU_FP64_FLOPS + 12 * 8 * elements / HOST_BYTES_PER_S
+
+
+def _variants(mode, device: Device) -> list[Part]:
+    """Per case: the pack and a ring (flash calls, ring-step overheads, the copies to the
+    host), and the float64 reference on the host."""
+    import variant_checks
+
+    parts = []
+    for name, case in variant_checks.cases(mode).items():
+        lengths, (dqk, dv) = case["lengths"], case["head_dims"]
+        dim = max(dqk, dv)  # padded kernels compute at the larger head dim
+        flash = _attention_flops(lengths, lengths, True, mode.heads, dim) / ATTENTION_FLOPS
+        seconds, peak = 0.0, 0.0
+        for k in variant_checks.RING_SIZES[name]:
+            seconds += flash + k * k * RING_STEP_OVERHEAD_S + (k + 1) * CALL_OVERHEAD_S
+        seconds += _cpu_reference(lengths, mode.heads, dqk, dv)
+        seconds += PER_DOCUMENT_S * len(lengths)
+        # q, k, v, dout, out, their gradients and the ring's buffers: about 16 copies.
+        peak = 16 * sum(lengths) * mode.heads * dim * 2
+        parts.append(Part("variants", name, "variants", None, seconds, peak))
+    return parts
 
 
 def _speed(mode, device: Device) -> list[Part]:

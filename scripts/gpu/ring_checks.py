@@ -72,6 +72,21 @@ class ThreadRingComm:
 
         return _Pending(receive)
 
+    def transfer(self, send, recv, tag: int) -> _Pending | None:
+        """`RingComm.transfer`: either side may be absent (the sliding window's hops)."""
+        if send is not None and recv is not None:
+            return self.exchange(send, recv, tag)
+        if send is None and recv is None:
+            return None
+        if send is not None:
+            self._mailboxes[(self.me, self.next_rank, tag)].put(send)
+            return _Pending(lambda: None)
+
+        def receive():
+            return recv.copy_(self._receive(self._mailboxes[(self.prev_rank, self.me, tag)]))
+
+        return _Pending(receive)
+
     def _receive(self, box: queue.Queue) -> torch.Tensor:
         """The next message in `box`; RingAbortedError as soon as the stop event is set."""
         deadline = time.monotonic() + RECEIVE_TIMEOUT_S
@@ -102,15 +117,22 @@ def _local_rows(lengths, shard_of_rank) -> list[int]:
     return [starts[d] + start + i for d, start, n in shard_of_rank.ranges() for i in range(n)]
 
 
-def run_ring(kernel_name, lengths, k, q, kv_k, kv_v, dout, scale):
-    """Outputs and gradients of the whole documents, computed by a ring of `k` threads."""
+#: Message tags of the ring (11-13) and of the windowed ring (21-23).
+TAGS = (11, 12, 13, 21, 22, 23)
+
+
+def run_members(lengths, k, kernel_name, device, work) -> list:
+    """`work(spec, rows)` on each member of a ring of `k` threads over documents `lengths`.
+
+    `rows`: the member's rows of the packed documents (local order). Returns
+    `[(rows, work's result)]` of the active members; a member's own error is raised (its
+    peers end within `POLL_S`).
+    """
     shards = tuple(shard(lengths, k))
     active = ring.active_positions(shards)
     kernel = registry.get_kernel(kernel_name)
-    mailboxes = {(a, b, tag): queue.Queue() for a in active for b in active for tag in (11, 12, 13)}
+    mailboxes = {(a, b, tag): queue.Queue() for a in active for b in active for tag in TAGS}
     stop = threading.Event()
-    out, dq = torch.empty_like(q), torch.empty_like(q)
-    dk, dv = torch.empty_like(kv_k), torch.empty_like(kv_v)
 
     def member(position):
         try:
@@ -120,7 +142,7 @@ def run_ring(kernel_name, lengths, k, q, kv_k, kv_v, dout, scale):
             raise
 
     def _member(position):
-        rows = torch.tensor(_local_rows(lengths, shards[position]), device=q.device)
+        rows = torch.tensor(_local_rows(lengths, shards[position]), device=device)
         comm = ThreadRingComm(mailboxes, active, position, stop) if len(active) > 1 else None
         spec = ring.RingAttentionSpec(
             doc_lengths=tuple(lengths),
@@ -130,21 +152,31 @@ def run_ring(kernel_name, lengths, k, q, kv_k, kv_v, dout, scale):
             comm=comm,
             backend=kernel,
         )
-        ctx = _Context()
-        with torch.no_grad():
-            local_out = ring._HDPAttention.forward(
-                ctx, q[rows], kv_k[rows], kv_v[rows], spec, scale
-            )
-            grads = ring._HDPAttention.backward(ctx, dout[rows])
-        return rows, local_out, grads[:3]
+        return rows, work(spec, rows)
 
     with ThreadPoolExecutor(max_workers=len(active)) as pool:
         futures = [pool.submit(member, position) for position in active]
     errors = [f.exception() for f in futures if f.exception() is not None]
     if errors:  # the first member's own error, not a peer's RingAbortedError
         raise next((e for e in errors if not isinstance(e, RingAbortedError)), errors[0])
-    for future in futures:
-        rows, local_out, (gq, gk, gv) = future.result()
+    return [future.result() for future in futures]
+
+
+def run_ring(kernel_name, lengths, k, q, kv_k, kv_v, dout, scale):
+    """Outputs and gradients of the whole documents, computed by a ring of `k` threads."""
+    out, dq = torch.empty_like(q), torch.empty_like(q)
+    dk, dv = torch.empty_like(kv_k), torch.empty_like(kv_v)
+
+    def work(spec, rows):
+        ctx = _Context()
+        with torch.no_grad():
+            local_out = ring._HDPAttention.forward(
+                ctx, q[rows], kv_k[rows], kv_v[rows], spec, scale
+            )
+            grads = ring._HDPAttention.backward(ctx, dout[rows])
+        return local_out, grads[:3]
+
+    for rows, (local_out, (gq, gk, gv)) in run_members(lengths, k, kernel_name, q.device, work):
         out[rows], dq[rows], dk[rows], dv[rows] = local_out, gq, gk, gv
     return out, dq, dk, dv
 

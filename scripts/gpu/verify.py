@@ -11,6 +11,9 @@ on `sys.path`; the C++ planner, hypothesis and Ray are never used):
   kernels  torch. Every available kernel against float64 (bf16, fp16): GQA over packed
            documents, zigzag half blocks, one query row per document, many tiny documents
   ring     torch. Ring attention with 2..8 virtual ranks in one process against one call
+  variants torch (numpy for its window case, else skipped). Sliding window, attention
+           sink and MLA's 192/128 head dims (padded) on the kernel "auto" resolves for each,
+           as a pack and a ring of virtual ranks, against float64 on the CPU
   speed    torch. A ring member's step calls and the pack path against one direct call
   offload  torch; numpy for its memory figure only (without numpy that figure is
            reported as skipped). Activation offloading on a torch layer stack: loss and
@@ -62,6 +65,7 @@ HERE = Path(__file__).resolve().parent
 SECTION_MODULES = {
     "kernels": "kernel_checks",
     "ring": "ring_checks",
+    "variants": "variant_checks",
     "speed": "speed_checks",
     "offload": "offload_checks",
     "train": "train_checks",
