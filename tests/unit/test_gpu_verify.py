@@ -34,7 +34,7 @@ def _run(*args, env=None, timeout=300):
 def test_help_lists_the_sections():
     done = _run("--help")
     assert done.returncode == 0
-    for section in ("env", "kernels", "ring", "speed", "offload", "train", "--cpu", "--quick"):
+    for section in ("env", "kernels", "ring", "variants", "speed", "offload", "train", "--cpu"):
         assert section in done.stdout
 
 
@@ -85,7 +85,8 @@ def test_the_cpu_mode_runs_every_section_with_torch_alone(cpu_report):
         assert section["estimated_s"] is None, name  # no estimate on CPU
         assert f"section  {name:8s} " in stdout, name  # its one-line summary
     parts = report["plan"]["parts"]
-    assert [p["section"] for p in parts][:4] == ["env", "kernels", "ring", "speed"]
+    sections = ["env", "kernels", "ring", "variants", "speed"]
+    assert list(dict.fromkeys(p["section"] for p in parts))[:5] == sections
     assert not any(p["skipped"] for p in parts)
     # Megatron is named only by the train section's line saying that it was skipped.
     others = "\n".join(
@@ -162,6 +163,50 @@ def test_a_ring_that_drops_a_block_fails_its_check(monkeypatch):
     monkeypatch.setattr(ring, "_step_blocks", drop_lower_blocks)
     result = ring_checks.run(common.cpu_mode(), lambda line: None, "torch")
     assert not result["ok"]
+
+
+def test_the_cpu_run_checks_the_attention_variants_and_skips_the_window_without_numpy(cpu_report):
+    report, stdout = cpu_report
+    variants = report["sections"]["variants"]
+    assert variants["ok"] and "needs numpy" in variants["skipped_cases"]["window"]
+    runs = {(r["case"], r["path"]): r for r in variants["results"]}
+    assert set(runs) == {(c, p) for c in ("sink", "mla") for p in ("pack", "ring")}
+    assert all(r["kernel"] == "torch" for (case, _), r in runs.items() if case == "sink")
+    assert runs["mla", "ring"]["kernel"] == "torch+pad_v" and runs["mla", "ring"]["head_dims"] == [
+        24,
+        16,
+    ]
+    assert "dsink" in runs["sink", "ring"]["errors"] and runs["sink", "ring"]["ring_size"] == 3
+    assert "variants sink" in stdout
+
+
+def _variant_checks():
+    _checks()
+    import variant_checks
+
+    return variant_checks
+
+
+@pytest.mark.parametrize("name", ["window", "sink", "mla"])
+def test_each_variant_passes_as_pack_and_ring_and_fails_when_the_reference_ignores_it(
+    monkeypatch, name
+):
+    common, variant_checks = _checks()[0], _variant_checks()
+    mode = common.cpu_mode()
+    case = variant_checks.cases(mode)[name]
+    for k in variant_checks.RING_SIZES[name]:
+        result = variant_checks.check_case(mode, name, case, k, torch.float32)
+        assert result["ok"] and max(result["errors"].values()) < 1e-5, result
+    real = common.reference_attention
+
+    def without_the_variant(q, k, v, lengths_q, lengths_k, causal, scale, **_variant):
+        if name == "mla":  # the softmax scale of v's head dim, not q/k's
+            scale = v.shape[-1] ** -0.5
+        return real(q, k, v, lengths_q, lengths_k, causal, scale)  # full causal, no sink
+
+    monkeypatch.setattr(variant_checks, "reference_attention", without_the_variant)
+    ring_size = variant_checks.RING_SIZES[name][-1]
+    assert not variant_checks.check_case(mode, name, case, ring_size, torch.float32)["ok"]
 
 
 def test_without_numpy_the_offload_section_runs_all_but_its_memory_figure(cpu_report):

@@ -12,7 +12,7 @@ sys.path.insert(0, str(REPO / "scripts" / "gpu"))
 import common  # noqa: E402
 import plan  # noqa: E402
 
-SECTIONS = ("env", "kernels", "ring", "speed", "offload", "train")
+SECTIONS = ("env", "kernels", "ring", "variants", "speed", "offload", "train")
 #: An 80 GB H100 as CUDA describes it once its context exists (about 79 GB free).
 H100_80GB = plan.Device(name="NVIDIA H100 80GB HBM3", free_bytes=79.2e9)
 H200 = plan.Device(name="NVIDIA H200", free_bytes=139e9)
@@ -84,11 +84,11 @@ def test_a_budget_drops_the_lowest_priority_parts_first():
     kept = p.kept()
     assert dropped and kept
     assert max(part.priority for part in kept) <= min(part.priority for part in dropped)
-    assert {"env", "kernels", "ring"} <= {part.section for part in kept}
+    assert {"env", "kernels", "ring", "variants"} <= {part.section for part in kept}
     # A budget too small for anything keeps env alone (it is never dropped).
     tiny = _plan(quick=False, budget_s=1)
     assert {part.kind for part in tiny.kept()} == {"env"}
-    assert all("--budget-s 1" in tiny.why_not(s) for s in ("kernels", "ring", "speed", "offload"))
+    assert all("--budget-s 1" in tiny.why_not(s) for s in ("kernels", "ring", "variants", "speed"))
 
 
 def test_without_its_check_the_train_section_runs_nothing():
