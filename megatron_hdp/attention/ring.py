@@ -354,8 +354,10 @@ class _PackAttention(torch.autograd.Function):
 
 
 def _window_binds(window: int, doc_lengths) -> bool:
-    """`window.binds`, imported here: the window's planning needs numpy and the scheduler,
-    which unwindowed attention does not (`scripts/gpu/verify.py`'s ring runs on torch alone).
+    """`window.binds`, imported on first use (ring.py imports no window module at start).
+
+    The window's planning needs numpy and the scheduler, which unwindowed attention does
+    not: `scripts/gpu/verify.py`'s ring section runs on torch alone.
     """
     from megatron_hdp.attention.window import binds
 
