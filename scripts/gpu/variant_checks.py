@@ -87,14 +87,25 @@ def check_case(mode: Mode, name: str, case: dict, k: int, dtype, seed: int = 0) 
     dqk, dv = case["head_dims"]
     heads, groups = mode.heads, case["kv_heads"]
     facts = DeviceFacts.of(mode.device)
-    kernel_name = registry.resolve_kernel(
-        "auto",
-        facts,
-        dtype=dtype,
-        head_dim=dqk,
-        head_dim_v=dv if dv != dqk else None,
-        window=window is not None,
-    )
+    try:
+        kernel_name = registry.resolve_kernel(
+            "auto",
+            facts,
+            dtype=dtype,
+            head_dim=dqk,
+            head_dim_v=dv if dv != dqk else None,
+            window=window is not None,
+        )
+    except ValueError as error:  # a job with this variant would be refused here: a failure
+        return {
+            "case": name,
+            "ring_size": k,
+            "path": "pack" if k == 1 else "ring",
+            "kernel": None,
+            "errors": {},
+            "error": str(error),
+            "ok": False,
+        }
     gen = torch.Generator(device=mode.device).manual_seed(seed)
     total = sum(lengths)
 
@@ -190,6 +201,9 @@ def run(mode: Mode, say, kernel_name: str | None = None) -> dict:
         for k in RING_SIZES[name]:
             result = check_case(mode, name, case, k, dtype)
             results.append(result)
+            if result.get("error"):
+                say(f"variants {name:8s} k={k} FAILED: {result['error']}")
+                continue
             say(
                 f"variants {name:8s} {result['kernel']:18s} {result['dtype']:8s} "
                 f"{result['path']} k={k} max rel err {max(result['errors'].values()):.2e} "

@@ -581,3 +581,20 @@ def test_the_gpu_scripts_use_nothing_that_python_3_10_lacks():
             if pair in PYTHON_311_ONLY:
                 found.append((path.name, ".".join(pair)))
     assert not found, found
+
+
+def test_a_variant_no_kernel_runs_here_fails_with_the_reason_and_the_others_still_run(monkeypatch):
+    common, variant_checks = _checks()[0], _variant_checks()
+    real = variant_checks.registry.resolve_kernel
+
+    def no_window(name, facts, **kwargs):
+        if kwargs.get("window"):
+            raise ValueError("no attention kernel runs this job on cpu: torch takes no window")
+        return real(name, facts, **kwargs)
+
+    monkeypatch.setattr(variant_checks.registry, "resolve_kernel", no_window)
+    result = variant_checks.run(common.cpu_mode(), lambda line: None)
+    assert not result["ok"]
+    window = [r for r in result["results"] if r["case"] == "window"]
+    assert window and all(not r["ok"] and "takes no window" in r["error"] for r in window)
+    assert all(r["ok"] for r in result["results"] if r["case"] != "window")
