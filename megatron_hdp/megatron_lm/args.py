@@ -366,7 +366,6 @@ def _refusals(args: argparse.Namespace, flags: dict) -> list[str]:
             getattr(args, "window_size", None),
             getattr(args, "window_attn_skip_freq", None),
             num_layers=args.num_layers,
-            attention_dropout=getattr(args, "attention_dropout", 0.0) or 0.0,
         )
     ]
     if getattr(args, "dataloader_type", None) not in (None, "external"):
