@@ -132,6 +132,12 @@ _REFUSED_MEGATRON = (
         bool,
         "--inprocess-restart: HDP's schedule keeps the process groups of the first start",
     ),
+    (
+        "export_kd_teacher_load",
+        lambda v: v is not None,
+        "--export-kd-teacher-load: ModelOpt distillation builds ModelOpt's models (HDP builds "
+        "Megatron-LM's GPT model)",
+    ),
 )
 
 #: Megatron-LM paths that run on GPUs only, by the flags that choose them: (name, whether
