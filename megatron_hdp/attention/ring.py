@@ -43,8 +43,6 @@ from megatron_hdp.attention.kernels.base import VarlenBlocks, VarlenKernel, accu
 from megatron_hdp.attention.kernels.registry import get_kernel
 from megatron_hdp.attention.kv_message import KVLayout
 from megatron_hdp.attention.ring_index import StepBlocks, ring_index
-from megatron_hdp.attention.window import binds
-from megatron_hdp.attention.window_ring import window_attention
 from megatron_hdp.distributed.ring_comm import CommStats, RingComm
 from megatron_hdp.host_copy import to_device
 from megatron_hdp.sharding import RankShard, shard
@@ -330,6 +328,17 @@ class _PackAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, *dparams
 
 
+def _window_binds(window: int, doc_lengths: Sequence[int]) -> bool:
+    """`window.binds`, imported for windowed layers only.
+
+    The window's planning needs numpy, which a job without windows does not (the GPU check
+    runs this module without it).
+    """
+    from megatron_hdp.attention.window import binds
+
+    return binds(window, doc_lengths)
+
+
 def hdp_attention(
     q_THD: torch.Tensor,
     k_TGD: torch.Tensor,
@@ -380,7 +389,9 @@ def hdp_attention(
             f"{q_THD.shape[1]} query heads are not a multiple of {k_TGD.shape[1]} key/value heads"
         )
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_THD.shape[-1])
-    if binds(window, spec.doc_lengths):
+    if window is not None and _window_binds(window, spec.doc_lengths):
+        from megatron_hdp.attention.window_ring import window_attention
+
         if k_TGD.shape[-1] != v_TGD.shape[-1]:
             raise ValueError(
                 f"a sliding window with a value head dim ({v_TGD.shape[-1]}) unlike the key's "

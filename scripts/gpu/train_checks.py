@@ -287,7 +287,7 @@ def megatron_engine(cfg, optim, weights: dict):
     """
     from megatron_hdp.megatron import engine as engine_module
 
-    def build(cfg, *, stage: int = 0, tp_rank: int = 0):
+    def build(cfg, *, stage: int = 0, tp_rank: int = 0, chunk: int = 0):
         model = megatron_gpt(cfg)
         missing, unexpected = model.load_state_dict(weights, strict=False)
         extra = [k for k in missing if "_extra_state" not in k and "inv_freq" not in k]
