@@ -25,6 +25,12 @@ takes the merged output and log-sum-exp (as every kernel does): `D = rowsum(dO *
 the dropped `O` is the softmax-backward term of the dropped probabilities. `KeyedDropoutKernel`
 computes dense blocks (materialised `[heads, q, k]` scores per document): it is the CPU math
 path; flash kernels draw their own Philox masks and cannot take a keyed one.
+
+Sliding windows (`window_ring`): `AttentionDropout.bind_window` gives the windowed plan's
+steps the keys of their rows (the key rows a step sees are those its K/V still carry after
+the step's hops); a banded block masks by the band (`kernels.base.Band`), so a step drops
+and normalises exactly the pairs the window shows. The same hash of (document, head, query
+position, key position) as without a window: the masks do not depend on the layout.
 """
 
 from __future__ import annotations
@@ -197,8 +203,24 @@ class MicroBatchKeys:
     def keyed_steps(self, spec: RingAttentionSpec, device: torch.device) -> dict[int, StepBlocks]:
         """`spec`'s step blocks with the keys of their rows (`KeyedBlocks`), built once."""
         if device not in self._steps:
-            self._steps[device] = _keyed_steps(spec, self.doc_ids, device)
+            self._steps[device] = _keyed_steps(spec, self.doc_ids, spec.step_blocks(device))
         return self._steps[device]
+
+    def keyed_window_steps(self, spec: RingAttentionSpec, plan, device) -> dict[int, StepBlocks]:
+        """The windowed plan's (`window.DevicePlan`) steps with their rows' keys, built once.
+
+        A step's key rows index the source's rows its K/V carry after the step's hops
+        (`WindowPlan.carried`).
+        """
+        key = ("window", plan.plan.window, device)
+        if key not in self._steps:
+            active, me = spec.active, spec.active.index(spec.position)
+            held = {
+                source: plan.plan.carried[source, (me - active.index(source)) % len(active)]
+                for source in plan.steps
+            }
+            self._steps[key] = _keyed_steps(spec, self.doc_ids, plan.steps, held)
+        return self._steps[key]
 
 
 @dataclass(frozen=True)
@@ -215,13 +237,20 @@ class KeyedBlocks(VarlenBlocks):
 
 
 def _keyed_steps(
-    spec: RingAttentionSpec, doc_ids: Sequence[int], device: torch.device
+    spec: RingAttentionSpec,
+    doc_ids: Sequence[int],
+    steps: dict[int, StepBlocks],
+    held: dict[int, torch.Tensor] | None = None,
 ) -> dict[int, StepBlocks]:
-    """The keys of the query and key rows of every ring step of `spec` on this rank."""
+    """`steps` (this rank's blocks of `spec`, by source) with the keys of their rows.
+
+    `held`: per source, the source's rows (host) that a step's key rows index; None: all.
+    """
     if len(doc_ids) != len(spec.doc_lengths):
         raise ValueError(
             f"{len(doc_ids)} document ids for a micro-batch of {len(spec.doc_lengths)} documents"
         )
+    device = next(iter(steps.values())).blocks.cu_seqlens_q.device
     me = spec.shards[spec.position]
     docs = torch.repeat_interleave(
         torch.tensor(doc_ids, dtype=torch.int64),
@@ -229,11 +258,14 @@ def _keyed_steps(
     ).to(device)
     positions = torch.tensor(me.positions(), dtype=torch.int64).to(device)
     out = {}
-    for source, step in spec.step_blocks(device).items():
+    for source, step in steps.items():
         if step.q_rows is None:  # a pack: every row, in order
             q_docs, q_pos, k_pos = docs, positions, positions
         else:
-            src = torch.tensor(spec.shards[source].positions(), dtype=torch.int64).to(device)
+            src = torch.tensor(spec.shards[source].positions(), dtype=torch.int64)
+            if held is not None:
+                src = src[held[source]]
+            src = src.to(device)
             q_docs, q_pos = docs[step.q_rows], positions[step.q_rows]
             k_pos = src[step.kv_rows]
         blocks = KeyedBlocks(
@@ -261,6 +293,15 @@ class AttentionDropout:
         return dataclasses.replace(
             spec, backend=kernel, _blocks_by_device={device: self.keys.keyed_steps(spec, device)}
         )
+
+    def bind_window(self, spec: RingAttentionSpec, plan, device: torch.device):
+        """`(spec, plan)` of a windowed layer, computing with `KeyedDropoutKernel`.
+
+        `plan` is the layer's `window.DevicePlan`; its steps get their rows' keys.
+        """
+        kernel = KeyedDropoutKernel(self.p, self.base, self.head_offset)
+        steps = self.keys.keyed_window_steps(spec, plan, device)
+        return dataclasses.replace(spec, backend=kernel), dataclasses.replace(plan, steps=steps)
 
 
 def _pieces(blocks: VarlenBlocks):
@@ -303,7 +344,11 @@ class KeyedDropoutKernel:
     def _probs(self, q, k, blocks, rows, cols, lse, scale):
         """`(probabilities [H, q, k], kept-and-scaled probabilities)`; `lse` None: own."""
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-        if blocks.causal:
+        if blocks.band is not None:
+            behind = blocks.q_positions[rows].unsqueeze(1) - blocks.k_positions[cols]
+            visible = (behind >= 0) & (behind <= blocks.band.window)
+            scores = scores.masked_fill(~visible, float("-inf"))
+        elif blocks.causal:
             visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
             scores = scores.masked_fill(~visible, float("-inf"))
         if lse is None:

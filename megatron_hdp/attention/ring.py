@@ -33,11 +33,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from megatron_hdp.attention.finalize import RowFinalize, finalize_grads
 from megatron_hdp.attention.kernels.base import VarlenBlocks, VarlenKernel, accumulation_dtype
 from megatron_hdp.attention.kernels.registry import get_kernel
 from megatron_hdp.attention.kv_message import KVLayout
@@ -50,32 +51,6 @@ if TYPE_CHECKING:
     from megatron_hdp.attention.dropout import AttentionDropout
 
 _TAG_FWD_KV, _TAG_BWD_KV, _TAG_BWD_DKV = 11, 12, 13
-
-
-class RowFinalize(Protocol):
-    """A step after the log-sum-exp merge of every query row (an attention variant's seam).
-
-    Runs once per row, on the merged `(out [T, H, D], lse [H, T])` of all ring steps (or of
-    the pack's one kernel call), before the output leaves the attention; the kernels'
-    backward then takes the finalized out and lse. `params` are tensors it differentiates
-    (autograd inputs of the attention). Local: no communication. Example:
-    `sinks.SoftmaxSink`.
-    """
-
-    def forward(self, out_THD, lse_HT, *params) -> tuple[torch.Tensor, torch.Tensor]:
-        """The finalized `(out, lse)`, in lse's dtype."""
-        ...
-
-    def backward(self, dout_THD, out_THD, lse_HT, *params) -> tuple[torch.Tensor, ...]:
-        """The gradient of each of `params`, given the finalized out and lse."""
-        ...
-
-
-def _finalize_grads(ctx, first: int, dout_THD, out_THD, lse_HT, params) -> tuple:
-    """The gradients of the finalize step's params (autograd inputs from `first` on)."""
-    if ctx.finalize is None or not any(ctx.needs_input_grad[first:]):
-        return (None,) * len(params)
-    return ctx.finalize.backward(dout_THD, out_THD, lse_HT, *params)
 
 
 @dataclass(frozen=True)
@@ -304,7 +279,7 @@ class _HDPAttention(torch.autograd.Function):
             dkv_own = pending_dkv.wait()
         dk_TGD = kv.keys(dkv_own).to(k_TGD.dtype)
         dv_TGD = kv.values(dkv_own).to(v_TGD.dtype)
-        dparams = _finalize_grads(ctx, 6, dout_THD, out_THD, lse_HT, params)
+        dparams = finalize_grads(ctx, 6, dout_THD, out_THD, lse_HT, params)
         return dq_THD.to(q_THD.dtype), dk_TGD, dv_TGD, None, None, None, *dparams
 
 
@@ -349,15 +324,15 @@ class _PackAttention(torch.autograd.Function):
             ctx.blocks,
             scale=ctx.scale,
         )
-        dparams = _finalize_grads(ctx, 7, dout_THD, out_THD, lse_HT, params)
+        dparams = finalize_grads(ctx, 7, dout_THD, out_THD, lse_HT, params)
         return dq, dk, dv, None, None, None, None, *dparams
 
 
-def _window_binds(window: int, doc_lengths) -> bool:
-    """`window.binds`, imported on first use (ring.py imports no window module at start).
+def _window_binds(window: int, doc_lengths: Sequence[int]) -> bool:
+    """`window.binds`, imported for windowed layers only.
 
-    The window's planning needs numpy and the scheduler, which unwindowed attention does
-    not: `scripts/gpu/verify.py`'s ring section runs on torch alone.
+    The window's planning needs numpy, which a job without windows does not (the GPU check
+    runs this module without it).
     """
     from megatron_hdp.attention.window import binds
 
@@ -417,11 +392,22 @@ def hdp_attention(
     if window is not None and _window_binds(window, spec.doc_lengths):
         from megatron_hdp.attention.window_ring import window_attention
 
-        if dropout is not None:
-            raise ValueError("attention dropout with a sliding window is not supported")
-        if finalize is not None:
-            raise ValueError(f"{finalize.name} with a sliding window is not supported")
-        return window_attention(q_THD, k_TGD, v_TGD, spec, window, scale)
+        if k_TGD.shape[-1] != v_TGD.shape[-1]:
+            raise ValueError(
+                f"a sliding window with a value head dim ({v_TGD.shape[-1]}) unlike the key's "
+                f"({k_TGD.shape[-1]}) is not supported"
+            )
+        return window_attention(
+            q_THD,
+            k_TGD,
+            v_TGD,
+            spec,
+            window,
+            scale,
+            dropout=dropout,
+            finalize=finalize,
+            finalize_params=finalize_params,
+        )
     if dropout is not None:
         spec = dropout.bind(spec, q_THD.device)
     if len(spec.active) == 1:

@@ -14,7 +14,7 @@ with the row's log-sum-exp `lse` over its keys and the sink logit `s`:
     lse' = logaddexp(lse, s)        out' = out * exp(lse - lse')
 
 HDP's attention merges the partial results of all ring steps (or one pack) into the row's
-`(out, lse)` first; `SoftmaxSink` is the step after that merge (`ring.RowFinalize`), so the
+`(out, lse)` first; `SoftmaxSink` is the step after that merge (`finalize.RowFinalize`), so the
 sink enters once per query row, whatever the ring size. Backward: the flash recipe with the
 finalized `(out', lse')` is exact for q, k and v (the sink column's probability takes part in
 `D = rowsum(dO * O')` with a zero value, so nothing changes there), and
@@ -41,7 +41,7 @@ def check_softmax_type(value: str) -> str:
 
 
 class SoftmaxSink:
-    """The finalize step of a softmax with one sink logit per head (`ring.RowFinalize`).
+    """The finalize step of a softmax with one sink logit per head (`finalize.RowFinalize`).
 
     Its one parameter is the `[H]` sink logits of this rank's heads (a constant zero for
     off-by-one, Megatron's `softmax_offset` parameter for learnable), in any dtype; the

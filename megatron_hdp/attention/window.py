@@ -32,7 +32,6 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from megatron_hdp.attention.kernels.base import Band, VarlenBlocks
@@ -82,8 +81,12 @@ def _keys(shard: RankShard, span: int) -> tuple[torch.Tensor, torch.Tensor, torc
 def _count(sorted_keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     """How many of `sorted_keys` lie in `[lo, hi]`, elementwise.
 
-    numpy's searchsorted: torch's is several times slower on the host.
+    numpy's searchsorted: torch's is several times slower on the host. numpy is imported
+    here, not with the module: the ring imports this module, and runs without numpy
+    unless a window binds.
     """
+    import numpy as np
+
     keys = sorted_keys.numpy()
     first = np.searchsorted(keys, lo.numpy(), side="left")
     last = np.searchsorted(keys, hi.numpy(), side="right")
@@ -113,6 +116,8 @@ def window_plan(
     positions holding tokens, in ring order. With one active position (a pack) the one step
     gets no row indices.
     """
+    import numpy as np
+
     span = max(doc_lengths) + window + 2  # keeps [pos - w, pos + w] inside its document
     keys = {p: _keys(shards[p], span) for p in active}
     n = len(active)
@@ -232,4 +237,6 @@ def on_device(plan: WindowPlan, device: torch.device) -> DevicePlan:
 
 def _positions_in(sorted_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Where each of `rows` sits in `sorted_rows` (every one is there)."""
+    import numpy as np
+
     return torch.from_numpy(np.searchsorted(sorted_rows.numpy(), rows.numpy()))

@@ -12,6 +12,11 @@ log-sum-exp), on a `window.WindowPlan`:
   which adds it to the gradient of its own step. With no such row nothing travels back.
 A pack (one member) is one kernel call each way on the banded blocks.
 
+Variants ride on the same seams as the full ring's: a `finalize.RowFinalize` step (the sink of
+`sinks.py`) after the merge of every query row, pack and ring alike; keyed attention dropout
+(`dropout.AttentionDropout.bind_window`) swaps in its kernel and blocks that carry their
+rows' keys and the band, so each step drops exactly the probabilities the 1-rank run drops.
+
 Collective over the plan's ring like `ring.hdp_attention`: every active member calls it for
 the same micro-batch and layer, in the same order.
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_hdp.attention.finalize import finalize_grads
 from megatron_hdp.attention.kernels.base import accumulation_dtype
 from megatron_hdp.attention.window import DevicePlan, on_device, window_plan
 
@@ -66,7 +72,7 @@ def _pass_kv(spec, plan, kv_cur, like, step: int, tag: int):
 
 class _WindowRingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_THD, k_TGD, v_TGD, spec, plan: DevicePlan, scale: float):
+    def forward(ctx, q_THD, k_TGD, v_TGD, spec, plan: DevicePlan, scale: float, finalize, *params):
         groups = k_TGD.shape[1]
         active, me = spec.active, spec.active.index(spec.position)
         n = len(active)
@@ -97,14 +103,16 @@ class _WindowRingAttention(torch.autograd.Function):
                 lse_HT[:, rows] = lse_new
             if step + 1 < n:
                 kv_cur = pending.wait() if pending is not None else None
+        if finalize is not None:
+            out_THD, lse_HT = finalize.forward(out_THD, lse_HT, *params)
         out_THD = out_THD.to(q_THD.dtype)
-        ctx.save_for_backward(q_THD, k_TGD, v_TGD, out_THD, lse_HT)
-        ctx.spec, ctx.plan, ctx.scale = spec, plan, scale
+        ctx.save_for_backward(q_THD, k_TGD, v_TGD, out_THD, lse_HT, *params)
+        ctx.spec, ctx.plan, ctx.scale, ctx.finalize = spec, plan, scale, finalize
         return out_THD
 
     @staticmethod
     def backward(ctx, dout_THD):
-        q_THD, k_TGD, v_TGD, out_THD, lse_HT = ctx.saved_tensors
+        q_THD, k_TGD, v_TGD, out_THD, lse_HT, *params = ctx.saved_tensors
         spec, plan, scale = ctx.spec, ctx.plan, ctx.scale
         groups = k_TGD.shape[1]
         active, me = spec.active, spec.active.index(spec.position)
@@ -169,22 +177,26 @@ class _WindowRingAttention(torch.autograd.Function):
             dkv_own.index_add_(0, plan.own_slots[spec.position], final)
         dk_TGD = dkv_own[:, :groups].to(k_TGD.dtype)
         dv_TGD = dkv_own[:, groups:].to(v_TGD.dtype)
-        return dq_THD.to(q_THD.dtype), dk_TGD, dv_TGD, None, None, None
+        dparams = finalize_grads(ctx, 7, dout_THD, out_THD, lse_HT, params)
+        return dq_THD.to(q_THD.dtype), dk_TGD, dv_TGD, None, None, None, None, *dparams
 
 
 class _WindowPackAttention(torch.autograd.Function):
     """All tokens of the micro-batch on this rank: one banded kernel call each way."""
 
     @staticmethod
-    def forward(ctx, q_THD, k_TGD, v_TGD, blocks, kernel, scale):
+    def forward(ctx, q_THD, k_TGD, v_TGD, blocks, kernel, scale, finalize, *params):
         out_THD, lse_HT = kernel.forward(q_THD, k_TGD, v_TGD, blocks, scale=scale)
-        ctx.save_for_backward(q_THD, k_TGD, v_TGD, out_THD, lse_HT)
-        ctx.blocks, ctx.kernel, ctx.scale = blocks, kernel, scale
+        if finalize is not None:
+            out_THD, lse_HT = finalize.forward(out_THD, lse_HT, *params)
+            out_THD = out_THD.to(q_THD.dtype)
+        ctx.save_for_backward(q_THD, k_TGD, v_TGD, out_THD, lse_HT, *params)
+        ctx.blocks, ctx.kernel, ctx.scale, ctx.finalize = blocks, kernel, scale, finalize
         return out_THD
 
     @staticmethod
     def backward(ctx, dout_THD):
-        q_THD, k_TGD, v_TGD, out_THD, lse_HT = ctx.saved_tensors
+        q_THD, k_TGD, v_TGD, out_THD, lse_HT, *params = ctx.saved_tensors
         dq, dk, dv = ctx.kernel.backward(
             dout_THD.contiguous().to(q_THD.dtype),
             q_THD,
@@ -195,17 +207,36 @@ class _WindowPackAttention(torch.autograd.Function):
             ctx.blocks,
             scale=ctx.scale,
         )
-        return dq, dk, dv, None, None, None
+        dparams = finalize_grads(ctx, 7, dout_THD, out_THD, lse_HT, params)
+        return dq, dk, dv, None, None, None, None, *dparams
 
 
-def window_attention(q_THD, k_TGD, v_TGD, spec, window: int, scale: float) -> torch.Tensor:
+def window_attention(
+    q_THD,
+    k_TGD,
+    v_TGD,
+    spec,
+    window: int,
+    scale: float,
+    *,
+    dropout=None,
+    finalize=None,
+    finalize_params=(),
+) -> torch.Tensor:
     """Causal attention within `window` earlier positions of this rank's tokens; `[T, H, D]`.
 
     Collective over `spec.comm.ring` when more than one member holds tokens (see the
-    module). `spec` and the tensors as for `ring.hdp_attention`, which checks them.
+    module). `spec`, the tensors, `dropout` (`dropout.AttentionDropout`), `finalize` and
+    `finalize_params` as for `ring.hdp_attention`, which checks them.
     """
     plan = device_plan(spec, window, q_THD.device)
+    if dropout is not None:
+        spec, plan = dropout.bind_window(spec, plan, q_THD.device)
     if len(spec.active) == 1:
         (blocks,) = plan.steps.values()
-        return _WindowPackAttention.apply(q_THD, k_TGD, v_TGD, blocks.blocks, spec.backend, scale)
-    return _WindowRingAttention.apply(q_THD, k_TGD, v_TGD, spec, plan, scale)
+        return _WindowPackAttention.apply(
+            q_THD, k_TGD, v_TGD, blocks.blocks, spec.backend, scale, finalize, *finalize_params
+        )
+    return _WindowRingAttention.apply(
+        q_THD, k_TGD, v_TGD, spec, plan, scale, finalize, *finalize_params
+    )

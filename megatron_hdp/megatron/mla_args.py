@@ -46,6 +46,11 @@ def mla_problems(cfg) -> list[str]:
             "pad tokens with the real ones, which HDP's THD micro-batches do not hold; not "
             "supported with HDP yet"
         )
+    if getattr(cfg, "window_size", None) is not None:
+        problems.append(
+            f"window_size {cfg.window_size} with multi_latent_attention: HDP's windowed ring "
+            "sends K and V of one head dim; not supported with HDP yet"
+        )
     return problems
 
 

@@ -269,7 +269,6 @@ class GPTConfig:
             self.window_size,
             self.window_attn_skip_freq,
             num_layers=self.num_layers,
-            attention_dropout=self.attention_dropout,
         ):
             raise ValueError(problem)
 

@@ -215,7 +215,6 @@ def _check_numbers(args: argparse.Namespace) -> None:
         args.window_size,
         args.window_attn_skip_freq,
         num_layers=args.num_layers,
-        attention_dropout=args.attention_dropout,
     )
     if problems:
         raise ValueError("; ".join(problems))

@@ -131,6 +131,12 @@ _REFUSED_MEGATRON = (
         bool,
         "--inprocess-restart: HDP's schedule keeps the process groups of the first start",
     ),
+    (
+        "export_kd_teacher_load",
+        lambda v: v is not None,
+        "--export-kd-teacher-load: ModelOpt distillation builds ModelOpt's models (HDP builds "
+        "Megatron-LM's GPT model)",
+    ),
 )
 
 #: Megatron-LM paths that run on GPUs only, by the flags that choose them: (name, whether
@@ -365,7 +371,6 @@ def _refusals(args: argparse.Namespace, flags: dict) -> list[str]:
             getattr(args, "window_size", None),
             getattr(args, "window_attn_skip_freq", None),
             num_layers=args.num_layers,
-            attention_dropout=getattr(args, "attention_dropout", 0.0) or 0.0,
         )
     ]
     if getattr(args, "dataloader_type", None) not in (None, "external"):

@@ -88,6 +88,13 @@ def hdp_model_provider(pre_process=True, post_process=True, vp_stage=None, **kwa
     args = get_args()
     if not getattr(args, "hdp_checked", False):
         raise ValueError("--hdp: the HDP argument checks did not run (--yaml-cfg is not supported)")
+    if getattr(args, "modelopt_enabled", False):
+        # Megatron-LM sets it only here, at model building: a --load checkpoint with ModelOpt
+        # state. It would then build ModelOpt's model (--enable-gpt-oss's YaRN RoPE included).
+        raise ValueError(
+            f"--hdp: --load {args.load} is a ModelOpt checkpoint; HDP builds Megatron-LM's GPT "
+            "model, not ModelOpt's (load a plain Megatron checkpoint)"
+        )
     return hdp_gpt_builder(args, pre_process, post_process, vp_stage, **kwargs)
 
 

@@ -47,9 +47,7 @@ def check_window(window_size) -> int | None:
     return left
 
 
-def window_problems(
-    window_size, skip_freq, *, num_layers: int, attention_dropout: float = 0.0
-) -> list[str]:
+def window_problems(window_size, skip_freq, *, num_layers: int) -> list[str]:
     """Why `--window-size` / `--window-attn-skip-freq` cannot run as given (empty: they can).
 
     Megatron-Core's meaning (`transformer.utils.is_layer_window_attention`, layers numbered
@@ -59,10 +57,9 @@ def window_problems(
     """
     problems = []
     try:
-        window = check_window(window_size)
+        check_window(window_size)
     except ValueError as err:
         problems.append(str(err))
-        window = None
     if skip_freq is not None:
         if window_size is None:
             problems.append(
@@ -79,11 +76,6 @@ def window_problems(
                 )
         else:
             problems.append(f"--window-attn-skip-freq {skip_freq!r}: an int or a list of 0/1")
-    if window is not None and attention_dropout > 0:
-        problems.append(
-            f"--window-size with --attention-dropout {attention_dropout}: keyed attention "
-            "dropout does not take a window"
-        )
     return problems
 
 

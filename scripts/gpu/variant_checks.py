@@ -70,9 +70,9 @@ def _attend(ctx, spec, q, k, v, scale, window, finalize, params):
         if len(spec.active) == 1:
             (step,) = plan.steps.values()
             fn = window_ring._WindowPackAttention
-            return fn, fn.forward(ctx, q, k, v, step.blocks, spec.backend, scale)
+            return fn, fn.forward(ctx, q, k, v, step.blocks, spec.backend, scale, finalize, *params)
         fn = window_ring._WindowRingAttention
-        return fn, fn.forward(ctx, q, k, v, spec, plan, scale)
+        return fn, fn.forward(ctx, q, k, v, spec, plan, scale, finalize, *params)
     if len(spec.active) == 1:
         blocks = spec.step_blocks(q.device)[spec.position].blocks
         fn = ring._PackAttention

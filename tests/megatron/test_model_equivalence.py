@@ -468,3 +468,14 @@ def test_attention_sinks_match_stock_megatron(softmax_type):
     losses, gradient norms, the first step's gradients (`softmax_offset`'s included) and the
     parameters after three Adam steps."""
     check_case(Case(pool_size=3, cfg=dataclasses.replace(CFG, softmax_type=softmax_type)))
+
+
+def test_windows_with_a_learnable_sink_match_stock_megatron():
+    """gpt-oss's attention: --window-size 3,0 --window-attn-skip-freq 2 (layer 1 windowed,
+    layer 2 full) with --softmax-type learnable, HDP's windowed ring with its sink step on
+    rings of up to 3 ranks, against stock Megatron-Core's DotProductAttention (its sliding
+    window causal mask and `SoftmaxOne`) on one process."""
+    cfg = dataclasses.replace(
+        CFG, window_size=(3, 0), window_attn_skip_freq=2, softmax_type="learnable"
+    )
+    check_case(Case(pool_size=3, cfg=cfg))

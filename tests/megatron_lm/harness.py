@@ -146,7 +146,10 @@ def _body_megatron_lm(rank, world_size, script, argv, launcher, env=None):
 
     def train_step(*args, **kwargs):
         # Model chunks per stage (virtual pipeline stages), as the loop hands them over.
-        model = inspect.signature(stock_train_step).bind(*args, **kwargs).arguments["model"]
+        # (Megatron-LM's positional order: forward_step_func, data_iterator, model, ...; a
+        # test may have wrapped train_step in a function of (*args, **kwargs) already.)
+        given = inspect.signature(stock_train_step).bind(*args, **kwargs).arguments
+        model = given.get("model", kwargs.get("model", args[2] if len(args) > 2 else None))
         records["model_chunks"] = len(model) if isinstance(model, list) else 1
         return stock_train_step(*args, **kwargs)
 

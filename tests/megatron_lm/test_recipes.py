@@ -55,7 +55,7 @@ EXPECTED: dict[str, tuple[str, tuple, str | None]] = {
     "L8m": ("trains", BOTH, None),
     "MX": ("trains", BOTH, None),
     "LF'": ("refused: Megatron-FSDP", BOTH, None),
-    "OSS'": ("issue 47: --window-size", BOTH, None),
+    "OSS'": ("trains", BOTH, None),
     "DS'": ("issue 47: --multi-latent-attention", V019, None),
     "R15": ("trains", BOTH, None),
     "CKA": ("trains", BOTH, None),

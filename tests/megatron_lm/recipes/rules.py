@@ -151,6 +151,7 @@ CPU_DROP = {
     "--fp8-param-gather": "FP8",
     "--apply-layernorm-1p": "TE norms; stock refuses it with --transformer-impl local",
     "--moe-grouped-gemm": "GroupedGEMM kernels (stock validate_args asks the CUDA capability)",
+    "--moe-permute-fusion": "Transformer Engine's fused permute (Megatron-Core imports it)",
     "--profile": "CUDA profiler",
     "--profile-step-start": "CUDA profiler",
     "--profile-step-end": "CUDA profiler",
@@ -158,6 +159,10 @@ CPU_DROP = {
     "--record-memory-history": "CUDA memory",
     "--log-memory-to-tensorboard": "torch.cuda.memory_stats",
     "--exit-duration-in-mins": "Megatron-LM checks it with a CUDA tensor",
+    "--enable-gpt-oss": "ModelOpt's builder only (not a CPU matter): Megatron-LM reads it "
+    "when it builds ModelOpt's model (a ModelOpt --load or a teacher), never here; "
+    "core_v0.19.0's pretrain_gpt.py parses it only with nvidia-modelopt installed (not here)",
+    "--export-force-local-attention": "ModelOpt's builder only, as --enable-gpt-oss",
     "--wandb-project": "W&B is a network service (not a CPU matter; no network here)",
     "--wandb-entity": "W&B",
     "--wandb-exp-name": "W&B",
