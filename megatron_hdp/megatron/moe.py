@@ -154,7 +154,34 @@ class SequenceAuxLossRouter(TopKRouter):
         return torch.nn.functional.linear(input.to(dtype), self.weight.to(dtype), bias)
 
     def _apply_aux_loss(self, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
+        """`--moe-router-load-balancing-type aux_loss`: the per-sequence loss (module docstring)."""
         coeff = self.get_aux_loss_coeff("aux_loss")
+        return self._sequence_loss(
+            probs, scores_for_aux_loss, routing_map, coeff, "load_balancing_loss"
+        )
+
+    def _apply_seq_aux_loss(
+        self, probs, scores_for_aux_loss, routing_map, seq_length, bsz, with_padding_mask=False
+    ):
+        """`seq_aux_loss`: Megatron's per-sequence loss, a sequence being a document.
+
+        Megatron takes the switch loss of each sequence of a [s, b] micro-batch and their
+        mean; with `--calculate-per-token-loss` its gradient is weighted by the micro-batch's
+        s x b tokens, so the step adds `sum_s (T_s / T) * loss_s` over the global batch. HDP
+        computes exactly that sum, with each document its own sequence (a packed micro-batch
+        arrives as one row of b = 1, which Megatron would take as one sequence; the packing
+        differs per layout). Logged as Megatron logs it, `seq_load_balancing_loss`.
+        """
+        coeff = self.get_aux_loss_coeff("seq_aux_loss")
+        return self._sequence_loss(
+            probs, scores_for_aux_loss, routing_map, coeff, "seq_load_balancing_loss"
+        )
+
+    def _sequence_loss(self, probs, scores_for_aux_loss, routing_map, coeff, name):
+        """Attach `coeff * E / (k T) * sum_s (1 / T_s) * sum_e P_s,e c_s,e` to `probs`.
+
+        Collective over the TP group with sequence parallelism, P2P over the ring.
+        """
         if coeff == 0:
             return probs
         batch = _current("load-balancing loss")
@@ -180,7 +207,7 @@ class SequenceAuxLossRouter(TopKRouter):
         aux_loss = (prob_sums * weights).sum()
         # Summed on the device in float64, as a host float would be: no read per layer.
         batch.aux_loss = batch.aux_loss + aux_loss.detach().double()
-        self._track(batch, "load_balancing_loss", aux_loss / coeff)
+        self._track(batch, name, aux_loss / coeff)
         return _AttachAuxLoss.apply(probs, aux_loss, batch.aux_grad_scale)
 
     def apply_z_loss(self, logits: torch.Tensor, padding_mask=None) -> torch.Tensor:

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import argparse
 
-#: Load-balancing types that run: HDP's per-sequence aux loss, or none.
-BALANCING_TYPES = ("aux_loss", "none")
+#: Load-balancing types that run: HDP's per-sequence aux losses (`aux_loss`, and Megatron's
+#: `seq_aux_loss` with each document a sequence), or none.
+BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
 
 #: (dest, refused(value), why): MoE flags HDP cannot make exact or has not wired, refused
 #: when set. Dests missing from a Megatron-LM release are skipped.
@@ -161,9 +162,9 @@ def moe_refusals(args: argparse.Namespace) -> list[str]:
     if others:
         problems.append(
             f"--moe-router-load-balancing-type {' '.join(others)}: HDP computes the aux loss "
-            "per sequence over the global batch ('aux_loss'; 'none' for none); Megatron's "
-            "other types depend on which sequences share a micro-batch, which differs per "
-            "HDP layout"
+            "per sequence over the global batch ('aux_loss', 'seq_aux_loss'; 'none' for "
+            "none); Megatron's other types depend on which sequences share a micro-batch, "
+            "which differs per HDP layout"
         )
     tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
     etp = args.expert_tensor_parallel_size or tp  # Megatron-LM's default: TP

@@ -67,3 +67,64 @@ def test_z_loss_and_expert_bias_counts_cover_the_real_tokens_only():
     assert torch.equal(got_counts, want_counts)
     assert want_grad.abs().sum() > 0
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-7)
+
+
+SEQ, BATCH, SEQ_COEFF = 5, 3, 0.01
+
+
+def _seq_aux_body(rank, world_size):
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_hdp.megatron.cpu_shim import cpu_shims
+    from megatron_hdp.megatron.moe import MoEMicroBatch, SequenceAuxLossRouter, moe_micro_batch
+
+    class StockRouter(TopKRouter):
+        """Megatron's router, its plain-torch gating (as HDP's; Megatron's asks for TE)."""
+
+        gating = SequenceAuxLossRouter.gating
+
+    with cpu_shims():
+        parallel_state.initialize_model_parallel()
+        config = TransformerConfig(
+            num_layers=1,
+            hidden_size=HIDDEN,
+            num_attention_heads=1,
+            num_moe_experts=EXPERTS,
+            moe_router_topk=2,
+            moe_router_score_function="sigmoid",
+            moe_router_load_balancing_type="seq_aux_loss",
+            moe_aux_loss_coeff=SEQ_COEFF,
+            use_cpu_initialization=True,
+        )
+        groups = ProcessGroupCollection.use_mpu_process_groups()
+        torch.manual_seed(0)
+        stock = StockRouter(config=config, pg_collection=groups)
+        hdp = SequenceAuxLossRouter(config=config, pg_collection=groups)
+        hdp.load_state_dict(stock.state_dict())
+        stock.train(), hdp.train()
+        x = torch.randn(SEQ, BATCH, HIDDEN)  # Megatron's [s, b] micro-batch of BATCH sequences
+        probs, _ = stock(x)
+        (probs * 0).sum().backward()  # only the aux loss sends a gradient
+        # HDP: the same tokens as BATCH documents of SEQ tokens, packed in THD order.
+        packed = x.transpose(0, 1).reshape(SEQ * BATCH, 1, HIDDEN)
+        segments = torch.arange(BATCH).repeat_interleave(SEQ)
+        batch = MoEMicroBatch(
+            segment_ids=segments, doc_lengths=[SEQ] * BATCH, global_tokens=SEQ * BATCH
+        )
+        with moe_micro_batch(batch):
+            probs, _ = hdp(packed)
+        (probs * 0).sum().backward()
+        return stock.weight.grad, hdp.weight.grad, float(batch.aux_loss)
+
+
+def test_seq_aux_loss_is_megatrons_with_each_document_a_sequence():
+    """Megatron's `seq_aux_loss` of a [s, b] micro-batch (the mean of each sequence's switch
+    loss) has the gradient of HDP's per-document loss over the same b sequences packed as
+    documents (the global batch: T = s x b, so HDP's T_s / T weight is Megatron's 1 / b)."""
+    want, got, aux = run_ranks(_seq_aux_body, 1)[0]
+    assert aux > 0
+    assert want.abs().sum() > 0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-9)

@@ -64,8 +64,8 @@ REFUSED = {
         *["--num-experts", "4", "--moe-token-dispatcher-type", "flex"],
     ],
     "--moe-input-jitter-eps": ["--num-experts", "4", "--moe-input-jitter-eps", "0.01"],
-    "--moe-router-load-balancing-type seq_aux_loss": [
-        *["--num-experts", "4", "--moe-router-load-balancing-type", "seq_aux_loss"],
+    "--moe-router-load-balancing-type global_aux_loss": [
+        *["--num-experts", "4", "--moe-router-load-balancing-type", "global_aux_loss"],
     ],
     "--overlap-moe-expert-parallel-comm": [
         *["--num-experts", "4", "--overlap-moe-expert-parallel-comm"],
