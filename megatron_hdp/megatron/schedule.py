@@ -297,7 +297,9 @@ def hdp_forward_backward(
             )
         real, out = iter(batches), []
         for used in slots:
-            out.append(next(real) if used else padding_batch(rank, runtime.device))
+            out.append(
+                next(real) if used else padding_batch(rank, runtime.device, runtime.mtp_depth)
+            )
             if not used:
                 padding.add(id(out[-1]))
         return out
@@ -470,9 +472,10 @@ def hdp_forward_backward(
                 routers = contextlib.nullcontext()
                 if moe_info is not None:
                     routers = moe_micro_batch(moe_info(batch, megatron_dict))
-                with contextlib.nullcontext() if sync_here else no_sync():
-                    with routers:
-                        output, loss_func = forward_step_func(iter([megatron_dict]), model_chunk)
+                # The backward too: a recomputed MoE layer (--recompute-modules moe) routes
+                # again there, and only then computes its losses (with gradients on).
+                with contextlib.nullcontext() if sync_here else no_sync(), routers:
+                    output, loss_func = forward_step_func(iter([megatron_dict]), model_chunk)
                     loss_sum, tokens, report = loss_func(output)
                     if not forward_only:
                         _scaled(config, loss_sum).backward()

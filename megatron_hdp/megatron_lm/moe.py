@@ -168,6 +168,13 @@ def moe_refusals(args: argparse.Namespace) -> list[str]:
         )
     tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
     etp = args.expert_tensor_parallel_size or tp  # Megatron-LM's default: TP
+    dispatcher = getattr(args, "moe_token_dispatcher_type", None) or "allgather"
+    if tp == 1 and ep > 1 and dispatcher == "allgather":
+        problems.append(
+            f"--moe-token-dispatcher-type allgather with --expert-model-parallel-size {ep} "
+            "across replicas: its all-gather needs equally many tokens on every EP rank, and "
+            "HDP's micro-batches differ per rank; give --moe-token-dispatcher-type alltoall"
+        )
     if ep * etp != tp and not (tp == 1 and etp == 1):
         problems.append(
             f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} must "

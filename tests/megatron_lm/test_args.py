@@ -75,6 +75,10 @@ REFUSED = {
         *["--num-experts", "4", "--expert-model-parallel-size", "2"],
         *["--expert-tensor-parallel-size", "2"],
     ],
+    # Experts across replicas with Megatron's default dispatcher (allgather).
+    "--moe-token-dispatcher-type allgather": [
+        *["--num-experts", "4", "--expert-model-parallel-size", "2"],
+    ],
     "--spec": ["--spec", "my.module", "spec"],
     "--hdp-global-batch-tokens": ["--hdp-global-batch-tokens", "2048", "--global-batch-size", "8"],
     "--seq-length": ["--hdp-capacity", "100"],  # 512 tokens > 2 ranks x 100
