@@ -156,8 +156,10 @@ GPU_ONLY = (
     ),
     (
         "--recompute-modules layernorm / moe_act",
-        lambda a: getattr(a, "recompute_granularity", None) == "selective"
-        and bool({"layernorm", "moe_act"} & set(getattr(a, "recompute_modules", None) or [])),
+        lambda a: (
+            getattr(a, "recompute_granularity", None) == "selective"
+            and bool({"layernorm", "moe_act"} & set(getattr(a, "recompute_modules", None) or []))
+        ),
         "Megatron-Core's CheckpointWithoutOutput, which reads Transformer Engine's FP8 state "
         "(drop layernorm and moe_act from --recompute-modules)",
     ),
