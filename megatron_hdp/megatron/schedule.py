@@ -61,6 +61,7 @@ from megatron_hdp.megatron.step import (
     packed_seq_params,
     read_and_count,
     sequence_parallel_pad,
+    token_keys,
 )
 from megatron_hdp.scheduler.plan import lockstep_problems
 
@@ -332,6 +333,7 @@ def hdp_forward_backward(
         def info(batch, megatron_dict):
             if id(batch) in padding:
                 return padding_moe_info(batch, step.plan.total_tokens(), tracker_scale)
+            forced = getattr(config, "moe_router_force_load_balancing", False)
             return moe_batch_info(
                 batch,
                 megatron_dict["packed_seq_params"],
@@ -339,6 +341,7 @@ def hdp_forward_backward(
                 global_batch_tokens=step.plan.total_tokens(),
                 aux_grad_scale=aux_grad_scale,
                 tracker_scale=tracker_scale,
+                keys=token_keys(batch, cfg, runtime) if forced else None,
             )
 
         return batches, info

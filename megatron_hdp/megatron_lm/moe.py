@@ -79,12 +79,6 @@ _REFUSED = (
         "HDP layout",
     ),
     (
-        "moe_router_force_load_balancing",
-        bool,
-        "--moe-router-force-load-balancing: random routing for benchmarks, drawn per "
-        "micro-batch (differs per HDP layout)",
-    ),
-    (
         "moe_router_force_biased",
         lambda v: v is not None,
         "--moe-router-force-biased: random routing for benchmarks, drawn per micro-batch",

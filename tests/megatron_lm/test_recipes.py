@@ -56,7 +56,7 @@ EXPECTED: dict[str, tuple[str, tuple, str | None]] = {
     "MX": ("trains", BOTH, None),
     "LF'": ("trains", BOTH, None),
     "OSS'": ("issue 47: --window-size", BOTH, None),
-    "DS'": ("refused: --moe-router-force-load-balancing", V019, None),
+    "DS'": ("trains", V019, None),
     "R15": ("trains", BOTH, None),
     "CKA": ("trains", BOTH, None),
     "RC": ("trains", BOTH, None),
@@ -157,28 +157,6 @@ def test_recipe(name, trees, files, offline_hub, tmp_path, monkeypatch):
         return
     one = [*shrink(name, load(name), files, tmp_path / "one", one_rank=True, tag=TAG), "--hdp"]
     _trains_like_one_rank(name, patched, flags, one, monkeypatch)
-
-
-#: Setups refused for one flag that are also run without it, (setup, flag): the rest of the
-#: setup trains with the 1-rank run's losses (DS': forced random routing is drawn per
-#: micro-batch; without it MLA, MTP, MoE with seq_aux_loss across replicas all run).
-WITHOUT = {"DS'": "--moe-router-force-load-balancing"}
-
-
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, id=n.replace("'", "_v019")) for n in WITHOUT if TAG in EXPECTED[n][1]]
-)
-def test_recipe_without_its_refused_flag(name, trees, files, offline_hub, tmp_path, monkeypatch):
-    """The setup less the one flag its row refuses trains with the 1-rank run's losses."""
-    _, patched = trees
-    assert EXPECTED[name][0] == f"refused: {WITHOUT[name]}"
-
-    def without(argv):
-        return [word for word in argv if word != WITHOUT[name]]  # a flag of no value
-
-    flags = without(shrink(name, load(name), files, tmp_path / "multi", one_rank=False, tag=TAG))
-    one = without(shrink(name, load(name), files, tmp_path / "one", one_rank=True, tag=TAG))
-    _trains_like_one_rank(name, patched, [*flags, "--hdp"], [*one, "--hdp"], monkeypatch)
 
 
 def _trains_like_one_rank(name, patched, flags, one, monkeypatch):
