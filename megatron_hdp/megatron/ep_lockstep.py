@@ -16,7 +16,9 @@ would deadlock). So, when the EP group spans pool ranks:
 - a padding slot runs `padding_batch`: one token with loss mask 0, whose router info
   (`padding_moe_info`) marks it a pad token, so it adds nothing to the loss, the gradients,
   the loss-token count, the load-balancing loss, the z-loss or the expert-bias counts; its
-  tokens still go through the dispatcher's exchanges, as its peers' need.
+  tokens still go through the dispatcher's exchanges, as its peers' need. With
+  multi-token prediction it carries shifted targets of loss mask 0 at every depth (its
+  MTP layers' MoE exchanges run in the same slot as its peers').
 """
 
 from __future__ import annotations
@@ -70,13 +72,18 @@ def lockstep_slots(plan: StepPlan, rank: int, ep_group, device) -> list[bool]:
     return slots + [False] * (int(longest.item()) - len(slots))
 
 
-def padding_batch(rank: int, device) -> LocalBatch:
-    """A local micro-batch of one token (id 0) with loss mask 0, on `device`."""
+def padding_batch(rank: int, device, mtp_depth: int = 0) -> LocalBatch:
+    """A local micro-batch of one token (id 0) with loss mask 0, on `device`.
+
+    `mtp_depth` (`--mtp-num-layers`): its shifted targets too, all past the end of its
+    one-token document (zero, loss mask 0 at every depth), so multi-token prediction runs
+    on it and adds nothing either.
+    """
     zero = torch.zeros(1, dtype=torch.int64)
     source = InMemoryTokens([zero], [zero], [torch.zeros(1, dtype=torch.float32)])
     plan = SimpleNamespace(seqlens=[1])
     mb = MicroBatch(order=-1, ring=(rank,), seq_indices=(0,))
-    return gather_local_batch(plan, mb, rank, source).to(device)
+    return gather_local_batch(plan, mb, rank, source, mtp_depth=mtp_depth).to(device)
 
 
 def padding_moe_info(batch: LocalBatch, global_tokens: int, tracker_scale) -> MoEMicroBatch:

@@ -243,11 +243,6 @@ class GPTConfig:
                 f"{self.pipeline_model_parallel_size}: multi-token prediction runs with one "
                 "pipeline stage only under HDP"
             )
-        if self.experts_across_replicas:
-            raise ValueError(
-                "mtp_num_layers with experts across replicas: the lock-step padding "
-                "micro-batches carry no MTP targets"
-            )
 
     def _check_chunks(self) -> None:
         """Raise ValueError for virtual pipeline stages HDP cannot split evenly."""

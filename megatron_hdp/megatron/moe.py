@@ -27,6 +27,11 @@ counts over the stage (TP x DP x CP, which is the HDP pool x TP) in `finalize_mo
 before it moves the biases; without the sequence-parallel pad tokens those counts are the
 global batch's whatever the layout, so every layout moves the biases alike.
 
+**Forced balancing draws keyed logits** (`--moe-router-force-load-balancing`): Megatron
+replaces the router logits by standard normal values from each rank's RNG stream (a
+benchmark setting); HDP draws each value from the token's keys (seed, iteration, layer,
+document, position, expert; `keyed_normal`), so the routes do not depend on the layout.
+
 **Experts are initialised by their global index**, so a model built with any EP size (and
 any TP size) has the same experts: each expert draws its weights from a generator seeded
 by one number drawn for the layer plus its global index, and the layer consumes that one
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -46,6 +52,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
 
+from megatron_hdp.attention.dropout import PAD_DOC, _mix32_, key_base, mix32
 from megatron_hdp.distributed.ring_comm import RingComm
 from megatron_hdp.host_copy import to_device
 from megatron_hdp.megatron import compat
@@ -68,6 +75,8 @@ class MoEMicroBatch:
         aux_loss: Sum of this rank's aux-loss terms so far (all layers), for logging: a
             float64 device scalar once a layer has added to it (never read here).
         device_doc_lengths: `doc_lengths` on the device (int64); None: made when needed.
+        keys: The tokens' identities (`attention.dropout.MicroBatchKeys`) for
+            `--moe-router-force-load-balancing`'s keyed random logits; None without it.
         tracker_scale: None: the losses are not logged to Megatron's MoE loss tracker;
             else the factor each rank's share is multiplied by there (Megatron-LM's
             `training_log` divides the tracked sums by its micro-batch count: the drop-in
@@ -82,6 +91,23 @@ class MoEMicroBatch:
     aux_loss: torch.Tensor | float = field(default=0.0)
     device_doc_lengths: torch.Tensor | None = None
     tracker_scale: float | None = None
+    keys: object | None = None
+
+
+#: Key site of the forced-balancing random logits (beside keyed dropout's sites).
+FORCED_ROUTING = 3
+
+
+def keyed_normal(base: int, docs: torch.Tensor, positions: torch.Tensor, width: int):
+    """Float64 `[T, width]` standard normal values keyed like dropout masks.
+
+    Each value is a function of (base, document, position, column) only: Box-Muller on two
+    keyed 32-bit hashes.
+    """
+    tokens = _mix32_(mix32(base ^ docs.to(torch.int64)) ^ positions.to(torch.int64))
+    cols = torch.arange(2 * width, dtype=torch.int64, device=tokens.device)
+    u = (_mix32_(tokens.unsqueeze(-1) ^ cols).to(torch.float64) + 0.5) / 2.0**32
+    return torch.sqrt(-2.0 * torch.log(u[:, :width])) * torch.cos(2.0 * torch.pi * u[:, width:])
 
 
 _CURRENT: contextvars.ContextVar[MoEMicroBatch | None] = contextvars.ContextVar(
@@ -141,20 +167,78 @@ class SequenceAuxLossRouter(TopKRouter):
     from the device (no boolean masks: pad tokens add into a row that is then dropped).
     """
 
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        self.keyed_random = bool(getattr(config, "moe_router_force_load_balancing", False))
+        if self.keyed_random:  # Megatron's draw (per rank's RNG stream) replaced in gating
+            self.config = copy.copy(config)
+            self.config.moe_router_force_load_balancing = False
+
     def gating(self, input: torch.Tensor) -> torch.Tensor:
         """The router logits, in the router dtype.
 
         Megatron-Core 0.16.1's `router_gating_linear` reads `te_general_gemm`, a name that
         exists only when Transformer Engine imports; this is its plain-torch branch.
+
+        `--moe-router-force-load-balancing`: Megatron's random logits for benchmarks
+        (`RandomSTE`: standard normal values in the forward, the gradient passed to the
+        logits unchanged), drawn from keys of each token (seed, iteration, layer, document,
+        position: `keyed_normal`) instead of each rank's RNG stream, so every layout routes
+        every token alike. A recomputed layer draws the same values.
         """
         dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(
             self.config.moe_router_dtype, input.dtype
         )
         bias = None if self.bias is None else self.bias.to(dtype)
-        return torch.nn.functional.linear(input.to(dtype), self.weight.to(dtype), bias)
+        logits = torch.nn.functional.linear(input.to(dtype), self.weight.to(dtype), bias)
+        if not self.keyed_random:
+            return logits
+        batch = _current("forced-balancing logits")
+        rows = logits.shape[0] * (logits.shape[1] if logits.dim() == 3 else 1)
+        keys = batch.keys
+        if keys is not None:
+            docs = self._local_rows(keys.token_docs, rows)
+            positions = self._local_rows(keys.token_positions, rows)
+            base = key_base(FORCED_ROUTING, keys.seed, keys.iteration, self.layer_number)
+        elif not batch.doc_lengths:  # a lock-step padding slot: pad tokens, counted nowhere
+            docs = torch.full((rows,), PAD_DOC, dtype=torch.int64, device=logits.device)
+            positions = torch.zeros_like(docs)
+            base = key_base(FORCED_ROUTING, self.layer_number)
+        else:
+            raise RuntimeError("--moe-router-force-load-balancing needs the tokens' keys")
+        noise = keyed_normal(base, docs, positions, logits.shape[-1])
+        noise = noise.to(logits.dtype).view(logits.shape)
+        return logits + (noise - logits).detach()
 
     def _apply_aux_loss(self, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
+        """`--moe-router-load-balancing-type aux_loss`: the per-sequence loss (module docstring)."""
         coeff = self.get_aux_loss_coeff("aux_loss")
+        return self._sequence_loss(
+            probs, scores_for_aux_loss, routing_map, coeff, "load_balancing_loss"
+        )
+
+    def _apply_seq_aux_loss(
+        self, probs, scores_for_aux_loss, routing_map, seq_length, bsz, with_padding_mask=False
+    ):
+        """`seq_aux_loss`: Megatron's per-sequence loss, a sequence being a document.
+
+        Megatron takes the switch loss of each sequence of a [s, b] micro-batch and their
+        mean; with `--calculate-per-token-loss` its gradient is weighted by the micro-batch's
+        s x b tokens, so the step adds `sum_s (T_s / T) * loss_s` over the global batch. HDP
+        computes exactly that sum, with each document its own sequence (a packed micro-batch
+        arrives as one row of b = 1, which Megatron would take as one sequence; the packing
+        differs per layout). Logged as Megatron logs it, `seq_load_balancing_loss`.
+        """
+        coeff = self.get_aux_loss_coeff("seq_aux_loss")
+        return self._sequence_loss(
+            probs, scores_for_aux_loss, routing_map, coeff, "seq_load_balancing_loss"
+        )
+
+    def _sequence_loss(self, probs, scores_for_aux_loss, routing_map, coeff, name):
+        """Attach `coeff * E / (k T) * sum_s (1 / T_s) * sum_e P_s,e c_s,e` to `probs`.
+
+        Collective over the TP group with sequence parallelism, P2P over the ring.
+        """
         if coeff == 0:
             return probs
         batch = _current("load-balancing loss")
@@ -180,7 +264,7 @@ class SequenceAuxLossRouter(TopKRouter):
         aux_loss = (prob_sums * weights).sum()
         # Summed on the device in float64, as a host float would be: no read per layer.
         batch.aux_loss = batch.aux_loss + aux_loss.detach().double()
-        self._track(batch, "load_balancing_loss", aux_loss / coeff)
+        self._track(batch, name, aux_loss / coeff)
         return _AttachAuxLoss.apply(probs, aux_loss, batch.aux_grad_scale)
 
     def apply_z_loss(self, logits: torch.Tensor, padding_mask=None) -> torch.Tensor:
@@ -213,17 +297,20 @@ class SequenceAuxLossRouter(TopKRouter):
             self.local_tokens_per_expert += (routing_map & real).sum(dim=0)
 
     def _local_segments(self, batch: MoEMicroBatch, rows: int) -> torch.Tensor:
-        """The document index of each of the `rows` tokens this rank's router sees.
+        """The document index of each of the `rows` tokens this rank's router sees."""
+        return self._local_rows(batch.segment_ids, rows)
+
+    def _local_rows(self, values: torch.Tensor, rows: int) -> torch.Tensor:
+        """The entries of a per-token tensor of the micro-batch for this rank's `rows` tokens.
 
         With sequence parallelism the router sees this TP rank's share of the micro-batch.
         """
-        segments = batch.segment_ids
         if self.config.sequence_parallel:
             tp_rank = dist.get_rank(self.tp_group)
-            segments = segments[tp_rank * rows : (tp_rank + 1) * rows]
-        if segments.numel() != rows:
-            raise RuntimeError(f"the router saw {rows} tokens, the micro-batch has {len(segments)}")
-        return segments
+            values = values[tp_rank * rows : (tp_rank + 1) * rows]
+        if values.numel() != rows:
+            raise RuntimeError(f"the router saw {rows} tokens, the micro-batch has {len(values)}")
+        return values
 
     def _track(self, batch: MoEMicroBatch, name: str, share: torch.Tensor) -> None:
         """Add this rank's share of a loss to Megatron's MoE loss tracker (if logging).

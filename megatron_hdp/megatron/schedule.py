@@ -61,6 +61,7 @@ from megatron_hdp.megatron.step import (
     packed_seq_params,
     read_and_count,
     sequence_parallel_pad,
+    token_keys,
 )
 from megatron_hdp.scheduler.plan import lockstep_problems
 
@@ -297,7 +298,9 @@ def hdp_forward_backward(
             )
         real, out = iter(batches), []
         for used in slots:
-            out.append(next(real) if used else padding_batch(rank, runtime.device))
+            out.append(
+                next(real) if used else padding_batch(rank, runtime.device, runtime.mtp_depth)
+            )
             if not used:
                 padding.add(id(out[-1]))
         return out
@@ -330,6 +333,7 @@ def hdp_forward_backward(
         def info(batch, megatron_dict):
             if id(batch) in padding:
                 return padding_moe_info(batch, step.plan.total_tokens(), tracker_scale)
+            forced = getattr(config, "moe_router_force_load_balancing", False)
             return moe_batch_info(
                 batch,
                 megatron_dict["packed_seq_params"],
@@ -337,6 +341,7 @@ def hdp_forward_backward(
                 global_batch_tokens=step.plan.total_tokens(),
                 aux_grad_scale=aux_grad_scale,
                 tracker_scale=tracker_scale,
+                keys=token_keys(batch, cfg, runtime) if forced else None,
             )
 
         return batches, info
@@ -470,9 +475,10 @@ def hdp_forward_backward(
                 routers = contextlib.nullcontext()
                 if moe_info is not None:
                     routers = moe_micro_batch(moe_info(batch, megatron_dict))
-                with contextlib.nullcontext() if sync_here else no_sync():
-                    with routers:
-                        output, loss_func = forward_step_func(iter([megatron_dict]), model_chunk)
+                # The backward too: a recomputed MoE layer (--recompute-modules moe) routes
+                # again there, and only then computes its losses (with gradients on).
+                with contextlib.nullcontext() if sync_here else no_sync(), routers:
+                    output, loss_func = forward_step_func(iter([megatron_dict]), model_chunk)
                     loss_sum, tokens, report = loss_func(output)
                     if not forward_only:
                         _scaled(config, loss_sum).backward()

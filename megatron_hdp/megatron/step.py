@@ -222,6 +222,15 @@ def dropout_keys(batch: LocalBatch, cfg: GPTConfig, runtime: StepRuntime) -> Mic
     """
     if not (cfg.hidden_dropout or cfg.attention_dropout):
         return None
+    return token_keys(batch, cfg, runtime)
+
+
+def token_keys(batch: LocalBatch, cfg: GPTConfig, runtime: StepRuntime) -> MicroBatchKeys:
+    """What identifies `batch`'s tokens whatever the placement.
+
+    For keyed dropout (`dropout_keys`) and the MoE routers' keyed random logits
+    (`moe.SequenceAuxLossRouter`). No communication.
+    """
     if len(batch.doc_ids) != len(batch.full_doc_lengths):
         raise ValueError("keyed dropout needs the batch's document ids (LocalBatch.doc_ids)")
     pad = sequence_parallel_pad(batch, cfg)
@@ -446,6 +455,7 @@ def moe_batch_info(
     global_batch_tokens: int,
     aux_grad_scale: float = 1.0,
     tracker_scale: float | None = None,
+    keys: MicroBatchKeys | None = None,
 ) -> MoEMicroBatch:
     """What the MoE routers need to compute the per-sequence aux loss of `batch`.
 
@@ -476,6 +486,7 @@ def moe_batch_info(
         ring=ring,
         aux_grad_scale=aux_grad_scale,
         tracker_scale=tracker_scale,
+        keys=keys,
     )
 
 

@@ -161,6 +161,15 @@ GPU_ONLY = (
         "Transformer Engine's tensor-parallel communication overlap (userbuffers)",
     ),
     (
+        "--recompute-modules layernorm / moe_act",
+        lambda a: (
+            getattr(a, "recompute_granularity", None) == "selective"
+            and bool({"layernorm", "moe_act"} & set(getattr(a, "recompute_modules", None) or []))
+        ),
+        "Megatron-Core's CheckpointWithoutOutput, which reads Transformer Engine's FP8 state "
+        "(drop layernorm and moe_act from --recompute-modules)",
+    ),
+    (
         "--use-megatron-fsdp",
         lambda a: bool(getattr(a, "use_megatron_fsdp", False)),
         "Megatron-FSDP (with --data-parallel-sharding-strategy)",

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import argparse
 
-#: Load-balancing types that run: HDP's per-sequence aux loss, or none.
-BALANCING_TYPES = ("aux_loss", "none")
+#: Load-balancing types that run: HDP's per-sequence aux losses (`aux_loss`, and Megatron's
+#: `seq_aux_loss` with each document a sequence), or none.
+BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
 
 #: (dest, refused(value), why): MoE flags HDP cannot make exact or has not wired, refused
 #: when set. Dests missing from a Megatron-LM release are skipped.
@@ -76,12 +77,6 @@ _REFUSED = (
         lambda v: v is not None,
         "--moe-input-jitter-eps: the jitter is drawn per micro-batch shape, which differs per "
         "HDP layout",
-    ),
-    (
-        "moe_router_force_load_balancing",
-        bool,
-        "--moe-router-force-load-balancing: random routing for benchmarks, drawn per "
-        "micro-batch (differs per HDP layout)",
     ),
     (
         "moe_router_force_biased",
@@ -161,12 +156,19 @@ def moe_refusals(args: argparse.Namespace) -> list[str]:
     if others:
         problems.append(
             f"--moe-router-load-balancing-type {' '.join(others)}: HDP computes the aux loss "
-            "per sequence over the global batch ('aux_loss'; 'none' for none); Megatron's "
-            "other types depend on which sequences share a micro-batch, which differs per "
-            "HDP layout"
+            "per sequence over the global batch ('aux_loss', 'seq_aux_loss'; 'none' for "
+            "none); Megatron's other types depend on which sequences share a micro-batch, "
+            "which differs per HDP layout"
         )
     tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
     etp = args.expert_tensor_parallel_size or tp  # Megatron-LM's default: TP
+    dispatcher = getattr(args, "moe_token_dispatcher_type", None) or "allgather"
+    if tp == 1 and ep > 1 and dispatcher == "allgather":
+        problems.append(
+            f"--moe-token-dispatcher-type allgather with --expert-model-parallel-size {ep} "
+            "across replicas: its all-gather needs equally many tokens on every EP rank, and "
+            "HDP's micro-batches differ per rank; give --moe-token-dispatcher-type alltoall"
+        )
     if ep * etp != tp and not (tp == 1 and etp == 1):
         problems.append(
             f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} must "

@@ -47,3 +47,13 @@ def test_padding_batch_counts_nothing():
     info = padding_moe_info(batch, global_tokens=100, tracker_scale=None)
     # A token whose segment id is len(doc_lengths) is a pad token to the router.
     assert info.doc_lengths == () and info.segment_ids.tolist() == [len(info.doc_lengths)]
+
+
+def test_padding_batch_with_mtp_carries_empty_targets_at_every_depth():
+    """With multi-token prediction a padding slot runs the MTP layers too: every depth's
+    shifted loss mask is 0 (the one-token document has no next token)."""
+    batch = padding_batch(0, torch.device("cpu"), mtp_depth=2)
+    assert batch.shifted is not None and batch.shifted.depth == 2
+    assert batch.shifted.loss_tokens() == [0.0, 0.0]
+    assert batch.shifted.loss_mask.shape == (2, 1) and float(batch.shifted.loss_mask.sum()) == 0
+    assert padding_batch(0, torch.device("cpu")).shifted is None

@@ -181,6 +181,14 @@ def _cpu_and_paths(grouped, files, run):
         _set(grouped, flag, values, add=flag == "--transformer-impl")
     for flag in rules.CPU_DROP:
         _drop(grouped, flag)
+    for (flag, value), (new, _) in rules.CPU_SET_VALUES.items():
+        if _get(grouped, flag) == [value]:
+            _set(grouped, flag, [new])
+    for flag, value in rules.CPU_DROP_VALUES:
+        values = _get(grouped, flag)
+        if values is not None and value in values:
+            kept = [v for v in values if v != value]
+            _set(grouped, flag, kept) if kept else _drop(grouped, flag)
     grouped += [g for g in groups(cpu_flags()) if _get(grouped, g[0]) is None]
     kind = tokenizer_kind(flatten(grouped))
     for flag, where in rules.PATHS.items():

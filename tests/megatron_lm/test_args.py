@@ -64,8 +64,8 @@ REFUSED = {
         *["--num-experts", "4", "--moe-token-dispatcher-type", "flex"],
     ],
     "--moe-input-jitter-eps": ["--num-experts", "4", "--moe-input-jitter-eps", "0.01"],
-    "--moe-router-load-balancing-type seq_aux_loss": [
-        *["--num-experts", "4", "--moe-router-load-balancing-type", "seq_aux_loss"],
+    "--moe-router-load-balancing-type global_aux_loss": [
+        *["--num-experts", "4", "--moe-router-load-balancing-type", "global_aux_loss"],
     ],
     "--overlap-moe-expert-parallel-comm": [
         *["--num-experts", "4", "--overlap-moe-expert-parallel-comm"],
@@ -74,6 +74,10 @@ REFUSED = {
     "--expert-model-parallel-size": [
         *["--num-experts", "4", "--expert-model-parallel-size", "2"],
         *["--expert-tensor-parallel-size", "2"],
+    ],
+    # Experts across replicas with Megatron's default dispatcher (allgather).
+    "--moe-token-dispatcher-type allgather": [
+        *["--num-experts", "4", "--expert-model-parallel-size", "2"],
     ],
     "--spec": ["--spec", "my.module", "spec"],
     "--hdp-global-batch-tokens": ["--hdp-global-batch-tokens", "2048", "--global-batch-size", "8"],

@@ -9,9 +9,10 @@ Every change to a recipe's flag list is one row of a table here; nothing else is
 3. LAYOUTS: world size and TP / PP / CP / EP of the multi-rank run (<= 4 ranks), replaced
    only where the recipe passes the flag (the 1-rank reference sets them all to 1 and
    drops ONE_RANK_DROP);
-4. CPU_SET / CPU_DROP / the CPU flag set: what stock Megatron-LM cannot run on a CPU either
-   (Transformer Engine -> local, FP8 off, CUDA profiling and memory logging, NCCL -> gloo)
-   and W&B (a network service);
+4. CPU_SET / CPU_DROP / CPU_DROP_VALUES / the CPU flag set: what stock Megatron-LM cannot
+   run on a CPU either (Transformer Engine -> local, FP8 off, Megatron-FSDP, DeepEP /
+   HybridEP dispatch, CUDA profiling and memory logging, NCCL -> gloo) and W&B (a network
+   service);
 5. PATHS: data, tokenizer, checkpoint and log paths -> the tests' files and folders.
 
 `--mock-data` stays: it is what the recipe uses. A value given as a function of the recipe's
@@ -151,7 +152,17 @@ CPU_DROP = {
     "--fp8-param-gather": "FP8",
     "--apply-layernorm-1p": "TE norms; stock refuses it with --transformer-impl local",
     "--moe-grouped-gemm": "GroupedGEMM kernels (stock validate_args asks the CUDA capability)",
-    "--moe-permute-fusion": "Transformer Engine's fused permute (Megatron-Core imports it)",
+    "--moe-permute-fusion": "TE's fused permutation (stock's TransformerConfig asks for TE)",
+    "--moe-flex-dispatcher-backend": "flex dispatch (DeepEP / HybridEP CUDA kernels)",
+    "--use-megatron-fsdp": "Megatron-FSDP (megatron_fsdp allocates on CUDA, CUDA streams)",
+    "--data-parallel-sharding-strategy": "Megatron-FSDP",
+    "--fsdp-double-buffer": "Megatron-FSDP",
+    "--fsdp-manual-registration": "Megatron-FSDP (NCCL user buffers)",
+    "--megatron-fsdp-grad-comm-dtype": "Megatron-FSDP",
+    "--megatron-fsdp-main-grads-dtype": "Megatron-FSDP",
+    "--use-nccl-ub": "NCCL user buffers (NCCL is CUDA-only)",
+    "--init-model-with-meta-device": "without Megatron-FSDP stock materialises the meta-device "
+    "model on torch.device('cuda')",
     "--profile": "CUDA profiler",
     "--profile-step-start": "CUDA profiler",
     "--profile-step-end": "CUDA profiler",
@@ -167,6 +178,20 @@ CPU_DROP = {
     "--wandb-entity": "W&B",
     "--wandb-exp-name": "W&B",
     "--wandb-save-dir": "W&B",
+}
+#: Values dropped from a flag's values (the flag goes with its last value), and why.
+CPU_DROP_VALUES = {
+    ("--recompute-modules", "layernorm"): "Megatron-Core's CheckpointWithoutOutput asks TE's "
+    "FP8 state (a NameError without TE)",
+    ("--ckpt-format", "fsdp_dtensor"): "Megatron-FSDP's format (stock asserts Megatron-FSDP "
+    "for it); Megatron-LM's default format runs instead",
+}
+#: Values replaced where the recipe gives them: (flag, value) -> (new value, why).
+CPU_SET_VALUES = {
+    ("--moe-token-dispatcher-type", "flex"): (
+        "alltoall",
+        "flex is an all-to-all on DeepEP / HybridEP CUDA kernels; Megatron's own all-to-all",
+    ),
 }
 #: From the project's CPU flag set (harness.MEGATRON_CPU) these are not CPU matters and stay
 #: the recipe's: the micro-batch size, the attention dropout and the vocabulary.
