@@ -804,3 +804,24 @@ def megatron_ffn_hidden_size(args: argparse.Namespace) -> int:
     if args.swiglu:
         return int((4 * args.hidden_size * 2 / 3) / 64) * 64 or 4 * args.hidden_size
     return 4 * args.hidden_size
+
+
+def model_chunks(args: argparse.Namespace) -> int | None:
+    """Model chunks per stage from `--num-layers-per-virtual-pipeline-stage` (None: one).
+
+    As Megatron-LM: layers per stage / layers per chunk, None when that is 1. Raises
+    ValueError naming the values when they do not divide or there is no pipeline.
+    """
+    per_chunk = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    if per_chunk is None:
+        return None
+    pp = args.pipeline_model_parallel_size
+    per_stage = args.num_layers // pp if pp > 0 else 0
+    if per_chunk < 1 or pp < 2 or per_stage % per_chunk:
+        raise ValueError(
+            f"--num-layers-per-virtual-pipeline-stage {per_chunk}: needs "
+            f"--pipeline-model-parallel-size > 1 (got {pp}) and must divide the "
+            f"{per_stage} layers of each stage (--num-layers {args.num_layers})"
+        )
+    chunks = per_stage // per_chunk
+    return chunks if chunks > 1 else None

@@ -19,6 +19,7 @@ from megatron_hdp.data.training_data import DataConfig
 from megatron_hdp.megatron.arguments import (
     counts_samples,
     megatron_ffn_hidden_size,
+    model_chunks,
     padded_vocab_size,
     parse_data_path,
     schedule_steps,
@@ -81,27 +82,6 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
         window_attn_skip_freq=_skip_freq(args.window_attn_skip_freq),
         **mla_fields(args),
     )
-
-
-def model_chunks(args: argparse.Namespace) -> int | None:
-    """Model chunks per stage from `--num-layers-per-virtual-pipeline-stage` (None: one).
-
-    As Megatron-LM: layers per stage / layers per chunk, None when that is 1. Raises
-    ValueError naming the values when they do not divide or there is no pipeline.
-    """
-    per_chunk = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
-    if per_chunk is None:
-        return None
-    pp = args.pipeline_model_parallel_size
-    per_stage = args.num_layers // pp if pp > 0 else 0
-    if per_chunk < 1 or pp < 2 or per_stage % per_chunk:
-        raise ValueError(
-            f"--num-layers-per-virtual-pipeline-stage {per_chunk}: needs "
-            f"--pipeline-model-parallel-size > 1 (got {pp}) and must divide the "
-            f"{per_stage} layers of each stage (--num-layers {args.num_layers})"
-        )
-    chunks = per_stage // per_chunk
-    return chunks if chunks > 1 else None
 
 
 def _skip_freq(value):

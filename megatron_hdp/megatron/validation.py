@@ -348,7 +348,7 @@ def _check_experts(args: argparse.Namespace, world_size: int) -> None:
 
 def _check_pipeline(args: argparse.Namespace) -> None:
     """What pipeline parallelism does not combine with (yet), by flag."""
-    from megatron_hdp.megatron.config import model_chunks
+    from megatron_hdp.megatron.arguments import model_chunks
 
     model_chunks(args)  # --num-layers-per-virtual-pipeline-stage: ValueError by value
     pp = args.pipeline_model_parallel_size

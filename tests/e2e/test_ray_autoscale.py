@@ -58,6 +58,18 @@ def local_ray(tmp_path_factory):
         ray.shutdown()
 
 
+def _wait_dead(actor, timeout_s: float = 60.0) -> None:
+    """Return once `actor` answers no more (killed); AssertionError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.stats.remote(), timeout=5)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"actor {actor} still answers {timeout_s:g} s after its kill")
+
+
 def _spec(folder):
     rng = np.random.default_rng(5)
     with open(folder / "open.jsonl", "w") as out:
@@ -135,8 +147,13 @@ def test_scale_ups_downs_and_a_kill_keep_the_batches_bit_identical(local_ray, tm
             step()
         routing = status()["routing"]
         # 2. the promoted shadow (slot 1 of syn) dies; the new shadow takes its range
-        ray.kill(service.loaders[0][1], no_restart=True)
+        victim = service.loaders[0][1]
+        ray.kill(victim, no_restart=True)
+        _wait_dead(victim)  # a kill takes effect asynchronously (slowly on a loaded machine)
         for _ in range(2):
+            step()
+        while status()["replaced"] < 1:  # the first read that the dead loader owned replaces it
+            assert steps < 100, f"the killed loader was never replaced: {status()}"
             step()
         assert status()["replaced"] == 1 and status()["routing"] > routing
         # 3. idle: the policy scales the synthetic source down; the JSONL source by hand
