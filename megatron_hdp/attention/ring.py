@@ -39,9 +39,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_hdp.attention.finalize import RowFinalize, finalize_grads
-from megatron_hdp.attention.kernels.base import VarlenBlocks, VarlenKernel, accumulation_dtype
+from megatron_hdp.attention.kernels.base import VarlenKernel, accumulation_dtype
 from megatron_hdp.attention.kernels.registry import get_kernel
 from megatron_hdp.attention.kv_message import KVLayout
+from megatron_hdp.attention.pack import PackAttention
 from megatron_hdp.attention.ring_index import StepBlocks, ring_index
 from megatron_hdp.distributed.ring_comm import CommStats, RingComm
 from megatron_hdp.host_copy import to_device
@@ -283,51 +284,6 @@ class _HDPAttention(torch.autograd.Function):
         return dq_THD.to(q_THD.dtype), dk_TGD, dv_TGD, None, None, None, *dparams
 
 
-class _PackAttention(torch.autograd.Function):
-    """A micro-batch whose tokens all sit on this rank: one kernel call each way.
-
-    The documents are whole and in packing order, so the kernel runs on q, k, v as they are,
-    with the documents' offsets; output and gradients stay in the model's dtype (no ring
-    buffers, no log-sum-exp merge; a finalize step, if any, works on the kernel's output).
-    """
-
-    @staticmethod
-    def forward(
-        ctx,
-        q_THD,
-        k_TGD,
-        v_TGD,
-        blocks: VarlenBlocks,
-        kernel: VarlenKernel,
-        scale,
-        finalize=None,
-        *params,
-    ):
-        out_THD, lse_HT = kernel.forward(q_THD, k_TGD, v_TGD, blocks, scale=scale)
-        if finalize is not None:
-            out_THD, lse_HT = finalize.forward(out_THD, lse_HT, *params)
-            out_THD = out_THD.to(q_THD.dtype)
-        ctx.save_for_backward(q_THD, k_TGD, v_TGD, out_THD, lse_HT, *params)
-        ctx.blocks, ctx.kernel, ctx.scale, ctx.finalize = blocks, kernel, scale, finalize
-        return out_THD
-
-    @staticmethod
-    def backward(ctx, dout_THD):
-        q_THD, k_TGD, v_TGD, out_THD, lse_HT, *params = ctx.saved_tensors
-        dq, dk, dv = ctx.kernel.backward(
-            dout_THD.contiguous().to(q_THD.dtype),
-            q_THD,
-            k_TGD,
-            v_TGD,
-            out_THD,
-            lse_HT,
-            ctx.blocks,
-            scale=ctx.scale,
-        )
-        dparams = finalize_grads(ctx, 7, dout_THD, out_THD, lse_HT, params)
-        return dq, dk, dv, None, None, None, None, *dparams
-
-
 def _window_binds(window: int, doc_lengths: Sequence[int]) -> bool:
     """`window.binds`, imported for windowed layers only.
 
@@ -412,7 +368,7 @@ def hdp_attention(
         spec = dropout.bind(spec, q_THD.device)
     if len(spec.active) == 1:
         blocks = spec.step_blocks(q_THD.device)[spec.position].blocks
-        return _PackAttention.apply(
+        return PackAttention.apply(
             q_THD, k_TGD, v_TGD, blocks, spec.backend, scale, finalize, *finalize_params
         )
     return _HDPAttention.apply(q_THD, k_TGD, v_TGD, spec, scale, finalize, *finalize_params)

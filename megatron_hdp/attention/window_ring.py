@@ -27,6 +27,7 @@ import torch
 
 from megatron_hdp.attention.finalize import finalize_grads
 from megatron_hdp.attention.kernels.base import accumulation_dtype
+from megatron_hdp.attention.pack import PackAttention
 from megatron_hdp.attention.window import DevicePlan, on_device, window_plan
 
 _TAG_FWD_KV, _TAG_BWD_KV, _TAG_BWD_DKV = 21, 22, 23
@@ -181,36 +182,6 @@ class _WindowRingAttention(torch.autograd.Function):
         return dq_THD.to(q_THD.dtype), dk_TGD, dv_TGD, None, None, None, None, *dparams
 
 
-class _WindowPackAttention(torch.autograd.Function):
-    """All tokens of the micro-batch on this rank: one banded kernel call each way."""
-
-    @staticmethod
-    def forward(ctx, q_THD, k_TGD, v_TGD, blocks, kernel, scale, finalize, *params):
-        out_THD, lse_HT = kernel.forward(q_THD, k_TGD, v_TGD, blocks, scale=scale)
-        if finalize is not None:
-            out_THD, lse_HT = finalize.forward(out_THD, lse_HT, *params)
-            out_THD = out_THD.to(q_THD.dtype)
-        ctx.save_for_backward(q_THD, k_TGD, v_TGD, out_THD, lse_HT, *params)
-        ctx.blocks, ctx.kernel, ctx.scale, ctx.finalize = blocks, kernel, scale, finalize
-        return out_THD
-
-    @staticmethod
-    def backward(ctx, dout_THD):
-        q_THD, k_TGD, v_TGD, out_THD, lse_HT, *params = ctx.saved_tensors
-        dq, dk, dv = ctx.kernel.backward(
-            dout_THD.contiguous().to(q_THD.dtype),
-            q_THD,
-            k_TGD,
-            v_TGD,
-            out_THD,
-            lse_HT,
-            ctx.blocks,
-            scale=ctx.scale,
-        )
-        dparams = finalize_grads(ctx, 7, dout_THD, out_THD, lse_HT, params)
-        return dq, dk, dv, None, None, None, None, *dparams
-
-
 def window_attention(
     q_THD,
     k_TGD,
@@ -234,7 +205,7 @@ def window_attention(
         spec, plan = dropout.bind_window(spec, plan, q_THD.device)
     if len(spec.active) == 1:
         (blocks,) = plan.steps.values()
-        return _WindowPackAttention.apply(
+        return PackAttention.apply(
             q_THD, k_TGD, v_TGD, blocks.blocks, spec.backend, scale, finalize, *finalize_params
         )
     return _WindowRingAttention.apply(

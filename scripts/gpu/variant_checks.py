@@ -63,19 +63,21 @@ def cases(mode: Mode) -> dict[str, dict]:
 
 def _attend(ctx, spec, q, k, v, scale, window, finalize, params):
     """One member's forward as `ring.hdp_attention` dispatches it; returns its autograd Function."""
+    from megatron_hdp.attention.pack import PackAttention
+
     if window is not None:
         from megatron_hdp.attention import window_ring
 
         plan = window_ring.device_plan(spec, window, q.device)
         if len(spec.active) == 1:
             (step,) = plan.steps.values()
-            fn = window_ring._WindowPackAttention
+            fn = PackAttention
             return fn, fn.forward(ctx, q, k, v, step.blocks, spec.backend, scale, finalize, *params)
         fn = window_ring._WindowRingAttention
         return fn, fn.forward(ctx, q, k, v, spec, plan, scale, finalize, *params)
     if len(spec.active) == 1:
         blocks = spec.step_blocks(q.device)[spec.position].blocks
-        fn = ring._PackAttention
+        fn = PackAttention
         return fn, fn.forward(ctx, q, k, v, blocks, spec.backend, scale, finalize, *params)
     fn = ring._HDPAttention
     return fn, fn.forward(ctx, q, k, v, spec, scale, finalize, *params)
