@@ -212,7 +212,9 @@ def test_a_killed_planner_is_restarted_and_resumes_from_the_ranks_sampler_state(
             if step == 2:
                 recovered_s = time.monotonic() - start
         status = ray.get(planner.status.remote())
-        assert status["restarted"] and status["resumed_from"] == 1, status  # not from batch 0
+        # Resumed after a batch the rank kept (1, or 2 where the kill took effect only after
+        # batch 3 was handed out), not replayed from batch 0.
+        assert status["restarted"] and status["resumed_from"] in (1, 2), status
         assert recovered_s < 120, recovered_s
         ray.kill(planner, no_restart=False)  # no restart left
         with pytest.raises(ray.exceptions.RayActorError):  # ray.kill takes effect soon after
