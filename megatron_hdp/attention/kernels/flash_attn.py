@@ -170,25 +170,7 @@ class FlashAttnKernel:
         """See `base.VarlenKernel.forward` (banded steps: `windowed.banded_forward`)."""
         if blocks.band is not None:
             return banded_forward(self._window_forward, q_THD, k_TGD, v_TGD, blocks, scale=scale)
-        function = _interface()._flash_attn_varlen_forward
-        result = function(
-            q=q_THD,
-            k=k_TGD,
-            v=v_TGD,
-            cu_seqlens_q=blocks.cu_seqlens_q,
-            cu_seqlens_k=blocks.cu_seqlens_k,
-            max_seqlen_q=blocks.max_seqlen_q,
-            max_seqlen_k=blocks.max_seqlen_k,
-            dropout_p=0.0,
-            softmax_scale=scale,
-            causal=blocks.causal,
-            softcap=0.0,
-            alibi_slopes=None,
-            return_softmax=False,
-            block_table=None,
-            **_no_window(parameter_names(function)),
-        )
-        return result[0], forward_lse(result, q_THD)
+        return _forward_call(q_THD, k_TGD, v_TGD, blocks, blocks.max_seqlen_k, blocks.causal, scale)
 
     def backward(self, dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_HT, blocks, *, scale):
         """See `base.VarlenKernel.backward` (deterministic in torch's deterministic mode)."""
@@ -204,78 +186,85 @@ class FlashAttnKernel:
                 blocks,
                 scale=scale,
             )
-        function = _interface()._flash_attn_varlen_backward
         check_lse(lse_HT, q_THD, "the log-sum-exp handed to flash_attn's backward")
-        dq, dk, dv = torch.empty_like(q_THD), torch.empty_like(k_TGD), torch.empty_like(v_TGD)
-        function(
-            dout=dout_THD.contiguous(),
-            q=q_THD,
-            k=k_TGD,
-            v=v_TGD,
-            out=out_THD.contiguous(),
-            softmax_lse=lse_HT.to(torch.float32).contiguous(),
-            dq=dq,
-            dk=dk,
-            dv=dv,
-            cu_seqlens_q=blocks.cu_seqlens_q,
-            cu_seqlens_k=blocks.cu_seqlens_k,
-            max_seqlen_q=blocks.max_seqlen_q,
-            max_seqlen_k=blocks.max_seqlen_k,
-            dropout_p=0.0,
-            softmax_scale=scale,
-            causal=blocks.causal,
-            softcap=0.0,
-            alibi_slopes=None,
-            deterministic=torch.are_deterministic_algorithms_enabled(),
-            **_no_window(parameter_names(function)),
+        return _backward_call(
+            (dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_HT),
+            blocks,
+            blocks.max_seqlen_k,
+            blocks.causal,
+            scale,
         )
-        return dq, dk, dv
 
     def _window_forward(self, q_THD, k_TGD, v_TGD, call: WindowCall, scale):
         """One windowed call of a banded step (`kernels.windowed`)."""
-        function = _interface()._flash_attn_varlen_forward
-        result = function(
-            q=q_THD,
-            k=k_TGD,
-            v=v_TGD,
-            cu_seqlens_q=call.blocks.cu_seqlens_q,
-            cu_seqlens_k=call.blocks.cu_seqlens_k,
-            max_seqlen_q=call.blocks.max_seqlen_q,
-            max_seqlen_k=call.max_seqlen_k,
-            dropout_p=0.0,
-            softmax_scale=scale,
-            causal=False,
-            softcap=0.0,
-            alibi_slopes=None,
-            return_softmax=False,
-            block_table=None,
-            **_window(parameter_names(function), call.left, call.right),
+        window = (call.left, call.right)
+        return _forward_call(
+            q_THD, k_TGD, v_TGD, call.blocks, call.max_seqlen_k, False, scale, window
         )
-        return result[0], forward_lse(result, q_THD)
 
     def _window_backward(self, dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_HT, call, scale):
-        function = _interface()._flash_attn_varlen_backward
-        dq, dk, dv = torch.empty_like(q_THD), torch.empty_like(k_TGD), torch.empty_like(v_TGD)
-        function(
-            dout=dout_THD.contiguous(),
-            q=q_THD,
-            k=k_TGD,
-            v=v_TGD,
-            out=out_THD.contiguous(),
-            softmax_lse=lse_HT.to(torch.float32).contiguous(),
-            dq=dq,
-            dk=dk,
-            dv=dv,
-            cu_seqlens_q=call.blocks.cu_seqlens_q,
-            cu_seqlens_k=call.blocks.cu_seqlens_k,
-            max_seqlen_q=call.blocks.max_seqlen_q,
-            max_seqlen_k=call.max_seqlen_k,
-            dropout_p=0.0,
-            softmax_scale=scale,
-            causal=False,
-            softcap=0.0,
-            alibi_slopes=None,
-            deterministic=torch.are_deterministic_algorithms_enabled(),
-            **_window(parameter_names(function), call.left, call.right),
-        )
-        return dq, dk, dv
+        tensors = (dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_HT)
+        window = (call.left, call.right)
+        return _backward_call(tensors, call.blocks, call.max_seqlen_k, False, scale, window)
+
+
+def _window_keywords_of(function, window) -> dict:
+    """The release's window keywords: `window = (left, right)`, or None for no window."""
+    names = parameter_names(function)
+    return _no_window(names) if window is None else _window(names, *window)
+
+
+def _forward_call(q_THD, k_TGD, v_TGD, blocks, max_seqlen_k, causal, scale, window=None):
+    """`(out, lse)` of one `_flash_attn_varlen_forward` call (window: `(left, right)`)."""
+    function = _interface()._flash_attn_varlen_forward
+    result = function(
+        q=q_THD,
+        k=k_TGD,
+        v=v_TGD,
+        cu_seqlens_q=blocks.cu_seqlens_q,
+        cu_seqlens_k=blocks.cu_seqlens_k,
+        max_seqlen_q=blocks.max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        dropout_p=0.0,
+        softmax_scale=scale,
+        causal=causal,
+        softcap=0.0,
+        alibi_slopes=None,
+        return_softmax=False,
+        block_table=None,
+        **_window_keywords_of(function, window),
+    )
+    return result[0], forward_lse(result, q_THD)
+
+
+def _backward_call(tensors, blocks, max_seqlen_k, causal, scale, window=None):
+    """`(dq, dk, dv)` of one `_flash_attn_varlen_backward` call.
+
+    Deterministic in torch's deterministic mode; `tensors` = `(dout, q, k, v, out, lse)`.
+    """
+    dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_HT = tensors
+    function = _interface()._flash_attn_varlen_backward
+    dq, dk, dv = torch.empty_like(q_THD), torch.empty_like(k_TGD), torch.empty_like(v_TGD)
+    function(
+        dout=dout_THD.contiguous(),
+        q=q_THD,
+        k=k_TGD,
+        v=v_TGD,
+        out=out_THD.contiguous(),
+        softmax_lse=lse_HT.to(torch.float32).contiguous(),
+        dq=dq,
+        dk=dk,
+        dv=dv,
+        cu_seqlens_q=blocks.cu_seqlens_q,
+        cu_seqlens_k=blocks.cu_seqlens_k,
+        max_seqlen_q=blocks.max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        dropout_p=0.0,
+        softmax_scale=scale,
+        causal=causal,
+        softcap=0.0,
+        alibi_slopes=None,
+        deterministic=torch.are_deterministic_algorithms_enabled(),
+        **_window_keywords_of(function, window),
+    )
+    return dq, dk, dv
