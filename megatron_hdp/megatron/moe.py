@@ -40,10 +40,8 @@ number from the global RNG whatever the EP size.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import copy
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +54,10 @@ from megatron_hdp.attention.dropout import PAD_DOC, _mix32_, key_base, mix32
 from megatron_hdp.distributed.ring_comm import RingComm
 from megatron_hdp.host_copy import to_device
 from megatron_hdp.megatron import compat
+from megatron_hdp.megatron.moe_context import (  # noqa: F401 (moe_micro_batch re-exported)
+    current_micro_batch,
+    moe_micro_batch,
+)
 
 _TAG_EXPERT_COUNTS = 21
 
@@ -108,21 +110,6 @@ def keyed_normal(base: int, docs: torch.Tensor, positions: torch.Tensor, width: 
     cols = torch.arange(2 * width, dtype=torch.int64, device=tokens.device)
     u = (_mix32_(tokens.unsqueeze(-1) ^ cols).to(torch.float64) + 0.5) / 2.0**32
     return torch.sqrt(-2.0 * torch.log(u[:, :width])) * torch.cos(2.0 * torch.pi * u[:, width:])
-
-
-_CURRENT: contextvars.ContextVar[MoEMicroBatch | None] = contextvars.ContextVar(
-    "hdp_moe_micro_batch", default=None
-)
-
-
-@contextlib.contextmanager
-def moe_micro_batch(batch: MoEMicroBatch) -> Iterator[MoEMicroBatch]:
-    """Make `batch` the micro-batch the MoE routers see during the block (the forward)."""
-    token = _CURRENT.set(batch)
-    try:
-        yield batch
-    finally:
-        _CURRENT.reset(token)
 
 
 def ring_sum(tensor: torch.Tensor, ring: RingComm | None) -> torch.Tensor:
@@ -193,7 +180,7 @@ class SequenceAuxLossRouter(TopKRouter):
         logits = torch.nn.functional.linear(input.to(dtype), self.weight.to(dtype), bias)
         if not self.keyed_random:
             return logits
-        batch = _current("forced-balancing logits")
+        batch = current_micro_batch("forced-balancing logits")
         rows = logits.shape[0] * (logits.shape[1] if logits.dim() == 3 else 1)
         keys = batch.keys
         if keys is not None:
@@ -241,7 +228,7 @@ class SequenceAuxLossRouter(TopKRouter):
         """
         if coeff == 0:
             return probs
-        batch = _current("load-balancing loss")
+        batch = current_micro_batch("load-balancing loss")
         segments = self._local_segments(batch, scores_for_aux_loss.shape[0])
         num_docs = len(batch.doc_lengths)
         device = scores_for_aux_loss.device
@@ -277,7 +264,7 @@ class SequenceAuxLossRouter(TopKRouter):
         coeff = self.config.moe_z_loss_coeff
         if coeff is None or not (self.training and torch.is_grad_enabled()):
             return logits
-        batch = _current("z-loss")
+        batch = current_micro_batch("z-loss")
         segments = self._local_segments(batch, logits.shape[0])
         real = (segments < len(batch.doc_lengths)).to(logits.dtype)
         squares = torch.square(torch.logsumexp(logits, dim=-1))
@@ -290,7 +277,7 @@ class SequenceAuxLossRouter(TopKRouter):
         """Megatron's expert-bias token counts, without the pad tokens (module docstring)."""
         if not (self.enable_expert_bias and torch.is_grad_enabled()):
             return
-        batch = _current("expert-bias token counts")
+        batch = current_micro_batch("expert-bias token counts")
         segments = self._local_segments(batch, routing_map.shape[0])
         with torch.no_grad():
             real = (segments < len(batch.doc_lengths))[:, None]
@@ -330,17 +317,6 @@ class SequenceAuxLossRouter(TopKRouter):
             reduce_group=self.tp_dp_cp_group,
             reduce_group_has_dp=True,
         )
-
-
-def _current(what: str) -> MoEMicroBatch:
-    """The micro-batch the MoE routers run (`moe_micro_batch`); RuntimeError outside one."""
-    batch = _CURRENT.get()
-    if batch is None:
-        raise RuntimeError(
-            f"an MoE layer computed its {what} outside an HDP micro-batch (wrap the forward "
-            "in moe_micro_batch)"
-        )
-    return batch
 
 
 class GlobalIndexSequentialMLP(SequentialMLP):

@@ -50,7 +50,7 @@ from megatron_hdp.data.iterator import HDPDataIterator, HDPGlobalBatch
 from megatron_hdp.megatron.ep_lockstep import lockstep_slots, padding_batch, padding_moe_info
 from megatron_hdp.megatron.grad_sync import OrderedGradSync, sync_in_backward
 from megatron_hdp.megatron.model import GPTConfig
-from megatron_hdp.megatron.moe import moe_micro_batch
+from megatron_hdp.megatron.moe_context import carry_into_backward, moe_micro_batch
 from megatron_hdp.megatron.mtp import set_backward_scale
 from megatron_hdp.megatron.pipeline import interleaved_padding
 from megatron_hdp.megatron.step import (
@@ -385,8 +385,12 @@ def hdp_forward_backward(
 
             @functools.wraps(user_forward_step)
             def forward_step_func(data_iterator, model, *args, **kwargs):
-                with moe_micro_batch(next(per_chunk[id(model)])):
-                    return user_forward_step(data_iterator, model, *args, **kwargs)
+                # Megatron runs this micro-batch's backward later, on its own: the output
+                # carries the router info there for layers it recomputes.
+                info = next(per_chunk[id(model)])
+                with moe_micro_batch(info):
+                    output, *rest = user_forward_step(data_iterator, model, *args, **kwargs)
+                return (carry_into_backward(output, info), *rest)
 
         schedule = get_forward_backward_func(
             pp_size=cfg.pipeline_model_parallel_size,
@@ -472,13 +476,15 @@ def hdp_forward_backward(
         with torch.no_grad() if forward_only else contextlib.nullcontext():
             for batch, sync_here in zip(batches, starts_sync, strict=True):
                 megatron_dict = megatron_batch(batch, cfg, runtime)
-                routers = contextlib.nullcontext()
-                if moe_info is not None:
-                    routers = moe_micro_batch(moe_info(batch, megatron_dict))
-                # The backward too: a recomputed MoE layer (--recompute-modules moe) routes
-                # again there, and only then computes its losses (with gradients on).
+                info = None if moe_info is None else moe_info(batch, megatron_dict)
+                routers = contextlib.nullcontext() if info is None else moe_micro_batch(info)
                 with contextlib.nullcontext() if sync_here else no_sync(), routers:
                     output, loss_func = forward_step_func(iter([megatron_dict]), model_chunk)
+                    # A recomputed MoE layer (--recompute-modules moe) routes again in the
+                    # backward, which on CUDA runs on autograd's own thread: the output
+                    # carries the router info there.
+                    if info is not None:
+                        output = carry_into_backward(output, info)
                     loss_sum, tokens, report = loss_func(output)
                     if not forward_only:
                         _scaled(config, loss_sum).backward()

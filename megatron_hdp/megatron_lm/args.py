@@ -121,6 +121,12 @@ _REFUSED_MEGATRON = (
     ),
     ("use_rope_scaling", bool, "--use-rope-scaling: HDP applies plain RoPE"),
     (
+        "cache_mla_latents",
+        bool,
+        "--cache-mla-latents: it caches MLA's latents for flash-decode inference, and "
+        "Megatron-Core's MultiLatentAttention refuses it in training at the first forward",
+    ),
+    (
         "rotary_seq_len_interpolation_factor",
         lambda v: v is not None,
         "--rotary-seq-len-interpolation-factor: HDP applies RoPE at the original positions",

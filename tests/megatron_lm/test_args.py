@@ -80,6 +80,7 @@ REFUSED = {
         *["--num-experts", "4", "--expert-model-parallel-size", "2"],
     ],
     "--spec": ["--spec", "my.module", "spec"],
+    "--cache-mla-latents": ["--cache-mla-latents"],  # Megatron-Core refuses it in training
     "--hdp-global-batch-tokens": ["--hdp-global-batch-tokens", "2048", "--global-batch-size", "8"],
     "--seq-length": ["--hdp-capacity", "100"],  # 512 tokens > 2 ranks x 100
     "--hdp-global-batch-tokens 300": ["--hdp-global-batch-tokens", "300"],  # < --seq-length

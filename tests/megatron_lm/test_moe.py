@@ -55,6 +55,15 @@ def _close(got, want, rel=1e-6):
         ),
         # Pipeline stages of one layer each: each stage's router tracks its own layer.
         ([], ["--pipeline-model-parallel-size", "2"]),
+        # The same with the MoE layers recomputed: Megatron's schedule runs each backward
+        # (and so each recomputed router) outside its micro-batch's forward.
+        (
+            [],
+            [
+                *["--pipeline-model-parallel-size", "2", "--recompute-granularity"],
+                *["selective", "--recompute-modules", "moe"],
+            ],
+        ),
         # Experts across the 2 replicas (TP 1): rings and packs, uneven micro-batch counts,
         # in training and in evaluation (padded alike).
         (
@@ -71,7 +80,14 @@ def _close(got, want, rel=1e-6):
             ],
         ),
     ],
-    ids=["pool2-rings", "tp2-ep2-shared-freq", "pp2", "ep2-across-replicas", "ep2-pp2-4ranks"],
+    ids=[
+        "pool2-rings",
+        "tp2-ep2-shared-freq",
+        "pp2",
+        "pp2-recompute-moe",
+        "ep2-across-replicas",
+        "ep2-pp2-4ranks",
+    ],
 )
 def test_moe_two_ranks_equal_one_rank(trees, data, capfd, model, layout):
     """Three steps on 2 ranks log the losses and gradient norms of 1 rank.
