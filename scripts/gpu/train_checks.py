@@ -22,6 +22,8 @@ failed), so `verify.py` itself keeps needing torch alone.
   hide them), within `TOLERANCE` (float32 on CPU: tight; bf16 on GPU: bf16's).
 - Throughput: both models on the same sequences, one per micro-batch, at lengths where
   Megatron's `[b, heads, s, s]` scores fit.
+- An MoE router recomputed in the backward (`moe_checks`: on CUDA that backward runs on
+  autograd's device thread) gives the gradients of no recompute.
 
 The CPU mode runs a tiny model (2 layers, hidden 64) for two timed steps: tokens/s only,
 no MFU (no peak figure for a CPU).
@@ -41,6 +43,7 @@ from unittest import mock
 
 import torch
 from common import Mode, synchronize
+from moe_checks import recompute_check
 
 DOCS = "docs/gpu.md, 'Running verify.py on a GPU machine without network'"
 
@@ -645,6 +648,11 @@ def run(mode: Mode, say, kernel_name: str) -> dict:
         _free(device)
         megatron = _megatron_run(sz, device, weights, peak, say)
         _free(device)
+        try:  # small; its failure must not lose the figures above
+            moe_recompute = recompute_check(device, say)
+        except Exception as err:  # noqa: BLE001 - recorded as a failed check
+            say(f"train    MoE recompute check crashed: {err!r}: FAILED")
+            moe_recompute = {"ok": False, "error": repr(err)}
     check = attention_check(sz, hdp, megatron)
     comparison = []
     for length in sz.compare_lengths:
@@ -665,7 +673,7 @@ def run(mode: Mode, say, kernel_name: str) -> dict:
     say(_check_line(check))
     cfg = sz.cfg
     return {
-        "ok": check["ok"],
+        "ok": check["ok"] and moe_recompute["ok"],
         "kernel": kernel_name,
         "dtype": cfg.params_dtype,
         "model": {
@@ -689,6 +697,7 @@ def run(mode: Mode, say, kernel_name: str) -> dict:
         "hdp_packed": hdp["packed"],
         "attention_comparison": comparison,
         "attention_check": check,
+        "moe_recompute_check": moe_recompute,
         "goals": {"hdp_over_megatron": 1.0},
     }
 

@@ -22,7 +22,8 @@ on `sys.path`; the C++ planner, hypothesis and Ray are never used):
   train    torch, numpy and megatron-core (without them: reported as skipped). HDP
            attention in Megatron's GPT against Megatron's own attention on the same
            weights over 20 steps on one batch (the check), and a ~1B bf16 GPT trained by
-           HDP at 16K-64K tokens per micro-batch (tokens/s, MFU)
+           HDP at 16K-64K tokens per micro-batch (tokens/s, MFU); an MoE router
+           recomputed in the backward on autograd's device thread (`moe_checks.py`)
 
 How a run goes:
 - Each section runs in a process of its own (`isolation.py`) with a time limit (three
