@@ -50,7 +50,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
-    """A local Ray head started as users start one; stopped (and its processes) after."""
+    """A local Ray head started as users start one; stopped (it and its processes) after."""
     port = _free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     temp = tmp_path_factory.mktemp("ray")
@@ -65,9 +65,32 @@ def ray_cluster(tmp_path_factory):
     try:
         yield f"127.0.0.1:{port}"
     finally:
-        subprocess.run(
-            [str(VENV_BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120
-        )
+        _stop_cluster(temp, port)
+
+
+def _stop_cluster(temp: Path, port: int) -> None:
+    """Stop this test's Ray head and its processes only (`ray stop` would stop every Ray
+    cluster of this user on the machine): those whose command line names its temp folder
+    or its port, and their descendants (the raylet's agents and workers)."""
+    import psutil
+
+    roots = []
+    for proc in psutil.process_iter(["cmdline"]):
+        line = " ".join(proc.info["cmdline"] or [])
+        if str(temp) in line or f"127.0.0.1:{port}" in line or f":{port} " in f"{line} ":
+            roots.append(proc)
+    procs = {proc.pid: proc for proc in roots}
+    for proc in roots:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs.update({child.pid: child for child in proc.children(recursive=True)})
+    procs.pop(os.getpid(), None)
+    for proc in procs.values():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=15)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
 
 
 @pytest.fixture(scope="module")
