@@ -195,8 +195,9 @@ def main(argv=None) -> int:
                     layout.destroy()
         finally:
             dist.destroy_process_group()
-    profile = fit_profile(args.lengths, seconds, model_shape(cfg), PROFILES[args.base], args.name)
-    model = CostModel(model_shape(cfg), profile)
+    shape = model_shape(cfg, backend)
+    profile = fit_profile(args.lengths, seconds, shape, PROFILES[args.base], args.name)
+    model = CostModel(shape, profile)
     report = {
         "profile": json.loads(profile.to_json()),
         "model": dataclasses.asdict(cfg),

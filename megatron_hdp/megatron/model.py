@@ -361,8 +361,14 @@ def model_parallel_dims(cfg: GPTConfig, world_size: int) -> ParallelDims:
     )
 
 
-def model_shape(cfg: GPTConfig) -> ModelShape:
-    """The cost model's view of a model configuration."""
+def model_shape(cfg: GPTConfig, kernel: str | None = None) -> ModelShape:
+    """The cost model's view of a model configuration run by attention `kernel`.
+
+    `kernel` is the job's resolved attention kernel name (`--hdp-attention-backend` after
+    start-up): MLA's v is priced padded where that kernel pads it (`kernels.head_dims`).
+    """
+    from megatron_hdp.attention.kernels.head_dims import PAD_SUFFIX
+
     return ModelShape(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -385,6 +391,8 @@ def model_shape(cfg: GPTConfig) -> ModelShape:
         qk_head_dim=cfg.qk_head_dim,
         qk_pos_emb_head_dim=cfg.qk_pos_emb_head_dim,
         v_head_dim=cfg.v_head_dim,
+        padded_v=bool(cfg.multi_latent_attention and kernel and kernel.endswith(PAD_SUFFIX)),
+        mtp_num_layers=cfg.mtp_num_layers or 0,
     )
 
 

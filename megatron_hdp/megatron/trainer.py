@@ -134,7 +134,7 @@ class Trainer:
         # The planner prices HDP ranks: a replica of TP devices (DeviceProfile.replica); with
         # PP, a pipeline whose 1F1B timeline the PP-Balance planner builds from these costs.
         profile = profile.replica(args.tensor_model_parallel_size)
-        self.cost_model = CostModel(model_shape(cfg), profile)
+        self.cost_model = CostModel(model_shape(cfg, args.hdp_attention_backend), profile)
         if args.hdp_offload:
             # The profile is the replica's; each of its TP processes offloads its own shard.
             runtime.offload = offload_manager(

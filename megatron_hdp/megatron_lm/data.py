@@ -157,7 +157,7 @@ def _datasets(train_valid_test_num_samples):
             pool_size=pool,
             capacity=capacity(args),
             policy=args.hdp_placement,
-            cost_model=CostModel(model_shape(cfg), profile),
+            cost_model=CostModel(model_shape(cfg, args.hdp_attention_backend), profile),
             vocab_size=data.vocab_size,
             pipeline_stages=args.pipeline_model_parallel_size,
             virtual_stages=getattr(args, "virtual_pipeline_model_parallel_size", None) or 1,

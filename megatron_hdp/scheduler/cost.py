@@ -11,7 +11,11 @@ all layers of one model replica (an HDP rank):
 - `attention(s) = L * 3.5 * s^2 * H * (d_qk + d_v) / F_attn`: causal attention scores
   (`2 s^2 H d_qk`) and values (`2 s^2 H d_v`), forward FLOPs halved by the causal mask,
   backward 2.5x forward. `d_qk = d_v` = the head dim, except with multi-latent attention
-  (q/k `qk_head_dim + qk_pos_emb_head_dim`, v `v_head_dim`).
+  (q/k `qk_head_dim + qk_pos_emb_head_dim`, v `v_head_dim`); where the job's kernel runs v
+  zero-padded to the q/k dim (`ModelShape.padded_v`, `kernels.head_dims`) `d_v = d_qk`.
+- multi-token prediction (`ModelShape.mtp_num_layers`): each depth adds a layer priced as a
+  full-attention layer (compute and ring) plus its input projection (`2h x h`)
+  and the output layer (`h x V`) to the GEMMs.
 - sliding-window layers (`ModelShape.window`, `windowed_layers`) compute only the pairs
   within their window and their rings carry only the rows later windows reach
   (`scheduler.windows`).
@@ -77,6 +81,12 @@ class ModelShape:
     """MLA: decoupled RoPE channels per head."""
     v_head_dim: int = 128
     """MLA: value channels per head."""
+    padded_v: bool = False
+    """The job's attention kernel runs v zero-padded to the q/k head dim (every kernel but
+    the CPU `math` one and FlashAttention-4 on Blackwell, `kernels.head_dims`): attention is
+    priced at the padded dims. The ring ships K and V unpadded."""
+    mtp_num_layers: int = 0
+    """Multi-token prediction depths (--mtp-num-layers), each one more transformer layer."""
 
     @property
     def head_dim(self) -> int:
@@ -96,6 +106,17 @@ class ModelShape:
     def v_dim_per_head(self) -> int:
         """Value (and attention output) channels of one head: the head dim; MLA's v."""
         return self.v_head_dim if self.multi_latent_attention else self.head_dim
+
+    @property
+    def attention_dims(self) -> int:
+        """`d_qk + d_v` as the attention kernel computes them (v padded with `padded_v`)."""
+        v = self.qk_dim_per_head if self.padded_v else self.v_dim_per_head
+        return self.qk_dim_per_head + v
+
+    @property
+    def layers(self) -> int:
+        """Transformer layers a token runs through: the decoder's and the MTP depths'."""
+        return self.num_layers + self.mtp_num_layers
 
     @property
     def q_dim(self) -> int:
@@ -139,6 +160,7 @@ class ModelShape:
         """Weights each token multiplies: all transformer layers plus the output layer.
 
         With experts these are the ACTIVE weights: the router (h x E) and top-k experts.
+        Each MTP depth adds a layer, its input projection (2h x h) and the output layer.
         """
         h, ffn = self.hidden_size, self.ffn_hidden_size or 4 * self.hidden_size
         attention = self.attention_params
@@ -148,7 +170,8 @@ class ModelShape:
         else:
             expert_ffn = self.moe_ffn_hidden_size or ffn
             mlp = h * self.num_experts + self.moe_router_topk * per_mlp * h * expert_ffn
-        return self.num_layers * (attention + mlp) + h * self.vocab_size
+        mtp = self.mtp_num_layers * (2 * h * h + h * self.vocab_size)
+        return self.layers * (attention + mlp) + h * self.vocab_size + mtp
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -292,8 +315,8 @@ class CostModel:
         m = self.model
         if self._windowed:
             return self._full_attention_time(s) + self.windowed_attention_time(s)
-        forward = s * s * m.num_attention_heads * (m.qk_dim_per_head + m.v_dim_per_head)
-        return m.num_layers * _ATTENTION_TRAIN_FACTOR * forward / self.device.attention_flops
+        forward = s * s * m.num_attention_heads * m.attention_dims
+        return m.layers * _ATTENTION_TRAIN_FACTOR * forward / self.device.attention_flops
 
     @property
     def _windowed(self) -> bool:
@@ -301,13 +324,13 @@ class CostModel:
 
     def _pairs_time(self, pairs, layers: int):
         m = self.model
-        forward = 2.0 * pairs * m.num_attention_heads * (m.qk_dim_per_head + m.v_dim_per_head)
+        forward = 2.0 * pairs * m.num_attention_heads * m.attention_dims
         out = layers * _ATTENTION_TRAIN_FACTOR * forward / self.device.attention_flops
         return float(out) if np.ndim(out) == 0 else out
 
     def _full_attention_time(self, s):
-        """Attention seconds of the layers without a window."""
-        layers = self.model.num_layers - (self.model.windowed_layers if self._windowed else 0)
+        """Attention seconds of the layers without a window (MTP layers among them)."""
+        layers = self.model.layers - (self.model.windowed_layers if self._windowed else 0)
         return self._pairs_time(attention_pairs(s, None), layers)
 
     def windowed_attention_time(self, s):
@@ -332,14 +355,14 @@ class CostModel:
         k_safe = np.where(ring, k, 2.0)
         kv_bytes = (np.asarray(tokens, dtype=np.float64) / k_safe) * m.kv_message_dim
         transfer = d.p2p_latency + kv_bytes * d.bytes_per_element / d.p2p_bandwidth
-        forward_step = attention / (k_safe * k_safe) / (_ATTENTION_TRAIN_FACTOR * m.num_layers)
+        forward_step = attention / (k_safe * k_safe) / (_ATTENTION_TRAIN_FACTOR * m.layers)
         backward_step = forward_step * _BACKWARD_STEP_FACTOR
         per_layer = (
             (k_safe - 1) * np.maximum(0.0, transfer - forward_step)
             + (k_safe - 1) * np.maximum(0.0, 2.0 * transfer - backward_step)
             + transfer
         )
-        out = np.where(ring, m.num_layers * per_layer, 0.0)
+        out = np.where(ring, m.layers * per_layer, 0.0)
         return float(out) if out.ndim == 0 else out
 
     def _exposed_windowed(self, tokens, attention, k, windowed):
@@ -352,7 +375,7 @@ class CostModel:
         k_safe = np.where(ring, k, 2.0)
         local = tokens / k_safe
         layers_w = m.windowed_layers
-        layers_f = m.num_layers - layers_w
+        layers_f = m.layers - layers_w
 
         def per_layer(rows, layer_attention, layers):
             transfer = d.p2p_latency + 2.0 * rows * m.kv_dim * d.bytes_per_element / d.p2p_bandwidth
@@ -416,7 +439,10 @@ class CostModel:
         return float(forward_fraction(np.sum(self.linear_time(s)), np.sum(self.attention_time(s))))
 
     def activation_bytes_per_token(self) -> float:
-        """Saved activation bytes per token, all layers (about 34 h per layer in 16-bit)."""
+        """Saved activation bytes per token, all decoder layers (MTP layers not counted).
+
+        About 34 h per layer in 16-bit.
+        """
         m = self.model
         return m.num_layers * 34.0 * m.hidden_size * self.device.bytes_per_element / 2.0
 
@@ -441,10 +467,10 @@ class CostModel:
         tokens = s / k
         copy = ratio * self.activation_bytes_per_token() / layers * tokens / d.host_bandwidth
         linear, attention = self.linear_time(s), self.attention_time(s)
-        per_layer = (linear + attention) / (k * layers)
+        per_layer = (linear + attention) / (k * m.layers)  # each layer's share, MTP's too
         forward = forward_fraction(linear, attention) * per_layer
         backward = per_layer - forward
-        exposed = self.exposed_ring_time(s, k) / layers
+        exposed = self.exposed_ring_time(s, k) / m.layers
         exposed_f = forward_fraction(linear, attention) * exposed
         exposed_b = exposed - exposed_f
         ring_f = ring_b = np.zeros_like(tokens)

@@ -132,3 +132,22 @@ def test_a_replica_profile_adds_up_its_devices():
     assert H100_CLUSTER.gpu_profile().replica(1) == H100_CLUSTER.gpu_profile()
     with pytest.raises(ValueError, match="tp and pp must be >= 1"):
         H100_CLUSTER.gpu_profile().replica(0)
+
+
+def test_each_mtp_depth_is_priced_as_one_more_layer_with_its_projection_and_output_layer():
+    """`--mtp-num-layers 2`: two more full-attention layers (GEMMs, attention, ring), two
+    `2h x h` input projections and two more output-layer GEMMs; activations unchanged."""
+    base = ModelShape(num_layers=4, hidden_size=1024, num_attention_heads=8, vocab_size=5000)
+    mtp = dataclasses.replace(base, mtp_num_layers=2)
+    h, per_layer = 1024, base.attention_params + 3 * 1024 * 4096  # SwiGLU, ffn 4h
+    assert base.params_per_token == 4 * per_layer + h * 5000
+    assert mtp.params_per_token == 6 * per_layer + h * 5000 + 2 * (2 * h * h + h * 5000)
+    a, b = CostModel(base, H100), CostModel(mtp, H100)
+    s = 32768.0
+    assert b.attention_time(s) == pytest.approx(a.attention_time(s) * 6 / 4, rel=1e-12)
+    slow = dataclasses.replace(H100, attention_flops=1e30, linear_flops=1e30)  # all exposed
+    ring_a, ring_b = CostModel(base, slow), CostModel(mtp, slow)
+    assert ring_b.exposed_ring_time(s, 4) == pytest.approx(
+        ring_a.exposed_ring_time(s, 4) * 6 / 4, rel=1e-12
+    )
+    assert b.activation_bytes_per_token() == a.activation_bytes_per_token()

@@ -95,3 +95,26 @@ def test_the_advisor_reads_the_mla_flags():
     assert total_params(shape, tied_embeddings=True) == pytest.approx(
         4 * (shape.attention_params + 3 * 1024 * 4096) + 1024 * shape.vocab_size
     )
+
+
+def test_a_kernel_that_pads_v_is_priced_at_the_padded_dims():
+    """Every Hopper kernel runs MLA's v zero-padded to 192 (`kernels.head_dims`): attention
+    computes `s^2 H (192 + 192)` forward; the ring still ships K and V unpadded."""
+    s = 4096.0
+    padded = dataclasses.replace(DSV3, padded_v=True)
+    want = 2 * 3.5 * s * s * 128 * (192 + 192) / H100.attention_flops
+    assert CostModel(padded, H100).attention_time(s) == pytest.approx(want, rel=1e-12)
+    assert padded.kv_message_dim == DSV3.kv_message_dim == 128 * (192 + 128)
+    assert padded.params_per_token == DSV3.params_per_token
+
+
+def test_the_job_prices_v_padded_where_its_resolved_kernel_pads_it():
+    from megatron_hdp.megatron.model import GPTConfig, model_shape
+
+    mla = GPTConfig(
+        multi_latent_attention=True, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16
+    )
+    assert model_shape(mla, "torch_flash+pad_v").padded_v
+    assert not model_shape(mla, "math").padded_v  # the CPU kernel takes 24 / 16 as they are
+    assert not model_shape(mla).padded_v
+    assert not model_shape(GPTConfig(), "torch_flash").padded_v
