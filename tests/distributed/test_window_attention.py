@@ -14,6 +14,7 @@ from megatron_hdp.attention.ring import build_ring_spec, hdp_attention
 from megatron_hdp.distributed.ring_comm import CommStats, order_only_messages
 from megatron_hdp.sharding import shard
 from tests.dist import run_ranks
+from tests.ring_pieces import assert_pieces_match
 
 HEADS, GROUPS, DIM = 4, 2, 8
 
@@ -105,13 +106,10 @@ def _body(rank, world_size, rounds, backend):
             of = reference(qf, kf, vf, window)
             of.backward(ddout)
             docs[d] = (of.detach(), qf.grad, kf.grad, vf.grad)
-        grads = (("out", out, 0), ("dq", q.grad, 1), ("dk", k.grad, 2), ("dv", v.grad, 3))
-        for name, got, i in grads:
-            want = torch.cat([docs[d][i][s : s + n] for d, s, n in pieces])
-            torch.testing.assert_close(
-                got.detach(), want, rtol=1e-10, atol=1e-10,
-                msg=f"{name}: rank {rank}, ring {ring}, lengths {lengths}, window {window}",
-            )  # fmt: skip
+        assert_pieces_match(
+            (("out", out, 0), ("dq", q.grad, 1), ("dk", k.grad, 2), ("dv", v.grad, 3)),
+            docs, pieces, f"rank {rank}, ring {ring}, lengths {lengths}, window {window}",
+        )  # fmt: skip
         results.append(stats.bytes_sent)
     return results
 

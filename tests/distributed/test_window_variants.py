@@ -17,6 +17,7 @@ from megatron_hdp.attention.ring import build_ring_spec, hdp_attention
 from megatron_hdp.attention.sinks import SINK
 from megatron_hdp.sharding import shard
 from tests.dist import run_ranks
+from tests.ring_pieces import assert_pieces_match
 
 HEADS, GROUPS, DIM = 4, 2, 8
 P, SEED, ITERATION, LAYER = 0.25, 99, 3, 2
@@ -99,17 +100,10 @@ def _body(rank, world_size, rounds):
             window=window,
         )
         out.backward(dout)
-        for name, got, i in (
-            ("out", out, 0),
-            ("dq", q.grad, 1),
-            ("dk", k.grad, 2),
-            ("dv", v.grad, 3),
-        ):
-            expected = torch.cat([want[d][i][s : s + n] for d, s, n in pieces])
-            torch.testing.assert_close(
-                got.detach(), expected, rtol=1e-10, atol=1e-10,
-                msg=f"{name}: rank {rank}, ring {ring}, {lengths}, window {window}",
-            )  # fmt: skip
+        assert_pieces_match(
+            (("out", out, 0), ("dq", q.grad, 1), ("dk", k.grad, 2), ("dv", v.grad, 3)),
+            want, pieces, f"rank {rank}, ring {ring}, {lengths}, window {window}",
+        )  # fmt: skip
         results.append((round_id, ring_id, sink.grad if with_sink else None, want_dsink))
     return results
 

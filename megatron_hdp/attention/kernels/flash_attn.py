@@ -214,6 +214,22 @@ def _window_keywords_of(function, window) -> dict:
     return _no_window(names) if window is None else _window(names, *window)
 
 
+def _varlen_keywords(function, blocks, max_seqlen_k, causal, scale, window) -> dict:
+    """The keywords the varlen forward and backward share (no dropout, softcap or ALiBi)."""
+    return {
+        "cu_seqlens_q": blocks.cu_seqlens_q,
+        "cu_seqlens_k": blocks.cu_seqlens_k,
+        "max_seqlen_q": blocks.max_seqlen_q,
+        "max_seqlen_k": max_seqlen_k,
+        "dropout_p": 0.0,
+        "softmax_scale": scale,
+        "causal": causal,
+        "softcap": 0.0,
+        "alibi_slopes": None,
+        **_window_keywords_of(function, window),
+    }
+
+
 def _forward_call(q_THD, k_TGD, v_TGD, blocks, max_seqlen_k, causal, scale, window=None):
     """`(out, lse)` of one `_flash_attn_varlen_forward` call (window: `(left, right)`)."""
     function = _interface()._flash_attn_varlen_forward
@@ -221,18 +237,9 @@ def _forward_call(q_THD, k_TGD, v_TGD, blocks, max_seqlen_k, causal, scale, wind
         q=q_THD,
         k=k_TGD,
         v=v_TGD,
-        cu_seqlens_q=blocks.cu_seqlens_q,
-        cu_seqlens_k=blocks.cu_seqlens_k,
-        max_seqlen_q=blocks.max_seqlen_q,
-        max_seqlen_k=max_seqlen_k,
-        dropout_p=0.0,
-        softmax_scale=scale,
-        causal=causal,
-        softcap=0.0,
-        alibi_slopes=None,
+        **_varlen_keywords(function, blocks, max_seqlen_k, causal, scale, window),
         return_softmax=False,
         block_table=None,
-        **_window_keywords_of(function, window),
     )
     return result[0], forward_lse(result, q_THD)
 
@@ -255,16 +262,7 @@ def _backward_call(tensors, blocks, max_seqlen_k, causal, scale, window=None):
         dq=dq,
         dk=dk,
         dv=dv,
-        cu_seqlens_q=blocks.cu_seqlens_q,
-        cu_seqlens_k=blocks.cu_seqlens_k,
-        max_seqlen_q=blocks.max_seqlen_q,
-        max_seqlen_k=max_seqlen_k,
-        dropout_p=0.0,
-        softmax_scale=scale,
-        causal=causal,
-        softcap=0.0,
-        alibi_slopes=None,
+        **_varlen_keywords(function, blocks, max_seqlen_k, causal, scale, window),
         deterministic=torch.are_deterministic_algorithms_enabled(),
-        **_window_keywords_of(function, window),
     )
     return dq, dk, dv
